@@ -1,0 +1,31 @@
+"""lightserve: an LLM serving system. The five component folders install as subpackages of `lightserve`."""
+from setuptools import setup
+
+COMPONENTS = ["router", "model_infer", "detokenizer", "shm", "kernels"]
+
+setup(
+    name="lightserve",
+    version="0.1.0",
+    description="Multi-process LLM server with token-level KV cache, continuous batching and a radix prefix cache",
+    python_requires=">=3.10",
+    packages=["lightserve"] + [f"lightserve.{c}" for c in COMPONENTS],
+    package_dir={"lightserve": "lightserve", **{f"lightserve.{c}": c for c in COMPONENTS}},
+    install_requires=[
+        "torch>=2.4,<2.15",
+        "triton>=3.0",
+        "pyzmq>=25",
+        "numpy>=1.24",
+        "uvloop>=0.19",
+        "transformers>=4.45",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "safetensors>=0.4",
+        "gguf>=0.10",
+        "prometheus-client>=0.20",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "openai>=1.40", "aiohttp>=3.9", "httpx"],
+    },
+    entry_points={"console_scripts": ["lightserve-launch=lightserve.launch_server:main"]},
+)

@@ -1,0 +1,173 @@
+"""ServerConfig: every setting of one launch, built once from the CLI and handed to every process.
+
+`parse_args` derives the CLI from the dataclass fields, so the dataclass is the single source of
+truth. LightLLM's flag spellings (`--max_total_token_num`) are accepted along with dashed aliases.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import tempfile
+from dataclasses import MISSING, dataclass, field, fields, replace
+from enum import Enum
+from typing import Any, Sequence, get_args, get_origin
+
+SHM_PREFIX = "lightserve-"
+
+
+class Device(str, Enum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class DType(str, Enum):
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class AdmissionPolicy(str, Enum):
+    OPTIMISTIC = "optimistic"      # admit on estimated need; pause if the estimate proves wrong
+    CONSERVATIVE = "conservative"  # reserve the full max_new_tokens; never pause
+
+
+def _new_instance_id() -> str:
+    # The launcher's pid leads the id so a later start can tell stale segments (dead pid) apart.
+    return f"{os.getpid()}-{secrets.token_hex(3)}"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Every setting of one server launch. Built once by parse_args, pickled to each process."""
+
+    model_dir: str | None = field(default=None, metadata={"help": "HF model folder; default: the bundled SmolLM2-135M-Instruct"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP front binds"})
+    port: int = field(default=8000, metadata={"help": "HTTP port"})
+    tp: int = field(default=1, metadata={"help": "tensor-parallel ranks (model worker processes)"})
+    nnodes: int = field(default=1, metadata={"help": "machines the tensor-parallel group spans"})
+    node_rank: int = field(default=0, metadata={"help": "this machine's index among --nnodes"})
+    nccl_host: str = field(default="127.0.0.1", metadata={"help": "rendezvous host of the TP group (node 0)"})
+    nccl_port: int = field(default=0, metadata={"help": "rendezvous port of the TP group; 0 = pick a free one (single node only)"})
+    max_total_token_num: int | None = field(default=None, metadata={"help": "KV cache size in tokens; default: sized from free memory"})
+    max_req_total_len: int | None = field(default=None, metadata={"help": "max prompt + output tokens of one request; default: the model's context length"})
+    running_max_req_size: int = field(default=256, metadata={"help": "max requests running at once"})
+    batch_max_tokens: int | None = field(default=None, metadata={"help": "max new tokens computed in one step; default 2048 on CPU, 8192 on GPU"})
+    chunked_prefill_size: int | None = field(default=None, metadata={"help": "max prompt tokens of one request per step; default batch_max_tokens"})
+    req_pool_size: int = field(default=512, metadata={"help": "shared-memory request slots (requests admitted to the engine at once)"})
+    max_queue_size: int = field(default=1024, metadata={"help": "requests waiting for a request slot before 503"})
+    request_timeout_s: float | None = field(default=None, metadata={"help": "abort a request after this many seconds"})
+    disable_prompt_cache: bool = field(default=False, metadata={"help": "turn the radix prefix cache off"})
+    admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
+    data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
+    device: Device = field(default=Device.AUTO, metadata={"help": "auto picks cuda when available"})
+    disable_cudagraph: bool = field(default=False, metadata={"help": "run decode without CUDA graphs"})
+    graph_max_batch_size: int = field(default=256, metadata={"help": "largest decode batch captured in a CUDA graph"})
+    api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every route but /health"})
+    max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "largest accepted HTTP request body"})
+    max_n: int = field(default=16, metadata={"help": "largest n / best_of per request"})
+    served_model_name: str | None = field(default=None, metadata={"help": "model name in the OpenAI API; default: the folder name"})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
+    start_timeout_s: float = field(default=600.0, metadata={"help": "seconds each child may take to report ready"})
+    instance_id: str = field(default_factory=_new_instance_id, metadata={"help": "unique id of this launch (names shm and sockets)"})
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, flag: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"--{flag} {msg}")
+
+        need(self.tp >= 1, "tp", f"must be >= 1, got {self.tp}")
+        need(self.nnodes >= 1, "nnodes", f"must be >= 1, got {self.nnodes}")
+        need(0 <= self.node_rank < self.nnodes, "node_rank", f"must be in [0, nnodes), got {self.node_rank}")
+        need(self.tp % self.nnodes == 0, "tp", f"({self.tp}) must be a multiple of --nnodes ({self.nnodes})")
+        need(1 <= self.port <= 65535, "port", f"must be in 1..65535, got {self.port}")
+        need(self.max_total_token_num is None or self.max_total_token_num > 0, "max_total_token_num", "must be > 0")
+        need(self.max_req_total_len is None or self.max_req_total_len > 1, "max_req_total_len", "must be > 1")
+        need(self.running_max_req_size >= 1, "running_max_req_size", "must be >= 1")
+        need(self.batch_max_tokens is None or self.batch_max_tokens >= 1, "batch_max_tokens", "must be >= 1")
+        need(self.chunked_prefill_size is None or self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
+        need(self.req_pool_size >= 1, "req_pool_size", "must be >= 1")
+        need(self.max_queue_size >= 0, "max_queue_size", "must be >= 0")
+        need(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", f"unknown level {self.log_level!r}")
+
+    # ---- derived names: unique per launch so two servers (or two tests) never collide ----
+    @property
+    def shm_name(self) -> str:
+        return f"{SHM_PREFIX}{self.instance_id}-reqs"
+
+    def ipc_addr(self, name: str) -> str:
+        return f"ipc://{tempfile.gettempdir()}/{SHM_PREFIX}{self.instance_id}-{name}"
+
+    @property
+    def router_addr(self) -> str:  # front and detokenizer PUSH -> router PULL
+        return self.ipc_addr("router")
+
+    @property
+    def detok_addr(self) -> str:  # rank 0 and router PUSH -> detokenizer PULL
+        return self.ipc_addr("detok")
+
+    @property
+    def front_addr(self) -> str:  # detokenizer PUSH -> HTTP front PULL
+        return self.ipc_addr("front")
+
+    @property
+    def step_done_addr(self) -> str:  # rank 0 PUSH -> router PULL
+        return self.ipc_addr("stepdone")
+
+    def plan_addr(self, tp_rank: int) -> str:
+        """Router PUSH -> worker PULL. Ranks on other nodes get the plan over tcp from node 0."""
+        if self.nnodes == 1:
+            return self.ipc_addr(f"plan{tp_rank}")
+        return f"tcp://{self.nccl_host}:{self.nccl_port + 1 + tp_rank}"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    @property
+    def is_master_node(self) -> bool:
+        return self.node_rank == 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
+    parser = argparse.ArgumentParser(prog="lightserve-launch", description="Start a lightserve LLM server.")
+    for f in fields(ServerConfig):
+        if f.name == "instance_id":
+            continue
+        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
+        kind = _base_type(f.type)
+        default = f.default if f.default is not MISSING else None
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            parser.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
+        elif isinstance(kind, type) and issubclass(kind, Enum):
+            parser.add_argument(*names, dest=f.name, type=kind, choices=list(kind), default=default,
+                                help=f"{help_text} (default {default.value})")
+        else:
+            parser.add_argument(*names, dest=f.name, type=kind, default=default, help=f"{help_text} (default {default})")
+    ns = parser.parse_args(argv)
+    try:
+        return ServerConfig(**vars(ns))
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def config_with(config: ServerConfig, **changes: Any) -> ServerConfig:
+    """A copy with resolved values (e.g. the launcher filling in defaults that need the model)."""
+    return replace(config, **changes)
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Device": Device, "DType": DType,
+          "AdmissionPolicy": AdmissionPolicy}
+
+
+def _base_type(annotation: Any) -> type:
+    # Annotations are strings under `from __future__ import annotations`: "int | None" -> int.
+    if isinstance(annotation, str):
+        return _TYPES[annotation.split("|")[0].strip()]
+    if get_origin(annotation) is not None:
+        return next(a for a in get_args(annotation) if a is not type(None))
+    return annotation

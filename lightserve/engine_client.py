@@ -1,0 +1,244 @@
+"""EngineClient: the HTTP front's (and the offline pipeline's) handle on the engine processes.
+
+It takes a request slot in the shared-memory pool, writes the prompt and sampling params there,
+tells the router (AddReq), and yields the detokenizer's text deltas until the request finishes.
+Leaving the iterator early (client disconnect, timeout, cancellation) aborts the request.
+All methods run on one asyncio event loop; nothing here is thread-safe by itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from lightserve.config import ServerConfig
+from lightserve.log import get_logger
+from lightserve.messages import AbortReq, AddReq, DeltaBatch, FinishReason, ReqDelta, decode, encode
+from lightserve.sampling import ParamError, SamplingParams
+from lightserve.shm.req_pool import Owner, ReqPool
+
+logger = get_logger(__name__)
+
+SLOT_RECHECK_S = 0.01  # a waiter re-checks the pool this often: router releases arrive without a message
+
+
+class EngineOverloaded(Exception):
+    """The request pool and its waiting queue are full (HTTP 503 with Retry-After)."""
+
+
+class EngineDead(Exception):
+    """An engine process died; no request can complete (HTTP 503)."""
+
+
+class RequestTimeout(Exception):
+    """The request ran past --request_timeout_s and was aborted."""
+
+
+@dataclass
+class _Pending:
+    req_id: int
+    queue: asyncio.Queue
+    arrival: float
+    first_token_at: float | None = None
+    finished: bool = False
+
+
+@dataclass
+class RequestOutput:
+    """A request's accumulated result, for non-streaming callers."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason = FinishReason.NONE
+    prompt_len: int = 0
+    cached_len: int = 0
+
+
+class EngineClient:
+    def __init__(self, config: ServerConfig, pool: ReqPool, max_req_total_len: int, vocab_size: int):
+        self.config = config
+        self.pool = pool
+        self.max_req_total_len = max_req_total_len
+        self.vocab_size = vocab_size
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}          # shm_index -> request on it
+        self._slot_waiters: deque[asyncio.Future] = deque()
+        self._dead_reason: str | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._to_router = self._ctx.socket(zmq.PUSH)
+        self._to_router.connect(config.router_addr)
+        self._from_detok = self._ctx.socket(zmq.PULL)
+        self._from_detok.bind(config.front_addr)
+        self._recv_task: asyncio.Task | None = None
+        self._reaper_task: asyncio.Task | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the receive loop on the running event loop."""
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    async def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            await asyncio.gather(self._recv_task, return_exceptions=True)
+        self._to_router.close(linger=0)
+        self._from_detok.close(linger=0)
+        self._ctx.term()
+
+    def mark_dead(self, reason: str) -> None:
+        """Called by the launcher's monitor when a process died: fail every request now."""
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        for pending in self._pending.values():
+            pending.queue.put_nowait(EngineDead(reason))
+        while self._slot_waiters:
+            fut = self._slot_waiters.popleft()
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._slot_waiters)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def check_prompt(self, prompt_ids: list[int], params: SamplingParams, field_name: str = "prompt") -> SamplingParams:
+        """Validate a tokenized prompt against the model and cap max_new_tokens by the context.
+
+        Raises ParamError naming `field_name` for an empty or too-long prompt or a bad token id.
+        """
+        if len(prompt_ids) == 0:
+            raise ParamError(field_name, "the prompt is empty")
+        if len(prompt_ids) >= self.max_req_total_len:
+            raise ParamError(field_name, f"the prompt has {len(prompt_ids)} tokens; this server's context "
+                                         f"is {self.max_req_total_len} tokens (prompt + output)")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ParamError(field_name, f"token ids must be in [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        room = self.max_req_total_len - len(prompt_ids)
+        if params.max_new_tokens > room:
+            params.max_new_tokens = room
+            params.min_new_tokens = min(params.min_new_tokens, room)
+        return params
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[ReqDelta]:
+        """Yield deltas until one carries a finish reason. Call check_prompt first."""
+        if self._dead_reason is not None:
+            raise EngineDead(self._dead_reason)
+        arrival = time.monotonic()
+        shm_index = await self._acquire_slot()
+        req_id = next(self._ids)
+        pending = _Pending(req_id, asyncio.Queue(), arrival)
+        self.pool.acquire(shm_index, req_id)
+        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        self.pool.write_request(shm_index, prompt_ids, params, seed)
+        self._pending[shm_index] = pending
+        self._to_router.send(encode(AddReq(shm_index, req_id)), copy=False)
+        deadline = None if self.config.request_timeout_s is None else arrival + self.config.request_timeout_s
+        try:
+            while True:
+                timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                try:
+                    item = await asyncio.wait_for(pending.queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(f"request ran past {self.config.request_timeout_s} s") from None
+                if isinstance(item, Exception):
+                    raise item
+                if pending.first_token_at is None:
+                    pending.first_token_at = time.monotonic()
+                if item.finish != FinishReason.NONE:
+                    pending.finished = True
+                yield item
+                if pending.finished:
+                    return
+        finally:
+            self._pending.pop(shm_index, None)
+            if not pending.finished and self._dead_reason is None:
+                # Client gone, timeout or cancellation: the router frees the KV and tells the detokenizer.
+                self._to_router.send(encode(AbortReq(shm_index, req_id)), copy=False)
+            self.pool.release(Owner.FRONT, shm_index)
+            self._wake_slot_waiter()
+
+    async def generate_full(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+        out = RequestOutput(prompt_len=len(prompt_ids))
+        async for delta in self.generate(prompt_ids, params):
+            out.text += delta.text
+            out.token_ids.extend(delta.token_ids)
+            out.logprobs.extend(delta.logprobs)
+            out.finish = delta.finish
+            out.cached_len = delta.cached_len
+        return out
+
+    # ---- internals ---------------------------------------------------------------------------------
+    async def _acquire_slot(self) -> int:
+        free = self._free_slots()
+        if free and not self._slot_waiters:
+            return free[0]
+        if len(self._slot_waiters) >= self.config.max_queue_size:
+            raise EngineOverloaded(f"{self.pool.num_slots} requests in flight and {len(self._slot_waiters)} queued")
+        fut = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(fut)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), SLOT_RECHECK_S)
+                except asyncio.TimeoutError:
+                    self._wake_slot_waiter()
+        except BaseException:
+            if fut in self._slot_waiters:
+                self._slot_waiters.remove(fut)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._pending.pop(fut.result(), None)  # we were handed a slot we no longer need
+                self._wake_slot_waiter()
+            raise
+
+    def _free_slots(self) -> list[int]:
+        # A slot still in _pending is ours even if every owner released it (between acquire and write).
+        return [i for i in self.pool.free_slots().tolist() if i not in self._pending]
+
+    def _wake_slot_waiter(self) -> None:
+        while self._slot_waiters and self._slot_waiters[0].done():
+            self._slot_waiters.popleft()
+        if not self._slot_waiters:
+            return
+        free = self._free_slots()
+        taken = set()
+        while self._slot_waiters and free:
+            fut = self._slot_waiters.popleft()
+            if fut.done():
+                continue
+            slot = free.pop(0)
+            taken.add(slot)
+            # Reserve it in _pending at once so no other caller takes it before the waiter runs.
+            self._pending[slot] = _Pending(-1, asyncio.Queue(), time.monotonic())
+            fut.set_result(slot)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = decode(await self._from_detok.recv(copy=False))
+            match msg:
+                case DeltaBatch(deltas=deltas):
+                    for delta in deltas:
+                        pending = self._pending.get(delta.shm_index)
+                        # Slot ownership: a delta reaches only the request that owns the slot now.
+                        if pending is not None and pending.req_id == delta.req_id:
+                            pending.queue.put_nowait(delta)
+                    if self._slot_waiters:
+                        self._wake_slot_waiter()
+                case _:
+                    logger.error("front: unexpected message %r", type(msg).__name__)

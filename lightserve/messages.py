@@ -1,0 +1,123 @@
+"""Every zmq message between lightserve processes, as small frozen dataclasses.
+
+Messages carry shared-memory slot indices (`shm_index`) and small control data, never prompt or
+output tokens: those live in the request pool (shm/). `encode`/`decode` are the one wire format
+(pickle protocol 5); receivers dispatch with `match msg:` on the type.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+
+class FinishReason(IntEnum):
+    """Stored as a u8 in the request slot; NONE while the request runs."""
+    NONE = 0
+    STOP = 1     # eos, a stop token id or a stop string
+    LENGTH = 2   # max_new_tokens or the context length
+    ABORT = 3    # client gone, timeout, or server error
+
+    def api_name(self) -> str | None:
+        return None if self is FinishReason.NONE else self.name.lower()
+
+
+# ---- HTTP front -> router ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AddReq:
+    """A request whose slot is fully written; the router may schedule it."""
+    shm_index: int
+    req_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class AbortReq:
+    """Stop a request now (client disconnect, timeout, stop string seen by the detokenizer)."""
+    shm_index: int
+    req_id: int
+    reason: FinishReason = FinishReason.ABORT
+
+
+# ---- router -> every worker rank -------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """One forward step. Identical bytes go to every tensor-parallel rank.
+
+    Requests [0, num_decode) decode one token; the rest extend (prefill, possibly a chunk).
+    """
+    step: int
+    shm_indices: np.ndarray      # [B] int32, request slot (also the worker's req_to_token row)
+    req_ids: np.ndarray          # [B] int64, to detect a reused slot
+    prefix_lens: np.ndarray      # [B] int32, tokens already in KV before this step
+    extend_lens: np.ndarray      # [B] int32, tokens computed this step
+    sample: np.ndarray           # [B] bool, False for a prefill chunk that is not the last
+    input_ids: np.ndarray        # [T] int32, the new tokens back to back
+    kv_locs: np.ndarray          # [T] int32, KV rows the new tokens are written to
+    num_decode: int
+    # Cached-prefix KV rows to copy into req_to_token before the step (prefix-cache hits, resumes):
+    fill_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [F] request slot
+    fill_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))    # [F] token position
+    fill_locs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [F] KV row
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    """Router -> workers: leave the loop and exit cleanly."""
+
+
+# ---- worker rank 0 -> router -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StepDone:
+    """Rank 0 finished `step`: tokens, logprobs and finish status of its requests are in shm."""
+    step: int
+    forward_s: float = 0.0
+
+
+# ---- worker rank 0 / router -> detokenizer ------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class TokensReady:
+    """New output tokens are published in these slots (rank 0, after each step)."""
+    shm_indices: np.ndarray      # [B] int32
+    req_ids: np.ndarray          # [B] int64
+
+
+@dataclass(frozen=True, slots=True)
+class ReqReleased:
+    """Router -> detokenizer: the router ended this request without a finish status in shm
+    (abort); the detokenizer sends the final delta and drops its state."""
+    shm_index: int
+    req_id: int
+    reason: FinishReason
+
+
+# ---- detokenizer -> HTTP front -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ReqDelta:
+    """Text produced for one request since its previous delta."""
+    shm_index: int
+    req_id: int
+    text: str
+    token_ids: list[int]         # the tokens this delta covers (may be empty at finish)
+    token_texts: list[str]       # per-token text pieces, for per-token streaming events
+    logprobs: list[float]
+    num_output: int              # output tokens so far
+    finish: FinishReason = FinishReason.NONE
+    cached_len: int = 0          # prompt tokens served from the prefix cache
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaBatch:
+    deltas: list[ReqDelta]
+
+
+Message = AddReq | AbortReq | BatchPlan | Shutdown | StepDone | TokensReady | ReqReleased | DeltaBatch
+
+
+def encode(msg: Message) -> bytes:
+    return pickle.dumps(msg, protocol=5)
+
+
+def decode(data: bytes) -> Message:
+    return pickle.loads(data)

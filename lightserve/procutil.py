@@ -1,0 +1,70 @@
+"""What every child process does at start: logging, the ready-or-error handshake with the launcher,
+exiting when the launcher dies, and turning SIGTERM/SIGINT into a clean stop.
+
+Each process entry looks like:
+
+    def run_router(config: ServerConfig, ready: Connection) -> None:
+        with child_process("router", config, ready) as stop:
+            ... open sockets, attach shm ...
+            report_ready(ready)
+            while not stop.is_set(): ...
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Iterator
+
+from lightserve.config import ServerConfig
+from lightserve.log import configure_logging, get_logger
+
+logger = get_logger(__name__)
+
+PARENT_POLL_S = 0.5
+
+
+@contextlib.contextmanager
+def child_process(name: str, config: ServerConfig, ready: Connection) -> Iterator[threading.Event]:
+    """Set up a child; yield an Event that is set when the process should stop.
+
+    An exception escaping the body is logged, sent to the launcher (which shows the traceback if
+    the child had not reported ready yet) and ends the process with exit code 1.
+    """
+    configure_logging(name, config.log_level)
+    stop = threading.Event()
+    parent = os.getppid()
+
+    def on_signal(signum, _frame) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    # Ctrl-C reaches the whole process group; the launcher coordinates the stop, so children
+    # ignore SIGINT and wait for the launcher's SIGTERM (or its death).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch_parent() -> None:
+        # Exit on our own if the launcher dies (kill -9 included): its pid stops being our parent.
+        while not stop.wait(PARENT_POLL_S):
+            if os.getppid() != parent:
+                logger.error("launcher (pid %d) is gone; exiting", parent)
+                stop.set()
+                return
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    try:
+        yield stop
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then re-raised
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and stop.is_set():
+            return
+        logger.error("%s failed: %s", name, exc, exc_info=True)
+        with contextlib.suppress(Exception):
+            ready.send(("error", f"{name}: {exc!r}\n{traceback.format_exc()}"))
+        raise
+
+
+def report_ready(ready: Connection, info: dict | None = None) -> None:
+    ready.send(("ready", info or {}))

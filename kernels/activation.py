@@ -1,0 +1,46 @@
+"""SwiGLU activation of the fused gate_up projection: silu(gate) * up. Called by the model's MLP."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def silu_and_mul_ref(x: Tensor) -> Tensor:
+    """x [T, 2I] -> [T, I]; HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) with gate first."""
+    inter = x.shape[-1] // 2
+    return F.silu(x[..., :inter]) * x[..., inter:]
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(x_ptr + token * x_stride + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + token * x_stride + inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    # Round silu to the input dtype before the multiply, as torch's two separate ops do.
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + token * out_stride + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul_triton(x: Tensor) -> Tensor:
+    assert x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1, (x.shape, x.stride())
+    assert x.is_floating_point(), x.dtype
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), 1024)
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x.dtype."""
+    return silu_and_mul_triton(x) if x.is_cuda else silu_and_mul_ref(x)

@@ -1,0 +1,184 @@
+"""Attention of one new query per request over its whole cached sequence (decode step).
+
+Called by the model's attention in a decode step. On GPU it is flash-decoding: stage 1 splits each sequence into
+chunks and writes a partial softmax per chunk, stage 2 merges the chunks. On CPU the reference runs batched SDPA.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightserve.kernels.prefill_attention import dot_precision
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 64
+
+
+def decode_attention_ref(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
+    max_seq_len: int, sm_scale: float,
+) -> Tensor:
+    """Gather every request's K/V padded to max_seq_len, mask the padding, one SDPA call for the whole batch.
+
+    Layout choice, measured on 2 Zen 5 cores, 1 thread, bf16, Hq 9, Hk 3, D 64 (medians of 25, same run):
+      B=64, L=400: SDPA with the group's query heads as query rows (HF's pack_gqa) 38 ms,
+                   SDPA enable_gqa=True 89 ms, explicit [B, Hk, group, D] matmuls + softmax 95-136 ms
+      B=1,  L=512: pack_gqa 0.42 ms, enable_gqa 1.18 ms, matmuls 0.62-1.0 ms
+    The gather uses index_select, 4x faster than advanced indexing (4 ms vs 16 ms for B=64, L=400).
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    locs = req_to_token.index_select(0, req_rows.long())[:, :max_seq_len].long()  # [B, L]
+    valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    # Slots past a request's length may point at rows never written (NaN from torch.empty); aim them at the
+    # request's first token, always written, so masked-out scores never multiply a NaN value.
+    locs = torch.where(valid, locs, locs[:, :1]).view(-1)  # [B * L]
+    k = k_cache.index_select(0, locs).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
+    v = v_cache.index_select(0, locs).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
+    # One query token: the group's query heads act as query rows of their KV head, so no K/V repeat.
+    qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hk, group, D]
+    out = F.scaled_dot_product_attention(
+        qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None], scale=sm_scale
+    )  # [B, Hk, group, D]
+    return out.reshape(batch, num_heads, head_dim)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr,
+    req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
+    qk_scale,
+    q_stride_b, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, r2t_stride,
+    num_heads,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    row = tl.load(req_rows_ptr + req).to(tl.int64)
+    # Chunks are whole BLOCK_N tiles so only the sequence's last tile is partial.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    # All query heads of the GQA group in one tile, so each K/V tile is loaded once for the group.
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + req * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile in the loop has a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # An empty chunk (short sequence) leaves l_i = 0: it writes lse = -inf and zeros, which stage 2 weighs 0.
+    has_keys = l_i > 0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    mid = (req * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] row of mid_o [B, Hq, NUM_SPLITS, D]
+    tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, o_stride_b, o_stride_h, num_heads,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (req * num_heads + head) * NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S], log2 units
+    part = tl.load(mid_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None],
+                   other=0.0)  # [BLOCK_S, HEAD_DIM]
+    weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty for seq_len >= 1, so the max is finite
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + req * o_stride_b + head * o_stride_h + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
+    max_seq_len: int, sm_scale: float, num_splits: int | None = None, block_n: int = 64,
+) -> Tensor:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
+    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
+    assert head_dim >= 16 and triton.next_power_of_2(head_dim) == head_dim, head_dim
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, (req_to_token.dtype, req_to_token.stride())
+    for meta in (req_rows, seq_lens):
+        assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = _default_num_splits(q.device, batch * num_kv_heads, triton.cdiv(max_seq_len, block_n))
+    mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), num_heads,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
+        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+    )
+    return out
+
+
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
+    max_seq_len: int, sm_scale: float,
+) -> Tensor:
+    """q [B, Hq, D] -> [B, Hq, D]; request b attends to its tokens 0 .. seq_lens[b] - 1 (seq_lens >= 1)."""
+    fn = decode_attention_triton if q.is_cuda else decode_attention_ref
+    return fn(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale)
+
+
+def _default_num_splits(device: torch.device, num_programs: int, num_tiles: int) -> int:
+    # Enough programs to cover every SM about twice, but never a split without a whole tile to read.
+    target = triton.cdiv(2 * _num_sms(device), num_programs)
+    return max(1, min(target, num_tiles, _MAX_SPLITS))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # the interpreter in tests: any small number works
+    return torch.cuda.get_device_properties(device).multi_processor_count

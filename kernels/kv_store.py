@@ -1,0 +1,61 @@
+"""Scatter of this step's K and V into the token-level KV cache. Called by the model's attention before it attends.
+
+kv_locs comes from the router's KV allocator: one cache row per new token."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor) -> None:
+    """k_cache[kv_locs[i]] = k[i] and v_cache[kv_locs[i]] = v[i] (index_copy_ reads strided k/v directly)."""
+    locs = kv_locs.long()
+    k_cache.index_copy_(0, locs, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, locs, v.to(v_cache.dtype))
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, locs_ptr,
+    k_stride_t, k_stride_h, v_stride_t, v_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_ELEMS: tl.constexpr,
+):
+    token = tl.program_id(0)
+    loc = tl.load(locs_ptr + token).to(tl.int64)  # int64: row * stride overflows int32 in a large cache
+    offs = tl.arange(0, BLOCK)  # flattened (head, dim) of one token
+    mask = offs < NUM_ELEMS
+    head = offs // HEAD_DIM
+    dim = offs % HEAD_DIM
+    k = tl.load(k_ptr + token * k_stride_t + head * k_stride_h + dim, mask=mask)
+    v = tl.load(v_ptr + token * v_stride_t + head * v_stride_h + dim, mask=mask)
+    tl.store(k_cache_ptr + loc * kc_stride_row + head * kc_stride_h + dim, k, mask=mask)
+    tl.store(v_cache_ptr + loc * vc_stride_row + head * vc_stride_h + dim, v, mask=mask)
+
+
+def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor) -> None:
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and k_cache.shape == v_cache.shape, (k.shape, v.shape, k_cache.shape, v_cache.shape)
+    assert k_cache.shape[1:] == (num_kv_heads, head_dim), (k.shape, k_cache.shape)
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype, (k.dtype, k_cache.dtype)
+    assert k.stride(2) == v.stride(2) == k_cache.stride(2) == v_cache.stride(2) == 1, "head dim must be contiguous"
+    assert kv_locs.shape == (num_tokens,) and kv_locs.dtype in (torch.int32, torch.int64), kv_locs.dtype
+    if num_tokens == 0:
+        return
+    num_elems = num_kv_heads * head_dim
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, kv_locs,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(num_elems), NUM_ELEMS=num_elems,
+        num_warps=4,
+    )
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor) -> None:
+    """k, v [T, Hk, D] (may be strided views) -> k_cache/v_cache [num_kv_rows, Hk, D] at rows kv_locs [T]."""
+    if k.is_cuda:
+        store_kv_triton(k, v, k_cache, v_cache, kv_locs)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, kv_locs)

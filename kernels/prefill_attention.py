@@ -1,0 +1,151 @@
+"""Causal attention for a ragged batch of new tokens over the token-level KV cache (prefill and extend).
+
+Called by the model's attention in a prefill step, after store_kv has written the new tokens' K/V. Each request
+b has prefix_lens[b] cached tokens and extend_lens[b] new ones; its KV rows are req_to_token[req_rows[b], :].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_LOG2E = 1.4426950408889634
+
+
+def prefill_attention_ref(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
+    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
+) -> Tensor:
+    """One SDPA call per request, the same call HF's sdpa attention makes (bit-identical in float32 on CPU).
+
+    A per-request loop is fine here: prefill is compute-bound, so the Python overhead per request is small.
+    """
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    metadata = zip(req_rows.tolist(), q_start_locs.tolist(), prefix_lens.tolist(), extend_lens.tolist())
+    for row, start, prefix_len, extend_len in metadata:
+        if extend_len == 0:
+            continue
+        total = prefix_len + extend_len
+        locs = req_to_token[row, :total].long()
+        k = k_cache.index_select(0, locs).transpose(0, 1)[None]  # [1, Hk, total, D]
+        v = v_cache.index_select(0, locs).transpose(0, 1)[None]  # [1, Hk, total, D]
+        qb = q[start:start + extend_len].transpose(0, 1)[None]  # [1, Hq, extend, D]
+        if prefix_len == 0:
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale, enable_gqa=True)
+        else:
+            # SDPA's is_causal aligns top-left; with a cached prefix, new token i sees keys 0 .. prefix_len + i.
+            query_pos = torch.arange(prefix_len, total, device=q.device)[:, None]  # [extend, 1]
+            mask = torch.arange(total, device=q.device)[None, :] <= query_pos  # [extend, total]
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+        out[start:start + extend_len] = o[0].transpose(0, 1)  # [extend, Hq, D]
+    return out
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    req_to_token_ptr, req_rows_ptr, q_start_ptr, prefix_lens_ptr, extend_lens_ptr,
+    qk_scale,
+    q_stride_t, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, o_stride_t, o_stride_h,
+    r2t_stride,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    start_m = tl.program_id(2) * BLOCK_M
+    extend_len = tl.load(extend_lens_ptr + req)
+    if start_m >= extend_len:
+        return
+    prefix_len = tl.load(prefix_lens_ptr + req)
+    q_start = tl.load(q_start_ptr + req)
+    row = tl.load(req_rows_ptr + req).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < extend_len
+    q_ptrs = q_ptr + (q_start + offs_m)[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # The last query row of this block sees keys up to prefix_len + its index; nothing past that is loaded.
+    kv_end = prefix_len + tl.minimum(extend_len, start_m + BLOCK_M)
+    for start_n in range(0, kv_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
+        k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        visible = (offs_n[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        # Key 0 is visible to every row, so m_new is finite from the first tile on and no NaN can appear.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + (q_start + offs_m)[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def prefill_attention_triton(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
+    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
+    block_m: int | None = None, block_n: int | None = None,
+) -> Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
+    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _DTYPES, (q.dtype, k_cache.dtype)
+    assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
+    assert head_dim >= 16 and triton.next_power_of_2(head_dim) == head_dim, head_dim
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, (req_to_token.dtype, req_to_token.stride())
+    batch = req_rows.shape[0]
+    for meta in (req_rows, q_start_locs, prefix_lens, extend_lens):
+        assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0 or max_extend_len == 0:
+        return out
+    block_m = block_m or (128 if head_dim <= 64 else 64)
+    block_n = block_n or 64
+    grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
+    _prefill_attention_kernel[grid](
+        q, k_cache, v_cache, out, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=dot_precision(q.dtype), num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+    )
+    return out
+
+
+def prefill_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
+    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
+) -> Tensor:
+    """q [Tq, Hq, D] -> out [Tq, Hq, D]: new token i of request b attends to its tokens 0 .. prefix_lens[b] + i."""
+    fn = prefill_attention_triton if q.is_cuda else prefill_attention_ref
+    return fn(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
+              max_extend_len, sm_scale)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input_precision for an attention dtype; shared with decode_attention."""
+    # fp32 must stay exact (it is the accuracy reference); tf32 would round the operands to 10 mantissa bits.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

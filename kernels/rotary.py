@@ -1,0 +1,77 @@
+"""Rotary position embedding (NeoX / HF `rotate_half` layout), applied in place to q and k.
+
+Called by the model's attention after the qkv projection; q and k may be strided views of the fused output."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def rotary_emb_ref(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    """HF apply_rotary_pos_emb, bit for bit, written into q and k.
+
+    HF computes x*cos + rotate_half(x)*sin in x.dtype with cos = cat(c, c), sin = cat(s, s). Per half that is
+    x1*c - x2*s and x2*c + x1*s with the same roundings (negation is exact), so no rotated copy is built.
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions.long())  # [T, D]
+    for x in (q, k):
+        cos = cs[:, None, :half].to(x.dtype)  # [T, 1, D/2]
+        sin = cs[:, None, half:].to(x.dtype)  # [T, 1, D/2]
+        x1, x2 = x[..., :half], x[..., half:]
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]
+        x.copy_(rotated)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr, pos_ptr, cos_sin_ptr,
+    x_stride_t, x_stride_h, cos_sin_stride,
+    num_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head_block = tl.program_id(1)
+    pos = tl.load(pos_ptr + token)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + dims)[None, :]  # [1, HALF]
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + dims)[None, :]  # [1, HALF]
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (heads < num_heads)[:, None]
+    ptr1 = x_ptr + token * x_stride_t + heads[:, None] * x_stride_h + dims[None, :]  # [BLOCK_H, HALF]
+    x1 = tl.load(ptr1, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    # fp32 math, one rounding: slightly more accurate than HF's per-op rounding in bf16 (tests allow for it).
+    tl.store(ptr1, (x1f * cos - x2f * sin).to(x1.dtype), mask=mask)
+    tl.store(ptr1 + HALF, (x2f * cos + x1f * sin).to(x1.dtype), mask=mask)
+
+
+def rotary_emb_triton(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    num_tokens, _, head_dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (q.shape, k.shape)
+    assert q.stride(2) == 1 and k.stride(2) == 1, "the head dim must be contiguous"
+    assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim // 2) == head_dim // 2, head_dim
+    assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64), positions.dtype
+    assert cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32, cos_sin.shape
+    assert cos_sin.stride(1) == 1, cos_sin.stride()
+    if num_tokens == 0:
+        return
+    for x in (q, k):
+        block_h = min(triton.next_power_of_2(x.shape[1]), 16)
+        grid = (num_tokens, triton.cdiv(x.shape[1], block_h))
+        _rotary_kernel[grid](
+            x, positions, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), x.shape[1],
+            HALF=head_dim // 2, BLOCK_H=block_h,
+        )
+
+
+def rotary_emb(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+    """q [T, Hq, D], k [T, Hk, D] rotated in place at positions [T]; cos_sin [max_pos, D] float32 (cos | sin)."""
+    if q.is_cuda:
+        rotary_emb_triton(q, k, positions, cos_sin)
+    else:
+        rotary_emb_ref(q, k, positions, cos_sin)

@@ -1,0 +1,56 @@
+"""Shared builders for the attention tests: a ragged batch laid out in a token-level KV cache, and naive attention."""
+from dataclasses import dataclass
+
+import torch
+
+# (num_q_heads, num_kv_heads): GQA ratios 1, 4 and 8 with few heads, since the interpreter is slow.
+HEAD_LAYOUTS = [(2, 2), (4, 1), (8, 1)]
+# Each GQA ratio meets both head dims and both dtypes across the list, without the full cross product.
+# fp32 and fp16 only: the interpreter's bf16 tl.dot is garbage (bf16 dots are checked on a GPU).
+KERNEL_CASES = [
+    (2, 2, 64, torch.float32), (2, 2, 128, torch.float16), (4, 1, 64, torch.float16),
+    (4, 1, 128, torch.float32), (8, 1, 64, torch.float32), (8, 1, 128, torch.float16),
+]
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@dataclass
+class KVBatch:
+    k_cache: torch.Tensor  # [num_rows, Hk, D]; rows no request owns hold NaN, so any stray read shows up
+    v_cache: torch.Tensor
+    req_to_token: torch.Tensor  # [B + 2, max_len + 3] int32; slots past a request's length point at NaN rows
+    req_rows: torch.Tensor  # [B] int32, shuffled rows of req_to_token
+    seq_lens: list[int]
+
+
+def make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed=0) -> KVBatch:
+    gen = torch.Generator().manual_seed(seed)
+    num_used = sum(seq_lens)
+    num_rows = num_used + 7
+    rows = torch.randperm(num_rows, generator=gen)  # requests' tokens scattered through the cache
+    k_cache = torch.full((num_rows, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_rows, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    used = rows[:num_used]
+    k_cache[used] = torch.randn(num_used, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache[used] = torch.randn(num_used, num_kv_heads, head_dim, generator=gen).to(dtype)
+    batch = len(seq_lens)
+    req_to_token = torch.full((batch + 2, max(seq_lens) + 3), int(rows[-1]), dtype=torch.int32)  # a NaN row
+    req_rows = torch.randperm(batch + 2, generator=gen)[:batch].to(torch.int32)
+    offset = 0
+    for row, n in zip(req_rows.tolist(), seq_lens):
+        req_to_token[row, :n] = used[offset:offset + n].to(torch.int32)
+        offset += n
+    return KVBatch(k_cache, v_cache, req_to_token, req_rows, list(seq_lens))
+
+
+def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[int], sm_scale: float) -> torch.Tensor:
+    """Dense float64 softmax attention of q [n, Hq, D] (at positions) over request req's tokens; causal."""
+    locs = batch.req_to_token[batch.req_rows[req], :batch.seq_lens[req]].long()
+    group = q.shape[1] // batch.k_cache.shape[1]
+    k = batch.k_cache[locs].double().repeat_interleave(group, dim=1)  # [L, Hq, D]; head h uses KV head h // group
+    v = batch.v_cache[locs].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * sm_scale  # [Hq, n, L]
+    visible = torch.arange(len(locs))[None, :] <= torch.tensor(positions)[:, None]  # [n, L]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)  # [n, Hq, D]

@@ -1,0 +1,72 @@
+"""prefill_attention: the reference against naive attention and HF's sdpa path, the Triton kernel against the
+reference, over ragged requests with cached prefixes and GQA."""
+import pytest
+import torch
+from attention_cases import HEAD_LAYOUTS, KERNEL_CASES, TOL, make_kv_batch, naive_attention
+
+from lightserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+
+# (prefix_len, extend_len) per request: no prefix, long prefix, a 1-token extend, lengths off the 16-token tiles.
+REQS = [(0, 21), (19, 6), (5, 1), (33, 17)]
+
+
+def _prefill_case(reqs, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    batch = make_kv_batch([p + e for p, e in reqs], num_kv_heads, head_dim, dtype, seed)
+    extend_lens = [e for _, e in reqs]
+    q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    starts = torch.tensor([0] + extend_lens[:-1]).cumsum(0)
+    meta = dict(
+        req_to_token=batch.req_to_token, req_rows=batch.req_rows, q_start_locs=starts.to(torch.int32),
+        prefix_lens=torch.tensor([p for p, _ in reqs], dtype=torch.int32),
+        extend_lens=torch.tensor(extend_lens, dtype=torch.int32), max_extend_len=max(extend_lens),
+        sm_scale=head_dim ** -0.5,
+    )
+    return batch, q.to(dtype), meta
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_naive_attention(num_heads, num_kv_heads, dtype):
+    batch, q, meta = _prefill_case(REQS, num_heads, num_kv_heads, 64, dtype)
+    out = prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta)
+    start = 0
+    for req, (prefix_len, extend_len) in enumerate(REQS):
+        positions = list(range(prefix_len, prefix_len + extend_len))
+        expect = naive_attention(batch, req, q[start:start + extend_len], positions, meta["sm_scale"])
+        torch.testing.assert_close(out[start:start + extend_len], expect.to(dtype), **TOL[dtype])
+        start += extend_len
+
+
+@pytest.mark.parametrize("prefix_len", [0, 9])
+def test_reference_is_hf_sdpa_bit_for_bit_in_float32(prefix_len):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class _Module:  # what sdpa_attention_forward reads from LlamaAttention
+        num_key_value_groups = 3
+        is_causal = True
+
+    extend_len, total = 12, prefix_len + 12
+    batch, q, meta = _prefill_case([(prefix_len, extend_len)], 6, 2, 64, torch.float32)
+    locs = batch.req_to_token[batch.req_rows[0], :total].long()
+    k = batch.k_cache[locs].transpose(0, 1)[None]  # [1, Hk, total, D]
+    v = batch.v_cache[locs].transpose(0, 1)[None]  # [1, Hk, total, D]
+    # HF passes no mask for a fresh prompt and its bool causal mask (bottom-right) with a cache.
+    mask = None if prefix_len == 0 else torch.ones(extend_len, total, dtype=torch.bool).tril(prefix_len)[None, None]
+    expect, _ = sdpa_attention_forward(_Module(), q.transpose(0, 1)[None], k, v, mask, scaling=meta["sm_scale"])
+    assert torch.equal(prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), expect[0])
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", KERNEL_CASES)
+def test_prefill_triton_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
+    batch, q, meta = _prefill_case(REQS, num_heads, num_kv_heads, head_dim, dtype)
+    out = prefill_attention_triton(q, batch.k_cache, batch.v_cache, **meta, block_m=16, block_n=16)
+    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+def test_prefill_triton_strided_q_and_default_blocks():
+    batch, q, meta = _prefill_case([(0, 40), (70, 3)], 4, 2, 64, torch.float16)
+    qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 2 * 2 * 64, dtype=q.dtype)], dim=1)  # fused output
+    q_view = qkv[:, :4 * 64].view(q.shape)  # [Tq, Hq, D] with row stride (Hq + 2 Hk) * D
+    out = prefill_attention_triton(q_view, batch.k_cache, batch.v_cache, **meta)
+    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta),
+                               **TOL[torch.float16])

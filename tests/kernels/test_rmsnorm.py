@@ -1,0 +1,61 @@
+"""rmsnorm / add_rmsnorm: the Triton kernel against the reference, the reference against HF's LlamaRMSNorm code."""
+import pytest
+import torch
+
+from lightserve.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+EPS = 1e-6
+
+
+def _hf_llama_rmsnorm(hidden_states, weight, eps):
+    # transformers' LlamaRMSNorm.forward, copied line for line (importing modeling_llama costs seconds).
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + eps)
+    return weight * hidden_states.to(input_dtype)
+
+
+@pytest.mark.parametrize("dtype", TOL)
+def test_reference_is_hf_rmsnorm_bit_for_bit(dtype):
+    x, w = torch.randn(5, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    assert torch.equal(rmsnorm_ref(x, w, EPS), _hf_llama_rmsnorm(x, w, EPS))
+    # And against the textbook formula in float64, to within the output rounding.
+    x64 = x.double()
+    expect = (w.double() * x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)
+    torch.testing.assert_close(rmsnorm_ref(x, w, EPS), expect, **TOL[dtype])
+
+
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 100), (3, 576)])  # 100 and 576: masked tail
+@pytest.mark.parametrize("dtype", TOL)
+def test_rmsnorm_triton_matches_reference(num_tokens, hidden, dtype):
+    x, w = torch.randn(num_tokens, hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
+    torch.testing.assert_close(rmsnorm_triton(x, w, EPS), rmsnorm_ref(x, w, EPS), **TOL[dtype])
+
+
+def test_rmsnorm_triton_strided_rows_and_fp32_weight():
+    wide = torch.randn(4, 200, dtype=torch.bfloat16)
+    x = wide[:, :100]  # row stride 200: a slice of a wider activation
+    w = torch.randn(100, dtype=torch.float32)
+    out = rmsnorm_triton(x, w, EPS)
+    assert out.dtype == torch.float32  # weight * y promotes, as in HF
+    torch.testing.assert_close(out, rmsnorm_ref(x, w, EPS), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (6, 100)])
+@pytest.mark.parametrize("dtype", TOL)
+def test_add_rmsnorm_triton_matches_reference(num_tokens, hidden, dtype):
+    x, w = torch.randn(num_tokens, hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
+    residual = torch.randn(num_tokens, hidden, dtype=dtype)
+    res_triton, res_ref = residual.clone(), residual.clone()
+    out_triton = add_rmsnorm_triton(x, res_triton, w, EPS)
+    out_ref = add_rmsnorm_ref(x, res_ref, w, EPS)
+    assert torch.equal(res_ref, residual + x)
+    if dtype == torch.bfloat16:
+        # The interpreter truncates fp32 -> bf16 where GPUs round to nearest: allow one bf16 ulp.
+        torch.testing.assert_close(res_triton, res_ref, atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(res_triton, res_ref)  # one rounded add
+    torch.testing.assert_close(out_triton, out_ref, **TOL[dtype])

@@ -1,0 +1,61 @@
+"""rotary_emb: the reference against HF's apply_rotary_pos_emb written out, the Triton kernel against the reference."""
+import pytest
+import torch
+
+from lightserve.kernels.rotary import rotary_emb_ref, rotary_emb_triton
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
+       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+BASE = 100000.0  # SmolLM2's rope_theta
+
+
+def _cos_sin(head_dim, max_pos):
+    inv_freq = 1.0 / (BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float)[:, None] * inv_freq  # [max_pos, D/2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1), inv_freq  # [max_pos, D]
+
+
+def _hf_rotary(x, positions, inv_freq):
+    # transformers' LlamaRotaryEmbedding.forward + apply_rotary_pos_emb, written out for x [T, H, D].
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    rotate_half = torch.cat((-x2, x1), dim=-1)
+    return (x * cos) + (rotate_half * sin)
+
+
+def _qkv_views(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim):
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    q = qkv[:, :q_width].view(num_tokens, num_q_heads, head_dim)  # strided views, as the model passes them
+    k = qkv[:, q_width:q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
+    return qkv, q, k
+
+
+@pytest.mark.parametrize("dtype", TOL)
+def test_reference_is_hf_rotary_bit_for_bit(dtype):
+    cos_sin, inv_freq = _cos_sin(64, 300)
+    qkv, q, k = _qkv_views(dtype, 6, 3, 1, 64)
+    positions = torch.tensor([0, 1, 7, 64, 200, 299])
+    expect_q, expect_k = _hf_rotary(q, positions, inv_freq), _hf_rotary(k, positions, inv_freq)
+    v_before = qkv[:, 4 * 64:].clone()
+    rotary_emb_ref(q, k, positions, cos_sin)
+    assert torch.equal(q, expect_q) and torch.equal(k, expect_k)
+    assert torch.equal(qkv[:, 4 * 64:], v_before)  # the v slice of the fused output is untouched
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(4, 4, 64), (8, 2, 128), (9, 3, 64), (20, 1, 64)])
+@pytest.mark.parametrize("dtype", TOL)
+def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dtype):
+    cos_sin, _ = _cos_sin(head_dim, 500)
+    qkv, q, k = _qkv_views(dtype, 5, num_q_heads, num_kv_heads, head_dim)
+    positions = torch.randint(0, 500, (5,))
+    qkv_ref = qkv.clone()
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    q_ref = qkv_ref[:, :q_width].view(q.shape)
+    k_ref = qkv_ref[:, q_width:q_width + kv_width].view(k.shape)
+    rotary_emb_triton(q, k, positions, cos_sin)
+    rotary_emb_ref(q_ref, k_ref, positions, cos_sin)
+    # The kernel rounds once from fp32 where HF rounds per op, so bf16/fp16 differ by about one ulp.
+    torch.testing.assert_close(qkv, qkv_ref, **TOL[dtype])

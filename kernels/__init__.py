@@ -4,8 +4,16 @@ Each dispatch function runs Triton when its input is on CUDA and the reference o
 from lightserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from lightserve.kernels.decode_attention import decode_attention, decode_attention_ref
 from lightserve.kernels.kv_store import store_kv, store_kv_ref
-from lightserve.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-from lightserve.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, rmsnorm, rmsnorm_ref
+from lightserve.kernels.prefill_attention import (
+    prefill_attention,
+    prefill_attention_ref,
+)
+from lightserve.kernels.rmsnorm import (
+    add_rmsnorm,
+    add_rmsnorm_ref,
+    rmsnorm,
+    rmsnorm_ref,
+)
 from lightserve.kernels.rotary import rotary_emb, rotary_emb_ref
 
 __all__ = [

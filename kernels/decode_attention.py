@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import Tensor
-
 from lightserve.kernels.prefill_attention import dot_precision
+from torch import Tensor
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -136,7 +135,7 @@ def decode_attention_triton(
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
     assert head_dim >= 16 and triton.next_power_of_2(head_dim) == head_dim, head_dim
-    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, (req_to_token.dtype, req_to_token.stride())
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype
     for meta in (req_rows, seq_lens):
         assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -104,14 +104,14 @@ def prefill_attention_triton(
     prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
     block_m: int | None = None, block_n: int | None = None,
 ) -> Tensor:
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _DTYPES, (q.dtype, k_cache.dtype)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
     assert head_dim >= 16 and triton.next_power_of_2(head_dim) == head_dim, head_dim
-    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, (req_to_token.dtype, req_to_token.stride())
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype
     batch = req_rows.shape[0]
     for meta in (req_rows, q_start_locs, prefix_lens, extend_lens):
         assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)

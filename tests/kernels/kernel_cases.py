@@ -1,18 +1,22 @@
-"""Shared builders for the attention tests: a ragged batch laid out in a token-level KV cache, and naive attention."""
+"""Shared by the kernel tests: device, tolerances, head layouts, a ragged batch in a token-level KV cache, and
+naive attention. On a GPU machine the Triton kernels run for real (and bf16 dots are tested); elsewhere the tests
+run them in the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
 from dataclasses import dataclass
 
 import torch
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 # (num_q_heads, num_kv_heads): GQA ratios 1, 4 and 8 with few heads, since the interpreter is slow.
 HEAD_LAYOUTS = [(2, 2), (4, 1), (8, 1)]
 # Each GQA ratio meets both head dims and both dtypes across the list, without the full cross product.
-# fp32 and fp16 only: the interpreter's bf16 tl.dot is garbage (bf16 dots are checked on a GPU).
+# In the interpreter fp32 and fp16 only: its bf16 tl.dot is garbage, so bf16 dots are tested on a GPU only.
 KERNEL_CASES = [
     (2, 2, 64, torch.float32), (2, 2, 128, torch.float16), (4, 1, 64, torch.float16),
     (4, 1, 128, torch.float32), (8, 1, 64, torch.float32), (8, 1, 128, torch.float16),
-]
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+] + ([(4, 1, 64, torch.bfloat16), (8, 1, 128, torch.bfloat16)] if DEVICE.type == "cuda" else [])
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+       torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 @dataclass
@@ -41,7 +45,8 @@ def make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed=0) -> KVBatch:
     for row, n in zip(req_rows.tolist(), seq_lens):
         req_to_token[row, :n] = used[offset:offset + n].to(torch.int32)
         offset += n
-    return KVBatch(k_cache, v_cache, req_to_token, req_rows, list(seq_lens))
+    return KVBatch(k_cache.to(DEVICE), v_cache.to(DEVICE), req_to_token.to(DEVICE), req_rows.to(DEVICE),
+                   list(seq_lens))
 
 
 def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[int], sm_scale: float) -> torch.Tensor:
@@ -51,6 +56,6 @@ def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[i
     k = batch.k_cache[locs].double().repeat_interleave(group, dim=1)  # [L, Hq, D]; head h uses KV head h // group
     v = batch.v_cache[locs].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * sm_scale  # [Hq, n, L]
-    visible = torch.arange(len(locs))[None, :] <= torch.tensor(positions)[:, None]  # [n, L]
+    visible = torch.arange(len(locs), device=q.device)[None, :] <= torch.tensor(positions, device=q.device)[:, None]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)  # [n, Hq, D]

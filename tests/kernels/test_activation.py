@@ -1,16 +1,13 @@
 """silu_and_mul: the Triton kernel against the reference, the reference against silu written out."""
 import pytest
 import torch
-
+from kernel_cases import DEVICE, TOL
 from lightserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 @pytest.mark.parametrize("dtype", TOL)
 def test_reference_is_gate_silu_times_up(dtype):
-    x = torch.randn(5, 2 * 48, dtype=dtype) * 4
+    x = torch.randn(5, 2 * 48, dtype=dtype, device=DEVICE) * 4
     gate, up = x[:, :48].double(), x[:, 48:].double()
     expect = (gate / (1 + torch.exp(-gate)) * up).to(dtype)
     torch.testing.assert_close(silu_and_mul_ref(x), expect, **TOL[dtype])
@@ -19,5 +16,5 @@ def test_reference_is_gate_silu_times_up(dtype):
 @pytest.mark.parametrize("num_tokens, inter", [(1, 64), (5, 100), (2, 1536)])  # 1536: two column blocks
 @pytest.mark.parametrize("dtype", TOL)
 def test_silu_and_mul_triton_matches_reference(num_tokens, inter, dtype):
-    x = torch.randn(num_tokens, 2 * inter, dtype=dtype) * 4
+    x = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=DEVICE) * 4
     torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **TOL[dtype])

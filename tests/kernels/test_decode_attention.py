@@ -2,9 +2,18 @@
 over ragged sequence lengths, GQA and split counts that leave some splits empty."""
 import pytest
 import torch
-from attention_cases import HEAD_LAYOUTS, KERNEL_CASES, TOL, make_kv_batch, naive_attention
-
-from lightserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernel_cases import (
+    DEVICE,
+    HEAD_LAYOUTS,
+    KERNEL_CASES,
+    TOL,
+    make_kv_batch,
+    naive_attention,
+)
+from lightserve.kernels.decode_attention import (
+    decode_attention_ref,
+    decode_attention_triton,
+)
 
 SEQ_LENS = [1, 23, 70, 16]  # a single token, lengths off the 16-token tiles, one exactly on a tile
 
@@ -12,11 +21,12 @@ SEQ_LENS = [1, 23, 70, 16]  # a single token, lengths off the 16-token tiles, on
 def _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
     batch = make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    meta = dict(
-        req_to_token=batch.req_to_token, req_rows=batch.req_rows,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), max_seq_len=max(seq_lens), sm_scale=head_dim ** -0.5,
-    )
-    return batch, q.to(dtype), meta
+    meta = {
+        "req_to_token": batch.req_to_token, "req_rows": batch.req_rows,
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), "max_seq_len": max(seq_lens),
+        "sm_scale": head_dim ** -0.5,
+    }
+    return batch, q.to(DEVICE, dtype), meta
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
@@ -47,7 +57,8 @@ def test_decode_triton_matches_reference(num_heads, num_kv_heads, head_dim, dtyp
 
 def test_decode_triton_strided_q_and_default_splits():
     batch, q, meta = _decode_case([40, 130], 9, 3, 64, torch.float16)
-    qkv = torch.cat([q.flatten(1), torch.zeros(2, 2 * 3 * 64, dtype=q.dtype)], dim=1)  # fused qkv output
+    kv = torch.zeros(2, 2 * 3 * 64, dtype=q.dtype, device=DEVICE)
+    qkv = torch.cat([q.flatten(1), kv], dim=1)  # [B, (Hq + 2 Hk) * D], like the fused projection
     q_view = qkv[:, :9 * 64].view(q.shape)  # [B, Hq, D] with row stride (Hq + 2 Hk) * D
     out = decode_attention_triton(q_view, batch.k_cache, batch.v_cache, **meta)
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta),

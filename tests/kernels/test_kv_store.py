@@ -1,19 +1,19 @@
 """store_kv: the Triton kernel and the reference against a per-token copy, from strided views of a fused qkv."""
 import pytest
 import torch
-
+from kernel_cases import DEVICE
 from lightserve.kernels.kv_store import store_kv_ref, store_kv_triton
 
 
 def _case(dtype, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=64, num_rows=20):
-    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=DEVICE)
     kv_start = num_q_heads * head_dim
     kv_width = num_kv_heads * head_dim
     k = qkv[:, kv_start:kv_start + kv_width].view(num_tokens, num_kv_heads, head_dim)  # strided view
     v = qkv[:, kv_start + kv_width:].view(num_tokens, num_kv_heads, head_dim)  # strided view
-    k_cache = torch.zeros(num_rows, num_kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros(num_rows, num_kv_heads, head_dim, dtype=dtype)
-    kv_locs = torch.randperm(num_rows)[:num_tokens]
+    k_cache = torch.zeros(num_rows, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros(num_rows, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    kv_locs = torch.randperm(num_rows, device=DEVICE)[:num_tokens]
     return k, v, k_cache, v_cache, kv_locs
 
 

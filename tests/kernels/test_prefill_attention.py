@@ -2,9 +2,18 @@
 reference, over ragged requests with cached prefixes and GQA."""
 import pytest
 import torch
-from attention_cases import HEAD_LAYOUTS, KERNEL_CASES, TOL, make_kv_batch, naive_attention
-
-from lightserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from kernel_cases import (
+    DEVICE,
+    HEAD_LAYOUTS,
+    KERNEL_CASES,
+    TOL,
+    make_kv_batch,
+    naive_attention,
+)
+from lightserve.kernels.prefill_attention import (
+    prefill_attention_ref,
+    prefill_attention_triton,
+)
 
 # (prefix_len, extend_len) per request: no prefix, long prefix, a 1-token extend, lengths off the 16-token tiles.
 REQS = [(0, 21), (19, 6), (5, 1), (33, 17)]
@@ -14,14 +23,15 @@ def _prefill_case(reqs, num_heads, num_kv_heads, head_dim, dtype, seed=0):
     batch = make_kv_batch([p + e for p, e in reqs], num_kv_heads, head_dim, dtype, seed)
     extend_lens = [e for _, e in reqs]
     q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    starts = torch.tensor([0] + extend_lens[:-1]).cumsum(0)
-    meta = dict(
-        req_to_token=batch.req_to_token, req_rows=batch.req_rows, q_start_locs=starts.to(torch.int32),
-        prefix_lens=torch.tensor([p for p, _ in reqs], dtype=torch.int32),
-        extend_lens=torch.tensor(extend_lens, dtype=torch.int32), max_extend_len=max(extend_lens),
-        sm_scale=head_dim ** -0.5,
-    )
-    return batch, q.to(dtype), meta
+    starts = torch.tensor([0] + extend_lens[:-1], device=DEVICE).cumsum(0)
+    meta = {
+        "req_to_token": batch.req_to_token, "req_rows": batch.req_rows, "q_start_locs": starts.to(torch.int32),
+        "prefix_lens": torch.tensor([p for p, _ in reqs], dtype=torch.int32, device=DEVICE),
+        "extend_lens": torch.tensor(extend_lens, dtype=torch.int32, device=DEVICE),
+        "max_extend_len": max(extend_lens),
+        "sm_scale": head_dim ** -0.5,
+    }
+    return batch, q.to(DEVICE, dtype), meta
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", HEAD_LAYOUTS)
@@ -51,7 +61,9 @@ def test_reference_is_hf_sdpa_bit_for_bit_in_float32(prefix_len):
     k = batch.k_cache[locs].transpose(0, 1)[None]  # [1, Hk, total, D]
     v = batch.v_cache[locs].transpose(0, 1)[None]  # [1, Hk, total, D]
     # HF passes no mask for a fresh prompt and its bool causal mask (bottom-right) with a cache.
-    mask = None if prefix_len == 0 else torch.ones(extend_len, total, dtype=torch.bool).tril(prefix_len)[None, None]
+    mask = None
+    if prefix_len > 0:
+        mask = torch.ones(extend_len, total, dtype=torch.bool, device=DEVICE).tril(prefix_len)[None, None]
     expect, _ = sdpa_attention_forward(_Module(), q.transpose(0, 1)[None], k, v, mask, scaling=meta["sm_scale"])
     assert torch.equal(prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), expect[0])
 
@@ -65,7 +77,8 @@ def test_prefill_triton_matches_reference(num_heads, num_kv_heads, head_dim, dty
 
 def test_prefill_triton_strided_q_and_default_blocks():
     batch, q, meta = _prefill_case([(0, 40), (70, 3)], 4, 2, 64, torch.float16)
-    qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 2 * 2 * 64, dtype=q.dtype)], dim=1)  # fused output
+    kv = torch.zeros(q.shape[0], 2 * 2 * 64, dtype=q.dtype, device=DEVICE)
+    qkv = torch.cat([q.flatten(1), kv], dim=1)  # [Tq, (Hq + 2 Hk) * D], like the fused projection
     q_view = qkv[:, :4 * 64].view(q.shape)  # [Tq, Hq, D] with row stride (Hq + 2 Hk) * D
     out = prefill_attention_triton(q_view, batch.k_cache, batch.v_cache, **meta)
     torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta),

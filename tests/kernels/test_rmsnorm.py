@@ -1,11 +1,14 @@
 """rmsnorm / add_rmsnorm: the Triton kernel against the reference, the reference against HF's LlamaRMSNorm code."""
 import pytest
 import torch
+from kernel_cases import DEVICE, TOL
+from lightserve.kernels.rmsnorm import (
+    add_rmsnorm_ref,
+    add_rmsnorm_triton,
+    rmsnorm_ref,
+    rmsnorm_triton,
+)
 
-from lightserve.kernels.rmsnorm import add_rmsnorm_ref, add_rmsnorm_triton, rmsnorm_ref, rmsnorm_triton
-
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 EPS = 1e-6
 
 
@@ -18,9 +21,13 @@ def _hf_llama_rmsnorm(hidden_states, weight, eps):
     return weight * hidden_states.to(input_dtype)
 
 
+def _randn(*shape, dtype):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
 @pytest.mark.parametrize("dtype", TOL)
 def test_reference_is_hf_rmsnorm_bit_for_bit(dtype):
-    x, w = torch.randn(5, 96, dtype=dtype), torch.randn(96, dtype=dtype)
+    x, w = _randn(5, 96, dtype=dtype), _randn(96, dtype=dtype)
     assert torch.equal(rmsnorm_ref(x, w, EPS), _hf_llama_rmsnorm(x, w, EPS))
     # And against the textbook formula in float64, to within the output rounding.
     x64 = x.double()
@@ -31,14 +38,13 @@ def test_reference_is_hf_rmsnorm_bit_for_bit(dtype):
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 100), (3, 576)])  # 100 and 576: masked tail
 @pytest.mark.parametrize("dtype", TOL)
 def test_rmsnorm_triton_matches_reference(num_tokens, hidden, dtype):
-    x, w = torch.randn(num_tokens, hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
+    x, w = _randn(num_tokens, hidden, dtype=dtype), _randn(hidden, dtype=dtype)
     torch.testing.assert_close(rmsnorm_triton(x, w, EPS), rmsnorm_ref(x, w, EPS), **TOL[dtype])
 
 
 def test_rmsnorm_triton_strided_rows_and_fp32_weight():
-    wide = torch.randn(4, 200, dtype=torch.bfloat16)
-    x = wide[:, :100]  # row stride 200: a slice of a wider activation
-    w = torch.randn(100, dtype=torch.float32)
+    x = _randn(4, 200, dtype=torch.bfloat16)[:, :100]  # row stride 200: a slice of a wider activation
+    w = _randn(100, dtype=torch.float32)
     out = rmsnorm_triton(x, w, EPS)
     assert out.dtype == torch.float32  # weight * y promotes, as in HF
     torch.testing.assert_close(out, rmsnorm_ref(x, w, EPS), **TOL[torch.bfloat16])
@@ -47,8 +53,8 @@ def test_rmsnorm_triton_strided_rows_and_fp32_weight():
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (6, 100)])
 @pytest.mark.parametrize("dtype", TOL)
 def test_add_rmsnorm_triton_matches_reference(num_tokens, hidden, dtype):
-    x, w = torch.randn(num_tokens, hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
-    residual = torch.randn(num_tokens, hidden, dtype=dtype)
+    x, w = _randn(num_tokens, hidden, dtype=dtype), _randn(hidden, dtype=dtype)
+    residual = _randn(num_tokens, hidden, dtype=dtype)
     res_triton, res_ref = residual.clone(), residual.clone()
     out_triton = add_rmsnorm_triton(x, res_triton, w, EPS)
     out_ref = add_rmsnorm_ref(x, res_ref, w, EPS)

@@ -1,17 +1,16 @@
-"""rotary_emb: the reference against HF's apply_rotary_pos_emb written out, the Triton kernel against the reference."""
+"""rotary_emb: the reference against HF's apply_rotary_pos_emb written out, the Triton kernel against the
+reference, on strided q/k views of a fused qkv output."""
 import pytest
 import torch
-
+from kernel_cases import DEVICE, TOL
 from lightserve.kernels.rotary import rotary_emb_ref, rotary_emb_triton
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 BASE = 100000.0  # SmolLM2's rope_theta
 
 
 def _cos_sin(head_dim, max_pos):
-    inv_freq = 1.0 / (BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-    freqs = torch.arange(max_pos, dtype=torch.float)[:, None] * inv_freq  # [max_pos, D/2]
+    inv_freq = 1.0 / (BASE ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=DEVICE) / head_dim))
+    freqs = torch.arange(max_pos, dtype=torch.float, device=DEVICE)[:, None] * inv_freq  # [max_pos, D/2]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1), inv_freq  # [max_pos, D]
 
 
@@ -26,7 +25,7 @@ def _hf_rotary(x, positions, inv_freq):
 
 
 def _qkv_views(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim):
-    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype)
+    qkv = torch.randn(num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=DEVICE)
     q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
     q = qkv[:, :q_width].view(num_tokens, num_q_heads, head_dim)  # strided views, as the model passes them
     k = qkv[:, q_width:q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
@@ -37,7 +36,7 @@ def _qkv_views(dtype, num_tokens, num_q_heads, num_kv_heads, head_dim):
 def test_reference_is_hf_rotary_bit_for_bit(dtype):
     cos_sin, inv_freq = _cos_sin(64, 300)
     qkv, q, k = _qkv_views(dtype, 6, 3, 1, 64)
-    positions = torch.tensor([0, 1, 7, 64, 200, 299])
+    positions = torch.tensor([0, 1, 7, 64, 200, 299], device=DEVICE)
     expect_q, expect_k = _hf_rotary(q, positions, inv_freq), _hf_rotary(k, positions, inv_freq)
     v_before = qkv[:, 4 * 64:].clone()
     rotary_emb_ref(q, k, positions, cos_sin)
@@ -50,7 +49,7 @@ def test_reference_is_hf_rotary_bit_for_bit(dtype):
 def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dtype):
     cos_sin, _ = _cos_sin(head_dim, 500)
     qkv, q, k = _qkv_views(dtype, 5, num_q_heads, num_kv_heads, head_dim)
-    positions = torch.randint(0, 500, (5,))
+    positions = torch.randint(0, 500, (5,), device=DEVICE)
     qkv_ref = qkv.clone()
     q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
     q_ref = qkv_ref[:, :q_width].view(q.shape)

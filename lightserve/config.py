@@ -117,10 +117,16 @@ class ServerConfig:
         return self.ipc_addr("stepdone")
 
     def plan_addr(self, tp_rank: int) -> str:
-        """Router PUSH -> worker PULL. Ranks on other nodes get the plan over tcp from node 0."""
+        """Router (binds, on node 0) PUSH -> worker (connects) PULL. With several nodes the plans
+        travel over tcp on the ports after --nccl_port."""
         if self.nnodes == 1:
             return self.ipc_addr(f"plan{tp_rank}")
         return f"tcp://{self.nccl_host}:{self.nccl_port + 1 + tp_rank}"
+
+    def plan_bind_addr(self, tp_rank: int) -> str:
+        if self.nnodes == 1:
+            return self.plan_addr(tp_rank)
+        return f"tcp://*:{self.nccl_port + 1 + tp_rank}"
 
     @property
     def ranks_per_node(self) -> int:

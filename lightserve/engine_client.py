@@ -77,12 +77,13 @@ class EngineClient:
         self._from_detok = self._ctx.socket(zmq.PULL)
         self._from_detok.bind(config.front_addr)
         self._recv_task: asyncio.Task | None = None
-        self._reaper_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the receive loop on the running event loop."""
-        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        self._loop = asyncio.get_running_loop()
+        self._recv_task = self._loop.create_task(self._recv_loop())
 
     async def close(self) -> None:
         if self._recv_task is not None:
@@ -103,6 +104,13 @@ class EngineClient:
             fut = self._slot_waiters.popleft()
             if not fut.done():
                 fut.set_exception(EngineDead(reason))
+
+    def mark_dead_threadsafe(self, reason: str) -> None:
+        """mark_dead from another thread (the launcher's child watcher)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.mark_dead, reason)
+        else:
+            self._dead_reason = reason
 
     @property
     def dead_reason(self) -> str | None:

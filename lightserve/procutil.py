@@ -12,7 +12,9 @@ Each process entry looks like:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import signal
 import threading
 import traceback
@@ -55,15 +57,23 @@ def child_process(name: str, config: ServerConfig, ready: Connection) -> Iterato
                 return
 
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    code = 0
     try:
         yield stop
-    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then re-raised
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)) and stop.is_set():
-            return
-        logger.error("%s failed: %s", name, exc, exc_info=True)
-        with contextlib.suppress(Exception):
-            ready.send(("error", f"{name}: {exc!r}\n{traceback.format_exc()}"))
-        raise
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, then the process exits 1
+        if not (isinstance(exc, (KeyboardInterrupt, SystemExit)) and stop.is_set()):
+            code = 1
+            logger.error("%s failed: %s", name, exc, exc_info=True)
+            with contextlib.suppress(Exception):
+                ready.send(("error", f"{name}: {exc!r}\n{traceback.format_exc()}"))
+    finally:
+        # NOTE: the body has closed its sockets and segments. Skip interpreter finalization: tearing
+        # down torch/transformers module state takes seconds on a busy machine (a garbage
+        # collection over millions of objects) and would make every stop slow.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def report_ready(ready: Connection, info: dict | None = None) -> None:

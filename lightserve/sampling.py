@@ -30,6 +30,7 @@ PARAMS_DTYPE = np.dtype([
     ("ignore_eos", np.uint8),
     ("skip_special_tokens", np.uint8),
     ("top_logprobs", np.int32),   # alternatives to report per token
+    ("disable_prompt_cache", np.uint8),
     ("num_stop_token_ids", np.int32),
     ("stop_token_ids", np.int32, (MAX_STOP_TOKEN_IDS,)),
 ])
@@ -63,6 +64,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    disable_prompt_cache: bool = False
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise ParamError naming the first bad field; return self so calls chain."""

@@ -58,20 +58,21 @@ def list_segments(prefix: str) -> list[str]:
     return sorted(p.name for p in SHM_DIR.glob(f"{prefix}*"))
 
 
-def remove_stale_segments(prefix: str) -> list[str]:
-    """Unlink segments `<prefix><pid>-...` whose creating process is gone (a crashed launcher).
+def remove_stale_segments(prefix: str, directory: Path = SHM_DIR) -> list[str]:
+    """Unlink files `<prefix><pid>-...` (shm segments, or zmq ipc socket files when `directory` is
+    the temp dir) whose creating process is gone (a crashed launcher).
 
-    A live server's segments are never touched: its launcher pid still exists.
+    A live server's files are never touched: its launcher pid still exists.
     """
     removed = []
-    for name in list_segments(prefix):
+    for name in sorted(p.name for p in directory.glob(f"{prefix}*")):
         pid_text = name[len(prefix):].split("-", 1)[0]
         if not pid_text.isdigit():
             continue
         if _pid_alive(int(pid_text)):
             continue
         try:
-            (SHM_DIR / name).unlink()
+            (directory / name).unlink()
             removed.append(name)
         except FileNotFoundError:
             pass

@@ -1,0 +1,218 @@
+"""EngineProcs: starts and stops the engine's processes (worker ranks, router, detokenizer) and the
+shared-memory request pool they share. Used by the server launcher and the offline pipeline.
+
+Start-up is a ready-or-error handshake per child under a timeout: a child that fails shows its
+traceback here, never a silent hang. Stop is SIGTERM, a bounded join, then SIGKILL, and the pool
+segment is unlinked. `watch` reports the first child that dies on its own.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from lightserve.config import SHM_PREFIX, Device, DType, ServerConfig, config_with
+from lightserve.log import get_logger
+from lightserve.shm.req_pool import ReqPool
+from lightserve.shm.segment import remove_stale_segments
+
+logger = get_logger(__name__)
+
+STOP_GRACE_S = 5.0
+CPU_BATCH_MAX_TOKENS = 2048
+GPU_BATCH_MAX_TOKENS = 8192
+
+
+class StartError(RuntimeError):
+    """A child failed or timed out during start-up; the message carries its traceback."""
+
+
+@dataclass
+class Child:
+    name: str
+    proc: mp.Process
+    conn: Connection
+
+
+def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
+    """Fill in the defaults that need the machine or the model. Returns (config, model_dir)."""
+    import torch
+
+    from lightserve.model_infer.model_config import ModelConfig
+
+    if config.model_dir is None:
+        from lightserve.model_prep import ensure_default_model
+        model_dir = str(ensure_default_model())
+    else:
+        model_dir = str(Path(config.model_dir).expanduser())
+        if not (Path(model_dir) / "config.json").is_file():
+            raise StartError(f"--model_dir {model_dir}: no config.json there (expected a Hugging Face model folder)")
+    model_config = ModelConfig.from_dir(model_dir)
+    device = config.device
+    if device is Device.AUTO:
+        device = Device.CUDA if torch.cuda.is_available() else Device.CPU
+    if device is Device.CUDA and not torch.cuda.is_available():
+        raise StartError("--device cuda: no CUDA device is available")
+    dtype = config.data_type
+    if dtype is DType.AUTO:
+        dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
+    batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
+    max_len = min(config.max_req_total_len or model_config.max_context_len, model_config.max_context_len)
+    nccl_port = config.nccl_port
+    if config.tp > 1 and nccl_port == 0:
+        if config.nnodes > 1:
+            raise StartError("--nccl_port must be given when --nnodes > 1 (every node must use the same one)")
+        nccl_port = _free_port_block(config.tp + 1)
+    if model_config.num_heads % config.tp != 0:
+        raise StartError(f"--tp {config.tp} does not divide the model's {model_config.num_heads} attention heads")
+    resolved = config_with(config, device=device, data_type=dtype, batch_max_tokens=batch_max,
+                           chunked_prefill_size=config.chunked_prefill_size or batch_max,
+                           max_req_total_len=max_len, nccl_port=nccl_port,
+                           served_model_name=config.served_model_name or Path(model_dir).name)
+    return resolved, model_dir
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+class EngineProcs:
+    """The engine's child processes and the request pool of one launch (node 0 runs them all;
+    other nodes run only their worker ranks)."""
+
+    def __init__(self, config: ServerConfig, model_dir: str):
+        self.config = config
+        self.model_dir = model_dir
+        self.children: list[Child] = []
+        self.pool: ReqPool | None = None
+        self.kv_size = 0
+        self._ctx = mp.get_context("spawn")
+
+    def start(self) -> ServerConfig:
+        """Start everything; returns the config with max_req_total_len capped by the KV size."""
+        from lightserve.detokenizer.process import run_detokenizer
+        from lightserve.model_infer.process import run_worker
+        from lightserve.router.process import run_router
+
+        config = self.config
+        stale = remove_stale_segments(SHM_PREFIX)
+        remove_stale_segments(SHM_PREFIX, Path(_runtime_dir()))
+        if stale:
+            logger.warning("removed shared memory left by crashed launches: %s", ", ".join(stale))
+        try:
+            if config.is_master_node:
+                self.pool = ReqPool.create(config.shm_name, config.req_pool_size, config.max_req_total_len)
+            first = config.node_rank * config.ranks_per_node
+            for rank in range(first, first + config.ranks_per_node):
+                self._spawn(f"worker-tp{rank}", run_worker, config, self.model_dir, rank)
+            infos = self._wait_ready(self.children)
+            if not config.is_master_node:
+                return config
+            self.kv_size = min(info["kv_size"] for info in infos)
+            config = config_with(config, max_req_total_len=min(config.max_req_total_len, self.kv_size))
+            self.config = config
+            late = [self._spawn("router", run_router, config, self.kv_size),
+                    self._spawn("detokenizer", run_detokenizer, config, self.model_dir)]
+            self._wait_ready(late)
+            return config
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self, name: str, target, *args) -> Child:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=target, args=(*args, child_conn), name=f"lightserve-{name}")
+        proc.start()
+        child_conn.close()
+        child = Child(name, proc, parent_conn)
+        self.children.append(child)
+        return child
+
+    def _wait_ready(self, children: list[Child]) -> list[dict]:
+        deadline = time.monotonic() + self.config.start_timeout_s
+        infos: dict[str, dict] = {}
+        while len(infos) < len(children):
+            pending = [c for c in children if c.name not in infos]
+            waitables = [c.conn for c in pending] + [c.proc.sentinel for c in pending]
+            if not wait(waitables, timeout=max(deadline - time.monotonic(), 0)):
+                raise StartError(f"{', '.join(c.name for c in pending)} not ready after "
+                                 f"{self.config.start_timeout_s:.0f} s")
+            for c in pending:
+                if c.conn.poll():
+                    try:
+                        kind, payload = c.conn.recv()
+                    except EOFError:
+                        kind, payload = "error", f"{c.name} exited with code {c.proc.exitcode} during start-up"
+                    if kind == "error":
+                        raise StartError(f"{c.name} failed to start:\n{payload}")
+                    infos[c.name] = payload
+                elif not c.proc.is_alive():
+                    raise StartError(f"{c.name} exited with code {c.proc.exitcode} during start-up")
+        return [infos[c.name] for c in children]
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if not c.proc.is_alive()), None)
+
+    def watch(self, timeout: float | None = None) -> Child | None:
+        """Block until a child dies (or timeout); return it."""
+        live = [c for c in self.children if c.proc.is_alive()]
+        if len(live) < len(self.children):
+            return self.dead_child()
+        ready = wait([c.proc.sentinel for c in live], timeout=timeout)
+        return next((c for c in live if c.proc.sentinel in ready), None)
+
+    def stop(self) -> None:
+        """SIGTERM every child, join them, SIGKILL stragglers, unlink the pool. Idempotent."""
+        for c in self.children:
+            if c.proc.is_alive():
+                os.kill(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for c in self.children:
+            c.proc.join(max(deadline - time.monotonic(), 0.05))
+            if c.proc.is_alive():
+                logger.warning("%s did not stop in %.0f s; killing it", c.name, STOP_GRACE_S)
+                c.proc.kill()
+                c.proc.join(2.0)
+            c.conn.close()
+        self.children.clear()
+        if self.pool is not None:
+            self.pool.close()
+            self.pool.segment.unlink()
+            self.pool = None
+        for path in Path(_runtime_dir()).glob(f"{SHM_PREFIX}{self.config.instance_id}-*"):
+            path.unlink(missing_ok=True)  # zmq ipc socket files
+
+
+def _runtime_dir() -> str:
+    import tempfile
+    return tempfile.gettempdir()
+
+
+def _free_port_block(n: int) -> int:
+    """A port p such that p .. p+n-1 look free (the TP rendezvous and the plan sockets)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        ok = True
+        for p in range(base + 1, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise StartError("no free block of ports for the tensor-parallel group")

@@ -1,0 +1,116 @@
+"""`python -m lightserve.launch_server` / `lightserve-launch`: start every process, then serve HTTP.
+
+The launcher process runs the HTTP front itself (FastAPI on uvicorn with uvloop) and watches its
+children: if one dies, /health turns 503 at once, in-flight requests end with an error, and the
+launcher stops everything and exits non-zero. Ctrl-C or SIGTERM stops all processes and removes
+every shared-memory segment of this launch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Sequence
+
+from lightserve.config import ServerConfig, parse_args
+from lightserve.log import configure_logging, get_logger
+
+logger = get_logger("lightserve.launcher")
+
+EXIT_CHILD_DIED = 3
+EXIT_START_FAILED = 2
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_args(argv)
+    configure_logging("launcher", config.log_level)
+    sys.exit(serve(config))
+
+
+def serve(config: ServerConfig) -> int:
+    from lightserve.engine_procs import EngineProcs, StartError, resolve_config
+
+    t0 = time.monotonic()
+    procs = None
+    try:
+        config, model_dir = resolve_config(config)
+        logger.info("model %s, device %s, dtype %s, tp %d", model_dir, config.device.value,
+                    config.data_type.value, config.tp)
+        procs = EngineProcs(config, model_dir)
+        config = procs.start()
+    except StartError as exc:
+        logger.error("start-up failed: %s", exc)
+        return EXIT_START_FAILED
+    except KeyboardInterrupt:
+        if procs is not None:
+            procs.stop()
+        return 130
+    try:
+        if not config.is_master_node:
+            return _serve_worker_node(procs)
+        return _serve_http(config, model_dir, procs, t0)
+    finally:
+        procs.stop()
+        logger.info("stopped")
+
+
+def _serve_worker_node(procs) -> int:
+    """Nodes other than 0 run only worker ranks: wait until one exits or we are told to stop."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        dead = procs.watch(timeout=0.5)
+        if dead is not None:
+            logger.error("%s exited with code %s; stopping this node", dead.name, dead.proc.exitcode)
+            return EXIT_CHILD_DIED
+    return 0
+
+
+def _serve_http(config: ServerConfig, model_dir: str, procs, t0: float) -> int:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from lightserve.api_server import create_app
+    from lightserve.engine_client import EngineClient
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    from lightserve.model_infer.model_config import ModelConfig
+    vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    engine = EngineClient(config, procs.pool, config.max_req_total_len, vocab_size)
+    dead: dict[str, str] = {}
+
+    def health() -> str | None:
+        if dead:
+            return dead["reason"]
+        child = procs.dead_child()
+        return None if child is None else f"{child.name} is not running"
+
+    app = create_app(config, engine, tokenizer, config.served_model_name, health)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
+                                           log_level=config.log_level.lower(), timeout_graceful_shutdown=3,
+                                           access_log=False))
+
+    def watch_children() -> None:
+        while not server.should_exit:
+            child = procs.watch(timeout=0.5)
+            if child is None:
+                continue
+            reason = f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.exitcode}"
+            logger.error("%s; stopping the server", reason)
+            dead["reason"] = reason
+            engine.mark_dead_threadsafe(reason)
+            time.sleep(0.5)  # let in-flight requests receive their errors
+            server.should_exit = True
+            return
+
+    logger.info("engine ready in %.1f s; serving on http://%s:%d", time.monotonic() - t0, config.host, config.port)
+    threading.Thread(target=watch_children, name="child-watch", daemon=True).start()
+    server.run()
+    return EXIT_CHILD_DIED if dead else 0
+
+
+if __name__ == "__main__":
+    main()

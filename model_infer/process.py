@@ -1,0 +1,159 @@
+"""The model-worker process, one per tensor-parallel rank.
+
+Each rank runs every BatchPlan the router sends. Rank 0 then samples, writes each new token, its
+logprob and the finish status into the request's shm slot (in the pool's documented write order),
+and tells the router (StepDone) and the detokenizer (TokensReady).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+import zmq
+
+from lightserve.config import ServerConfig
+from lightserve.log import get_logger
+from lightserve.messages import BatchPlan, FinishReason, Shutdown, StepDone, TokensReady, decode, encode
+from lightserve.procutil import child_process, report_ready
+from lightserve.shm.req_pool import ReqPool
+
+from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_infer.model_runner import ModelRunner
+from lightserve.model_infer.sampler import sample
+
+logger = get_logger(__name__)
+
+POLL_MS = 100
+TP_INIT_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connection) -> None:
+    with child_process(f"worker-tp{tp_rank}", config, ready) as stop:
+        device = torch.device("cuda", tp_rank % config.ranks_per_node) if config.device.value == "cuda" \
+            else torch.device("cpu")
+        if device.type == "cpu":
+            # The node's cores are split between its ranks; the other processes mostly sleep.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.ranks_per_node))
+        else:
+            torch.cuda.set_device(device)
+        tp_group = _init_tp_group(config, tp_rank, device)
+        model_config = ModelConfig.from_dir(model_dir)
+        pool = ReqPool.attach(config.shm_name) if tp_rank == 0 else None
+        runner = ModelRunner(model_dir, model_config, torch_dtype(config.data_type.value), device, tp_rank,
+                             config.tp, tp_group, num_req_rows=config.req_pool_size,
+                             max_req_total_len=config.max_req_total_len,
+                             kv_size=config.max_total_token_num, ranks_per_node=config.ranks_per_node)
+        if tp_group is not None:
+            # Every rank must agree on the KV size the router will allocate from.
+            size = torch.tensor([runner.kv_size], dtype=torch.long, device=device)
+            torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MIN)
+            runner.kv_size = int(size.item())
+        ctx = zmq.Context()
+        plans = ctx.socket(zmq.PULL)
+        plans.connect(config.plan_addr(tp_rank))
+        writer = None
+        if tp_rank == 0:
+            writer = OutputWriter(pool, model_config, ctx, config)
+        report_ready(ready, {"kv_size": runner.kv_size})
+        try:
+            while not stop.is_set():
+                if not plans.poll(POLL_MS):
+                    continue
+                msg = decode(plans.recv(copy=False))
+                match msg:
+                    case BatchPlan():
+                        t0 = time.perf_counter()
+                        logits = runner.forward(msg)
+                        if writer is not None:
+                            writer.write(msg, logits, time.perf_counter() - t0)
+                    case Shutdown():
+                        break
+                    case _:
+                        logger.error("worker: unexpected message %r", type(msg).__name__)
+        finally:
+            plans.close(linger=0)
+            if writer is not None:
+                writer.close()
+            ctx.term()
+            if tp_group is not None:
+                torch.distributed.destroy_process_group()
+
+
+def _init_tp_group(config: ServerConfig, tp_rank: int, device: torch.device):
+    if config.tp == 1:
+        return None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=f"tcp://{config.nccl_host}:{config.nccl_port}",
+                                         rank=tp_rank, world_size=config.tp, timeout=TP_INIT_TIMEOUT)
+    return torch.distributed.group.WORLD
+
+
+class OutputWriter:
+    """Rank 0: sample, publish tokens in shm, notify the router and the detokenizer."""
+
+    def __init__(self, pool: ReqPool, model_config: ModelConfig, ctx: zmq.Context, config: ServerConfig):
+        self.pool = pool
+        self.eos_ids = np.array(model_config.eos_token_ids or [-1], np.int32)
+        # req_id each slot was last seen with: a new id means a new occupant, whose counters reset.
+        self.slot_req = np.full(pool.num_slots, -1, np.int64)
+        self.to_router = ctx.socket(zmq.PUSH)
+        self.to_router.connect(config.step_done_addr)
+        self.to_detok = ctx.socket(zmq.PUSH)
+        self.to_detok.connect(config.detok_addr)
+
+    def close(self) -> None:
+        self.to_router.close(linger=0)
+        self.to_detok.close(linger=0)
+
+    def write(self, plan: BatchPlan, logits: torch.Tensor, forward_s: float) -> None:
+        pool = self.pool
+        fresh = self.slot_req[plan.shm_indices] != plan.req_ids
+        if fresh.any():
+            slots = plan.shm_indices[fresh]
+            pool.num_output[slots] = 0
+            pool.finish[slots] = FinishReason.NONE
+            self.slot_req[slots] = plan.req_ids[fresh]
+        idx = plan.shm_indices[plan.sample]                      # [S] slots that sample this step
+        if idx.size:
+            self._sample_and_publish(idx, logits)
+        self.to_router.send(encode(StepDone(plan.step, forward_s)), copy=False)
+        if idx.size:
+            self.to_detok.send(encode(TokensReady(idx, plan.req_ids[plan.sample])), copy=False)
+
+    def _sample_and_publish(self, idx: np.ndarray, logits: torch.Tensor) -> None:
+        pool = self.pool
+        params = pool.params[idx]                                # [S] structured copy
+        num_out = pool.num_output[idx].astype(np.int64)          # [S]
+        next_ids, logprobs = sample(
+            logits,
+            torch.from_numpy(params["temperature"].copy()),
+            torch.from_numpy(params["top_p"].copy()),
+            torch.from_numpy(params["top_k"].astype(np.int64)),
+            torch.from_numpy(params["seed"].copy()),
+            torch.from_numpy(num_out),
+        )
+        ids = next_ids.cpu().numpy().astype(np.int32)
+        lps = logprobs.cpu().numpy().astype(np.float32)
+        pos = pool.prompt_len[idx] + num_out                     # where each new token goes
+        new_count = (num_out + 1).astype(np.int32)
+        # Finish status, vectorized over the batch.
+        allow_stop = new_count >= params["min_new_tokens"]
+        is_eos = np.isin(ids, self.eos_ids) & (params["ignore_eos"] == 0)
+        stop_slots = np.arange(params["stop_token_ids"].shape[1]) < params["num_stop_token_ids"][:, None]
+        is_stop_id = ((params["stop_token_ids"] == ids[:, None]) & stop_slots).any(axis=1)
+        at_length = (new_count >= params["max_new_tokens"]) | (pos + 1 >= pool.max_len)
+        finish = np.where(allow_stop & (is_eos | is_stop_id), FinishReason.STOP,
+                          np.where(at_length, FinishReason.LENGTH, FinishReason.NONE)).astype(np.uint8)
+        # Write order (shm/req_pool.py): token and logprob, then the count, then the finish status.
+        pool.token_ids[idx, pos] = ids
+        pool.logprobs[idx, pos] = lps
+        pool.num_output[idx] = new_count
+        pool.finish[idx] = finish

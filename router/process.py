@@ -1,0 +1,106 @@
+"""The router process: receives requests, runs the Scheduler, sends each step's BatchPlan to every
+worker rank and waits for rank 0's StepDone before planning the next step."""
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+
+import zmq
+
+from lightserve.config import ServerConfig
+from lightserve.log import get_logger
+from lightserve.messages import AbortReq, AddReq, ReqReleased, Shutdown, StepDone, decode, encode
+from lightserve.procutil import child_process, report_ready
+from lightserve.shm.req_pool import ReqPool
+
+from lightserve.router.scheduler import Scheduler, StepRecord
+
+logger = get_logger(__name__)
+
+IDLE_POLL_MS = 50
+STEP_POLL_MS = 100
+
+
+def run_router(config: ServerConfig, kv_size: int, ready: Connection) -> None:
+    with child_process("router", config, ready) as stop:
+        pool = ReqPool.attach(config.shm_name)
+        ctx = zmq.Context()
+        inbox = ctx.socket(zmq.PULL)
+        inbox.bind(config.router_addr)
+        step_done = ctx.socket(zmq.PULL)
+        step_done.bind(config.step_done_addr)
+        to_workers = []
+        for rank in range(config.tp):
+            sock = ctx.socket(zmq.PUSH)
+            sock.bind(config.plan_bind_addr(rank))
+            to_workers.append(sock)
+        to_detok = ctx.socket(zmq.PUSH)
+        to_detok.connect(config.detok_addr)
+        router = Router(Scheduler.from_config(config, pool, kv_size), inbox, step_done, to_workers, to_detok)
+        router.scheduler.publish_stats()
+        report_ready(ready)
+        logger.info("router ready: %d KV tokens, %d request slots", kv_size, pool.num_slots)
+        try:
+            router.loop(stop)
+        finally:
+            for sock in to_workers:
+                sock.send(encode(Shutdown()), zmq.NOBLOCK)
+            for sock in (inbox, step_done, to_detok, *to_workers):
+                sock.close(linger=100)
+            ctx.term()
+
+
+class Router:
+    def __init__(self, scheduler: Scheduler, inbox: zmq.Socket, step_done: zmq.Socket,
+                 to_workers: list[zmq.Socket], to_detok: zmq.Socket):
+        self.scheduler = scheduler
+        self.inbox = inbox
+        self.step_done = step_done
+        self.to_workers = to_workers
+        self.to_detok = to_detok
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+
+    def loop(self, stop) -> None:
+        while not stop.is_set():
+            self._drain_inbox(0 if self.scheduler.has_work() else IDLE_POLL_MS)
+            record = self.scheduler.plan_step()
+            if record is None:
+                self._publish()
+                continue
+            data = encode(record.plan)
+            for sock in self.to_workers:
+                sock.send(data, copy=False)
+            if not self._wait_step(record, stop):
+                return
+            self.scheduler.finish_step(record)
+            self._publish()
+
+    def _wait_step(self, record: StepRecord, stop) -> bool:
+        while not stop.is_set():
+            if self.step_done.poll(STEP_POLL_MS):
+                msg = decode(self.step_done.recv())
+                assert isinstance(msg, StepDone) and msg.step == record.plan.step, msg
+                return True
+        return False
+
+    def _drain_inbox(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                msg = decode(self.inbox.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            match msg:
+                case AddReq(shm_index=i, req_id=rid):
+                    self.scheduler.add_req(i, rid)
+                case AbortReq(shm_index=i, req_id=rid, reason=reason):
+                    self.scheduler.abort_req(i, rid, reason)
+                case _:
+                    logger.error("router: unexpected message %r", type(msg).__name__)
+
+    def _publish(self) -> None:
+        for shm_index, req_id, reason in self.scheduler.released:
+            self.to_detok.send(encode(ReqReleased(shm_index, req_id, reason)))
+        self.scheduler.released.clear()
+        self.scheduler.publish_stats()

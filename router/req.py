@@ -1,0 +1,51 @@
+"""Req: the router's private scheduling state of one request. Request data lives in shm."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import numpy as np
+
+
+class ReqStatus(Enum):
+    WAITING = auto()   # queued, never run
+    RUNNING = auto()   # in the running batch; holds KV
+    PAUSED = auto()    # was running, KV released under pressure; waits at the head of the queue
+
+
+@dataclass(eq=False, slots=True)
+class Req:
+    req_id: int
+    shm_index: int
+    prompt_len: int
+    max_new_tokens: int
+    arrival_step: int = 0
+    status: ReqStatus = ReqStatus.WAITING
+    num_output: int = 0            # output tokens published by rank 0 (router's copy)
+    computed_len: int = 0          # tokens whose KV is in the cache (prefix hit + computed)
+    cached_len: int = 0            # prefix-cache hit at the latest admission
+    kv_locs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [capacity] int32
+    prefix_node: Any = None        # radix node locked while running (None without the cache)
+    use_cache: bool = True         # False: per-request disable_prompt_cache
+    aborted: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens known: the prompt plus every published output token."""
+        return self.prompt_len + self.num_output
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens whose KV still has to be computed before the next token can be sampled."""
+        return self.seq_len - self.computed_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.max_new_tokens - self.num_output, 0)
+
+    def ensure_capacity(self, n: int) -> None:
+        if self.kv_locs.shape[0] < n:
+            grown = np.zeros(max(n, 2 * self.kv_locs.shape[0], 64), np.int32)
+            grown[: self.kv_locs.shape[0]] = self.kv_locs
+            self.kv_locs = grown

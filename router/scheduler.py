@@ -1,0 +1,294 @@
+"""Scheduler: continuous batching over the KV allocator and the radix prefix cache.
+
+`plan_step` builds the next BatchPlan (decodes first, then prefill chunks, then newly admitted
+requests, within --batch_max_tokens); `finish_step` reads what rank 0 published in shm and retires
+finished requests. Every state change of a Req happens in one named method here. No sockets: the
+router process (process.py) moves messages; tests drive this class directly.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lightserve.config import ServerConfig
+from lightserve.log import get_logger
+from lightserve.messages import BatchPlan, FinishReason
+from lightserve.shm.req_pool import Owner, ReqPool
+
+from lightserve.router.admission import Admission
+from lightserve.router.kv_allocator import KVAllocator
+from lightserve.router.req import Req, ReqStatus
+
+if TYPE_CHECKING:
+    from lightserve.router.radix_cache import RadixCache
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class StepRecord:
+    """What the router remembers of a step in flight."""
+    plan: BatchPlan
+    reqs: list[Req]
+
+
+@dataclass
+class Limits:
+    max_running: int
+    batch_max_tokens: int
+    chunk_size: int
+    max_req_total_len: int
+
+
+class Scheduler:
+    def __init__(self, pool: ReqPool, allocator: KVAllocator, cache: RadixCache | None,
+                 admission: Admission, limits: Limits):
+        self.pool = pool
+        self.allocator = allocator
+        self.cache = cache
+        self.admission = admission
+        self.limits = limits
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []          # in admission order: the newest are paused first
+        self.by_slot: dict[int, Req] = {}
+        self.step = 0
+        self.released: list[tuple[int, int, FinishReason]] = []  # aborts the detokenizer must hear of
+        self.counters = dict(pauses_total=0, resumes_total=0, prompt_tokens_total=0,
+                             prompt_tokens_cached_total=0, generation_tokens_total=0, max_batch_size=0,
+                             last_batch_size=0)
+
+    @classmethod
+    def from_config(cls, config: ServerConfig, pool: ReqPool, kv_size: int) -> Scheduler:
+        from lightserve.router.radix_cache import RadixCache
+
+        allocator = KVAllocator(kv_size)
+        cache = None if config.disable_prompt_cache else RadixCache(allocator)
+        limits = Limits(max_running=config.running_max_req_size, batch_max_tokens=config.batch_max_tokens,
+                        chunk_size=config.chunked_prefill_size or config.batch_max_tokens,
+                        max_req_total_len=config.max_req_total_len)
+        return cls(pool, allocator, cache, Admission(config.admission_policy), limits)
+
+    # ---- requests in and out ---------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_req(self, shm_index: int, req_id: int) -> None:
+        if int(self.pool.req_id[shm_index]) != req_id or shm_index in self.by_slot:
+            logger.error("AddReq for slot %d req %d does not match the pool; dropped", shm_index, req_id)
+            return
+        params = self.pool.params[shm_index]
+        req = Req(req_id=req_id, shm_index=shm_index, prompt_len=int(self.pool.prompt_len[shm_index]),
+                  max_new_tokens=int(params["max_new_tokens"]), arrival_step=self.step,
+                  use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]))
+        self.pool.cached_len[shm_index] = 0
+        self.by_slot[shm_index] = req
+        self.waiting.append(req)
+
+    def abort_req(self, shm_index: int, req_id: int, reason: FinishReason) -> None:
+        """Between steps only (the router loop never overlaps this with a step in flight)."""
+        req = self.by_slot.get(shm_index)
+        if req is None or req.req_id != req_id:
+            return  # already finished: nothing to do
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._retire(req)
+        if reason is FinishReason.ABORT:
+            self.released.append((shm_index, req_id, reason))
+
+    # ---- planning -----------------------------------------------------------------------------------
+    def plan_step(self) -> StepRecord | None:
+        """Pick this step's requests and KV rows. Returns None when there is nothing to run."""
+        budget = self.limits.batch_max_tokens
+        decodes = [r for r in self.running if r.extend_len == 1]
+        if not self._reserve_decode_rows(decodes):
+            decodes = [r for r in self.running if r.extend_len == 1]  # some were paused
+        chunks: list[tuple[Req, int]] = []
+        fills: list[Req] = []
+        budget -= len(decodes)
+        # Decode rows first; they were reserved above so these allocations cannot fail.
+        decode_locs = self.allocator.alloc(len(decodes)) if decodes else np.zeros(0, np.int32)
+        assert decode_locs is not None
+        # Requests in the middle of a chunked prefill continue before new ones start.
+        for req in self.running:
+            if req.extend_len > 1 and budget > 0:
+                n = min(req.extend_len, self.limits.chunk_size, budget)
+                if not self._grow(req, n):
+                    break
+                chunks.append((req, n))
+                budget -= n
+        # Admit waiting (paused requests sit at the head) while the budget and KV allow.
+        reserved = self.admission.running_need(self.running)
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
+            req = self.waiting[0]
+            n = self._admit(req, budget, reserved)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            if req.cached_len > 0:
+                fills.append(req)
+            chunks.append((req, n))
+            budget -= n
+            reserved += self.admission.future_need(req)
+        if not decodes and not chunks:
+            return None
+        return self._build_plan(decodes, decode_locs, chunks, fills)
+
+    def _reserve_decode_rows(self, decodes: list[Req]) -> bool:
+        """Make room for one new row per decode: evict the cache, then pause the newest requests."""
+        need = len(decodes)
+        if self._ensure_free(need):
+            return True
+        while self.running and not self._ensure_free(sum(1 for r in self.running if r.extend_len == 1)):
+            self._pause(self.running[-1])
+        self.admission.on_pause()
+        return False
+
+    def _ensure_free(self, n: int) -> bool:
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.allocator.num_free >= n
+
+    def _grow(self, req: Req, n: int) -> bool:
+        """Allocate `n` more KV rows for `req`'s next tokens."""
+        if not self._ensure_free(n):
+            return False
+        locs = self.allocator.alloc(n)
+        assert locs is not None
+        req.ensure_capacity(req.computed_len + n)
+        req.kv_locs[req.computed_len: req.computed_len + n] = locs
+        return True
+
+    def _admit(self, req: Req, budget: int, reserved: int) -> int:
+        """Start `req` (match its prefix, take rows for its first chunk). Returns the chunk length,
+        or 0 if it must keep waiting."""
+        ids = self.pool.token_ids[req.shm_index, : req.seq_len]
+        prefix_locs, node = np.zeros(0, np.int32), None
+        if req.use_cache:
+            # Leave at least one token to compute: its logits give the next token.
+            prefix_locs, node = self.cache.match_prefix(ids[: req.seq_len - 1])
+            self.cache.lock(node)
+        available = self.allocator.num_free + (self.cache.evictable_size if self.cache else 0)
+        need = req.seq_len - len(prefix_locs)
+        if not self.admission.can_admit(req, need, available, reserved):
+            if node is not None:
+                self.cache.unlock(node)
+            return 0
+        req.prefix_node = node
+        req.cached_len = req.computed_len = len(prefix_locs)
+        req.ensure_capacity(req.seq_len + 1)
+        req.kv_locs[: len(prefix_locs)] = prefix_locs
+        n = min(need, self.limits.chunk_size, budget)
+        if not self._grow(req, n):
+            if node is not None:
+                self.cache.unlock(node)
+            req.prefix_node, req.cached_len, req.computed_len = None, 0, 0
+            return 0
+        if req.status is ReqStatus.PAUSED:
+            self.counters["resumes_total"] += 1
+        else:
+            self.counters["prompt_tokens_total"] += req.prompt_len
+            self.counters["prompt_tokens_cached_total"] += req.cached_len
+            self.pool.cached_len[req.shm_index] = req.cached_len
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+        return n
+
+    def _build_plan(self, decodes: list[Req], decode_locs: np.ndarray, chunks: list[tuple[Req, int]],
+                    fills: list[Req]) -> StepRecord:
+        reqs = decodes + [r for r, _ in chunks]
+        shm = np.fromiter((r.shm_index for r in reqs), np.int32, len(reqs))
+        prefix = np.fromiter((r.computed_len for r in reqs), np.int32, len(reqs))
+        extend = np.fromiter((1 for _ in decodes), np.int32, len(decodes))
+        extend = np.concatenate([extend, np.fromiter((n for _, n in chunks), np.int32, len(chunks))])
+        seq = np.fromiter((r.seq_len for r in reqs), np.int32, len(reqs))
+        sample = prefix + extend == seq
+        # Decode input ids in one gather; prefill chunks as slices of the prompt (+ outputs on resume).
+        ids = [self.pool.token_ids[shm[: len(decodes)], prefix[: len(decodes)]]]
+        locs = [decode_locs]
+        for i, (req, n) in enumerate(chunks, start=len(decodes)):
+            ids.append(self.pool.token_ids[req.shm_index, prefix[i]: prefix[i] + n])
+            locs.append(req.kv_locs[prefix[i]: prefix[i] + n])
+        for i, req in enumerate(decodes):
+            req.ensure_capacity(req.computed_len + 1)
+            req.kv_locs[req.computed_len] = decode_locs[i]
+        fill_rows = np.concatenate([np.full(r.cached_len, r.shm_index, np.int32) for r in fills]) if fills else None
+        fill_pos = np.concatenate([np.arange(r.cached_len, dtype=np.int32) for r in fills]) if fills else None
+        fill_locs = np.concatenate([r.kv_locs[: r.cached_len] for r in fills]) if fills else None
+        self.step += 1
+        plan = BatchPlan(
+            step=self.step, shm_indices=shm, req_ids=np.fromiter((r.req_id for r in reqs), np.int64, len(reqs)),
+            prefix_lens=prefix, extend_lens=extend, sample=sample,
+            input_ids=np.concatenate(ids).astype(np.int32, copy=False),
+            kv_locs=np.concatenate(locs).astype(np.int32, copy=False), num_decode=len(decodes),
+            **({} if not fills else dict(fill_rows=fill_rows, fill_pos=fill_pos, fill_locs=fill_locs)))
+        self.counters["last_batch_size"] = len(reqs)
+        self.counters["max_batch_size"] = max(self.counters["max_batch_size"], len(reqs))
+        return StepRecord(plan, reqs)
+
+    # ---- after the step -------------------------------------------------------------------------------
+    def finish_step(self, record: StepRecord) -> None:
+        """Rank 0 has published the step's tokens: advance every request, retire finished ones."""
+        plan = record.plan
+        finish = self.pool.finish[plan.shm_indices]         # read finish before num_output (write order)
+        num_output = self.pool.num_output[plan.shm_indices]
+        self.counters["generation_tokens_total"] += int(plan.sample.sum())
+        for i, req in enumerate(record.reqs):
+            req.computed_len += int(plan.extend_lens[i])
+            if plan.sample[i]:
+                req.num_output = int(num_output[i])
+            if finish[i] != FinishReason.NONE and req.status is ReqStatus.RUNNING:
+                self.running.remove(req)
+                self._retire(req)
+        self.admission.on_step()
+
+    # ---- state changes ------------------------------------------------------------------------------
+    def _pause(self, req: Req) -> None:
+        """Release a running request's KV (into the cache, so resuming mostly re-matches) and put it
+        at the head of the queue. Its stream just waits; its output is unchanged."""
+        self.running.remove(req)
+        self._give_back_kv(req)
+        req.status = ReqStatus.PAUSED
+        req.computed_len = req.cached_len = 0
+        self.waiting.appendleft(req)
+        self.counters["pauses_total"] += 1
+
+    def _retire(self, req: Req) -> None:
+        if req.status is ReqStatus.RUNNING:
+            self._give_back_kv(req)
+        del self.by_slot[req.shm_index]
+        self.pool.release(Owner.ROUTER, req.shm_index)
+
+    def _give_back_kv(self, req: Req) -> None:
+        """Hand the request's computed KV to the prefix cache (or the allocator) and unlock its prefix."""
+        n = req.computed_len
+        locs = req.kv_locs[:n]
+        allocated_beyond = req.kv_locs[n: n]  # rows are allocated per step and always computed by now
+        assert allocated_beyond.size == 0
+        if req.use_cache and self.cache is not None:
+            ids = self.pool.token_ids[req.shm_index, :n]
+            present = self.cache.insert(ids, locs)
+            # The tree already held [0, present): our own rows in [cached_len, present) duplicate it.
+            if present > req.cached_len:
+                self.allocator.free(locs[req.cached_len: present].copy())
+            self.cache.unlock(req.prefix_node)
+        else:
+            self.allocator.free(locs.copy())
+        req.prefix_node = None
+
+    # ---- metrics --------------------------------------------------------------------------------------
+    def publish_stats(self) -> None:
+        cached = self.cache.total_size if self.cache is not None else 0
+        stats = dict(self.counters,
+                     kv_tokens_total=self.allocator.num_total, kv_tokens_free=self.allocator.num_free,
+                     kv_tokens_cached=cached, requests_running=len(self.running),
+                     requests_waiting=sum(r.status is ReqStatus.WAITING for r in self.waiting),
+                     requests_paused=sum(r.status is ReqStatus.PAUSED for r in self.waiting),
+                     steps_total=self.step)
+        for name, value in stats.items():
+            self.pool.set_stat(name, value)

@@ -1,0 +1,501 @@
+"""The HTTP front's FastAPI app: `create_app`, auth, error handling, the utility routes, and the
+request plumbing the generation routes share (body reading, prompt encoding, disconnect watching).
+
+The launcher calls `create_app`; openai_api.py and lightllm_api.py hold the generation routes.
+Error convention: every bad input is 400 (schema and type errors too, never 422), with the field
+named in `param`; 401 auth, 404 unknown model or route, 408 timeout, 413 body too large, 503 engine
+overloaded (Retry-After: 1) or dead; in an SSE stream that already started, an error event ends it.
+NOTE: about 500 lines because it is also the hub both API modules import; moving the plumbing
+section into its own module (and dropping the function-level import in create_app) is the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import jinja2
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout
+from lightserve.log import get_logger
+from lightserve.messages import FinishReason
+from lightserve.metrics import FrontMetrics
+from lightserve.sampling import ParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from lightserve.config import ServerConfig
+    from lightserve.engine_client import EngineClient
+
+try:
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    loads = orjson.loads
+except ImportError:  # pragma: no cover - orjson is optional
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def loads(data: bytes) -> Any:
+        return json.loads(data.decode("utf-8"))
+
+logger = get_logger(__name__)
+
+LIGHTLLM_PATHS = frozenset({"/generate", "/generate_stream"})  # errors as {"error": msg, "param": field}
+GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions"}  # counted in requests_total
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_INT32 = (-(2**31), 2**31 - 1)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    """A request the front refuses; rendered in the route's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+class StrictModel(BaseModel):
+    """Request schemas: JSON types are checked strictly ("16" is not an int); unknown fields are ignored."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+@dataclass
+class Front:
+    """Everything a route needs, held on app.state.front (no module globals)."""
+    config: ServerConfig
+    engine: EngineClient
+    tokenizer: Any
+    model_name: str
+    health: Callable[[], str | None]
+    metrics: FrontMetrics
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+    max_prompt_chars: int = 0  # a longer text surely exceeds the context; refused before tokenizing
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_req_total_len
+
+
+@dataclass
+class Generation:
+    """One finished request, accumulated from its deltas."""
+    prompt_len: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_output: int = 0
+    finish: FinishReason = FinishReason.NONE
+    cached_len: int = 0
+
+
+def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
+               health: Callable[[], str | None]) -> FastAPI:
+    # NOTE: imported here because both route modules import this module's plumbing.
+    from lightserve import lightllm_api, openai_api
+
+    metrics = FrontMetrics(engine)
+    # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
+    max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    front = Front(config, engine, tokenizer, model_name, health, metrics,
+                  frozenset(getattr(tokenizer, "all_special_ids", ())), max_token_chars * engine.max_req_total_len)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.close()
+
+    app = FastAPI(title="lightserve", lifespan=lifespan)
+    app.state.front = front
+    app.include_router(router)
+    app.include_router(openai_api.router)
+    app.include_router(lightllm_api.router)
+    for exc_type, handler in _HANDLERS.items():
+        app.add_exception_handler(exc_type, handler)
+    app.add_middleware(_FrontMiddleware, api_key=config.api_key, metrics=metrics)
+    return app
+
+
+# ---- shared request plumbing ------------------------------------------------------------------------
+def get_front(request: Request) -> Front:
+    return request.app.state.front
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object, refusing bodies over --max_body_bytes (declared or streamed)."""
+    limit = get_front(request).config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise _too_large(limit) if declared.isdigit() else ApiError(400, "bad Content-Length header", "body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    if size == 0:
+        raise ApiError(400, "the request body is empty; expected a JSON object", "body", "invalid_json")
+    try:
+        data = loads(b"".join(chunks))
+    except ValueError as exc:  # includes invalid UTF-8
+        raise ApiError(400, f"the body is not valid JSON: {exc}", "body", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", "body", "invalid_json")
+    return data
+
+
+def parse_model(cls: type[M], data: dict) -> M:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or "body"
+        raise ApiError(400, err["msg"], param) from None
+
+
+def check_model(front: Front, model: str | None) -> None:
+    if model is not None and model != front.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{front.model_name}`.",
+                       "model", "model_not_found")
+
+
+async def encode_text(front: Front, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    if len(text) > front.max_prompt_chars:
+        raise ApiError(400, f"the prompt is longer than this server's context ({front.max_model_len} tokens)", param)
+    encode = front.tokenizer.encode
+    if len(text) < INLINE_ENCODE_CHARS:
+        return encode(text, add_special_tokens=add_special_tokens)
+    # Safe off-loop: encoding without truncation/padding never mutates the Rust tokenizer.
+    return await asyncio.to_thread(encode, text, add_special_tokens=add_special_tokens)
+
+
+def render_chat(front: Front, messages: Any, param: str = "messages") -> str:
+    """Messages through the model's chat template (transformers renders it in a sandboxed Jinja env)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "must be a non-empty list of messages", param)
+    norm = []
+    for i, msg in enumerate(messages):
+        where = f"{param}.{i}"
+        if not isinstance(msg, dict):
+            raise ApiError(400, "each message must be an object with role and content", where)
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"role must be one of {sorted(CHAT_ROLES)}", f"{where}.role")
+        norm.append({"role": role, "content": _content_text(msg.get("content"), f"{where}.content")})
+    try:
+        return front.tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=True)
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", param) from None
+
+
+def make_checked(front: Front, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                 names: dict[str, str]) -> SamplingParams:
+    """engine.check_prompt plus the edge's own bounds; ParamError fields renamed to the API's names."""
+    try:
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"):
+            value = getattr(params, name)
+            if isinstance(value, int) and not _INT32[0] <= value <= _INT32[1]:
+                raise ParamError(name, "is out of range")
+        if isinstance(params.max_new_tokens, int) and params.max_new_tokens > front.max_model_len:
+            raise ParamError("max_new_tokens", f"must be <= {front.max_model_len}, this server's context length")
+        return front.engine.check_prompt(prompt_ids, params, prompt_param)
+    except ParamError as exc:
+        raise ApiError(400, exc.message, names.get(exc.param, exc.param)) from None
+
+
+def check_n(value: int | None, param: str) -> None:
+    if value is not None and value < 1:
+        raise ApiError(400, "must be >= 1", param)
+    if value is not None and value > 1:
+        raise ApiError(400, "n > 1 is not supported yet", param)
+
+
+async def generate_one(front: Front, prompt_ids: list[int], params: SamplingParams) -> Generation:
+    """Run one request to its end, recording its latency metrics."""
+    out = Generation(len(prompt_ids))
+    texts: list[str] = []
+    timer = front.metrics.timer()
+    try:
+        async for delta in front.engine.generate(prompt_ids, params):
+            if delta.token_ids:
+                timer.on_tokens(len(delta.token_ids))
+                out.token_ids += delta.token_ids
+                out.token_texts += delta.token_texts
+                out.logprobs += delta.logprobs
+            texts.append(delta.text)
+            out.num_output, out.finish, out.cached_len = delta.num_output, delta.finish, delta.cached_len
+    except asyncio.CancelledError:
+        timer.on_finish("disconnect")
+        raise
+    except Exception:
+        timer.on_finish("error")
+        raise
+    timer.on_finish(out.finish.api_name() or "abort")
+    out.text = "".join(texts)
+    return out
+
+
+async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
+    """Await `aw` unless the client disconnects first: then cancel it (an engine generator's finally
+    aborts its request) and raise ClientGone. Used for non-streaming work and a stream's first item."""
+    work = asyncio.ensure_future(aw)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled (server shutdown): take the work down too
+        work.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientGone()
+
+
+class EventStream(StreamingResponse):
+    """SSE response that closes its body iterator however the stream ends. Starlette only cancels
+    the sending task on disconnect; closing the iterator aborts the engine request at once rather
+    than when the garbage collector finalizes the suspended generator."""
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def stop_list(stop: Any, param: str) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise ApiError(400, "must be a string or a list of strings", param)
+
+
+# ---- utility routes ----------------------------------------------------------------------------------
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    reason = get_front(request).health()
+    if reason is None:
+        return json_response({"status": "ok"})
+    return json_response({"status": "unavailable", "reason": reason}, 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    front_metrics = get_front(request).metrics
+    return Response(front_metrics.render(), media_type=front_metrics.content_type)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    front = get_front(request)
+    card = {"id": front.model_name, "object": "model", "created": _START_TIME, "owned_by": "lightserve",
+            "root": front.model_name, "parent": None, "max_model_len": front.max_model_len}
+    return json_response({"object": "list", "data": [card]})
+
+
+@router.get("/get_model_name")
+async def get_model_name(request: Request) -> Response:
+    return json_response({"model_name": get_front(request).model_name})
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Response:
+    front = get_front(request)
+    body = await read_json(request)
+    check_model(front, _typed(body, "model", str, None))
+    if "messages" in body:
+        text = render_chat(front, body["messages"])
+        tokens = await encode_text(front, text, "messages", add_special_tokens=False)
+    else:
+        text = _typed(body, "prompt", str, None)
+        if text is None:
+            raise ApiError(400, "give `prompt` (a string) or `messages`", "prompt")
+        tokens = await encode_text(front, text, "prompt", _typed(body, "add_special_tokens", bool, True))
+    return json_response({"tokens": tokens, "count": len(tokens), "max_model_len": front.max_model_len})
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Response:
+    front = get_front(request)
+    body = await read_json(request)
+    check_model(front, _typed(body, "model", str, None))
+    tokens = body.get("tokens")
+    vocab = front.engine.vocab_size
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+        raise ApiError(400, f"must be a list of token ids in [0, {vocab})", "tokens")
+    return json_response({"prompt": front.tokenizer.decode(tokens)})
+
+
+_START_TIME = int(time.time())
+
+
+# ---- errors and middleware -------------------------------------------------------------------------
+def error_response(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    if path in LIGHTLLM_PATHS:
+        return json_response({"error": message, "param": param}, status, headers)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status, headers)
+
+
+def _handler(status: int, code: str, headers: dict[str, str] | None = None) -> Callable:
+    async def handle(request: Request, exc: Exception) -> Response:
+        return error_response(request.url.path, status, str(exc) or code, None, code, headers)
+    return handle
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    message = exc.message if exc.param in (None, "body") else f"{exc.param}: {exc.message}"
+    return error_response(request.url.path, exc.status, message, exc.param, exc.code, exc.headers)
+
+
+async def _param_error(request: Request, exc: ParamError) -> Response:
+    return error_response(request.url.path, 400, str(exc), exc.param)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+    return error_response(request.url.path, 400, f"{param}: {err.get('msg')}", param)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return error_response(request.url.path, exc.status_code, str(exc.detail), None, code, exc.headers)
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(request.url.path, 500, "internal server error", None, "internal_error")
+
+
+_HANDLERS: dict[type[Exception], Callable] = {
+    ApiError: _api_error,
+    ParamError: _param_error,
+    RequestValidationError: _validation_error,
+    StarletteHTTPException: _http_error,
+    EngineOverloaded: _handler(503, "overloaded", {"Retry-After": "1"}),
+    EngineDead: _handler(503, "engine_dead"),
+    RequestTimeout: _handler(408, "timeout"),
+    ClientGone: _client_gone,
+    ClientDisconnect: _client_gone,
+    Exception: _internal_error,
+}
+
+
+class _FrontMiddleware:
+    """Bearer-key auth on every route but /health, and requests_total for the generation routes.
+    Pure ASGI: Starlette's BaseHTTPMiddleware would sit in every streamed chunk's path."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: FrontMetrics):
+        self.app = app
+        self.expected = None if api_key is None else api_key.encode()
+        self.requests = metrics.requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.expected is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            response = error_response("", 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                      None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        if path not in GENERATE_PATHS:
+            return await self.app(scope, receive, send)
+        requests = self.requests
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                requests.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+        return False
+
+
+# ---- private helpers ---------------------------------------------------------------------------------
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", "body", "request_too_large")
+
+
+def _content_text(content: Any, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ApiError(400, "only text content parts ({'type': 'text', 'text': ...}) are supported", param)
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise ApiError(400, "must be a string or a list of text parts", param)
+
+
+def _typed(body: dict, name: str, kind: type, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if type(value) is not kind:
+        raise ApiError(400, f"must be a {kind.__name__}", name)
+    return value
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,178 @@
+"""LightLLM-compatible generation routes: POST /generate and /generate_stream.
+
+Body `{"inputs": str, "parameters": {...}}`; errors are `{"error": message, "param": field}`. The
+stream sends one SSE event per output token, as LightLLM does.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import fields
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from lightserve.api_server import (
+    ClientGone,
+    EventStream,
+    Front,
+    StrictModel,
+    check_n,
+    dumps,
+    encode_text,
+    generate_one,
+    get_front,
+    json_response,
+    make_checked,
+    parse_model,
+    read_json,
+    stop_list,
+    until_disconnect,
+)
+from lightserve.engine_client import EngineDead, RequestTimeout
+from lightserve.log import get_logger
+from lightserve.messages import FinishReason, ReqDelta
+from lightserve.metrics import ReqTimer
+from lightserve.sampling import SamplingParams
+
+logger = get_logger(__name__)
+
+router = APIRouter()
+
+# SamplingParams field -> request field, for error messages.
+_NAMES = {f.name: f"parameters.{f.name}" for f in fields(SamplingParams)} | {"stop": "parameters.stop_sequences"}
+
+
+class LightllmParams(StrictModel):
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    stop_sequences: Any = None  # str | list[str]; checked by stop_list
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    add_special_tokens: bool | None = None
+    return_details: bool | None = None
+    best_of: int | None = None
+    n: int | None = None
+
+
+class GenerateRequest(StrictModel):
+    inputs: str
+    parameters: LightllmParams | None = None
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    front = get_front(request)
+    prompt_ids, params, details = await _parse(request, front)
+    g = await until_disconnect(request, generate_one(front, prompt_ids, params))
+    out: dict[str, Any] = {"generated_text": [g.text], "count_output_tokens": g.num_output,
+                           "finish_reason": g.finish.api_name(), "prompt_tokens": g.prompt_len,
+                           "prompt_cache_len": g.cached_len}
+    if details:
+        out["tokens"] = [{"id": i, "text": t, "logprob": lp} for i, t, lp in zip(g.token_ids, g.token_texts, g.logprobs)]
+    return json_response(out)
+
+
+@router.post("/generate_stream")
+async def generate_stream(request: Request) -> Response:
+    front = get_front(request)
+    prompt_ids, params, _ = await _parse(request, front)
+    timer = front.metrics.timer()
+    gen = front.engine.generate(prompt_ids, params)
+    # Wait for the first delta so engine errors still become HTTP statuses.
+    try:
+        first = await until_disconnect(request, _anext(gen))
+    except BaseException as exc:
+        timer.on_finish("disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
+        raise
+    return EventStream(_events(front, first, gen, len(prompt_ids), timer))
+
+
+async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingParams, bool]:
+    req = parse_model(GenerateRequest, await read_json(request))
+    p = req.parameters or LightllmParams()
+    check_n(p.n, "parameters.n")
+    check_n(p.best_of, "parameters.best_of")
+
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    prompt_ids = await encode_text(front, req.inputs, "inputs", pick(p.add_special_tokens, True))
+    params = SamplingParams(
+        max_new_tokens=pick(p.max_new_tokens, 16), min_new_tokens=pick(p.min_new_tokens, 0),
+        temperature=pick(p.temperature, 1.0), top_p=pick(p.top_p, 1.0), top_k=pick(p.top_k, -1),
+        min_p=pick(p.min_p, 0.0), repetition_penalty=pick(p.repetition_penalty, 1.0),
+        presence_penalty=pick(p.presence_penalty, 0.0), frequency_penalty=pick(p.frequency_penalty, 0.0),
+        seed=p.seed, ignore_eos=pick(p.ignore_eos, False), skip_special_tokens=pick(p.skip_special_tokens, True),
+        stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), stop_token_ids=list(p.stop_token_ids or ()))
+    params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
+    if not p.do_sample:
+        params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated
+    return prompt_ids, params, bool(p.return_details)
+
+
+async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], prompt_len: int,
+                  timer: ReqTimer) -> AsyncIterator[bytes]:
+    special = front.special_ids
+    texts: list[str] = []
+    delta: ReqDelta | None = first
+    ended = False
+    try:
+        while delta is not None:
+            texts.append(delta.text)
+            num = len(delta.token_ids)
+            done = delta.finish != FinishReason.NONE
+            reason = delta.finish.api_name()
+            if num:
+                timer.on_tokens(num)
+            count = delta.num_output - num
+            events = []
+            for j, (tid, text, logprob) in enumerate(zip(delta.token_ids, delta.token_texts, delta.logprobs)):
+                last = done and j == num - 1
+                count += 1
+                token = {"id": tid, "text": text, "logprob": logprob, "special": tid in special,
+                         "count_output_tokens": count, "prompt_tokens": prompt_len}
+                events.append(_event(token, "".join(texts) if last else None, last, reason if last else None))
+            if done:
+                if num == 0:  # a finish without a token (abort, stop string): still one final event
+                    token = {"id": None, "text": "", "logprob": None, "special": False,
+                             "count_output_tokens": delta.num_output, "prompt_tokens": prompt_len}
+                    events.append(_event(token, "".join(texts), True, reason))
+                ended = True
+                timer.on_finish(reason)
+            if events:
+                yield b"".join(events)
+            delta = None if done else await anext(gen, None)
+    except (RequestTimeout, EngineDead) as exc:
+        ended = True
+        timer.on_finish("error")
+        yield b"data:" + dumps({"error": str(exc), "finished": True, "finish_reason": "abort"}) + b"\n\n"
+    except Exception:
+        logger.exception("stream failed")
+        ended = True
+        timer.on_finish("error")
+        yield b"data:" + dumps({"error": "internal server error", "finished": True, "finish_reason": "abort"}) + b"\n\n"
+    finally:
+        if not ended:
+            timer.on_finish("disconnect")
+        await gen.aclose()
+
+
+def _event(token: dict, generated_text: str | None, finished: bool, reason: str | None) -> bytes:
+    return b"data:" + dumps({"token": token, "generated_text": generated_text, "finished": finished,
+                             "finish_reason": reason, "details": None}) + b"\n\n"
+
+
+async def _anext(gen: AsyncIterator[ReqDelta]) -> ReqDelta:
+    return await gen.__anext__()

@@ -1,0 +1,109 @@
+"""FrontMetrics: the HTTP front's Prometheus registry (one per app, no global registry state).
+
+Engine-wide numbers are read from the request pool's stats at scrape time; latency histograms and
+request counters are observed by the API routes through a per-request `ReqTimer`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from lightserve.engine_client import EngineClient
+
+PREFIX = "lightserve_"
+
+# Router stats (shm STATS_FIELDS) that only ever grow. Every other field is a gauge, including
+# kv_tokens_total, which is the KV capacity despite its suffix.
+COUNTER_STATS = frozenset({"pauses_total", "resumes_total", "prompt_tokens_total",
+                           "prompt_tokens_cached_total", "generation_tokens_total", "steps_total"})
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0)
+
+
+class FrontMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, engine: EngineClient):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to the first output token",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        # NOTE: the front cannot see when the router schedules a request, so queue time is measured
+        # as arrival to the first delta (slot wait + router queue + prefill).
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Arrival to the first delta from the engine", buckets=_TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last output token",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.requests = Counter(PREFIX + "requests", "Generation requests by HTTP status", ["status"], registry=r)
+        self.finished = Counter(PREFIX + "requests_finished", "Generation requests by how they ended "
+                                "(stop, length, abort, disconnect, error)", ["reason"], registry=r)
+
+    def timer(self) -> ReqTimer:
+        return ReqTimer(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ReqTimer:
+    """Latency bookkeeping of one request; `on_tokens` is called once per delta that carries tokens."""
+    __slots__ = ("_last", "_metrics", "arrival")
+
+    def __init__(self, metrics: FrontMetrics):
+        self._metrics = metrics
+        self.arrival = time.monotonic()
+        self._last: float | None = None
+
+    def on_tokens(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        m = self._metrics
+        if self._last is None:
+            m.ttft.observe(now - self.arrival)
+            m.queue_time.observe(now - self.arrival)
+        else:
+            # A delta of several tokens (the front fell behind the detokenizer) spreads its gap.
+            gap = (now - self._last) / num_tokens
+            for _ in range(num_tokens):
+                m.itl.observe(gap)
+        self._last = now
+
+    def on_finish(self, reason: str) -> None:
+        m = self._metrics
+        m.finished.labels(reason).inc()
+        if reason in ("stop", "length"):
+            m.e2e.observe(time.monotonic() - self.arrival)
+
+
+class _EngineCollector(Collector):
+    """Reads the router's shm stats and the front's queues at scrape time (nothing cached)."""
+
+    def __init__(self, engine: EngineClient):
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        for name, value in self._engine.pool.stats_dict().items():
+            if name in COUNTER_STATS:
+                yield CounterMetricFamily(PREFIX + name, f"router counter {name}", value=value)
+            else:
+                yield GaugeMetricFamily(PREFIX + name, f"router gauge {name}", value=value)
+        yield GaugeMetricFamily(PREFIX + "requests_in_front", "Requests the HTTP front holds a slot for",
+                                value=self._engine.num_pending)
+        yield GaugeMetricFamily(PREFIX + "requests_queued", "Requests waiting in the front for a free slot",
+                                value=self._engine.num_queued)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # names depend on STATS_FIELDS; skip the registration-time duplicate check

@@ -1,0 +1,368 @@
+"""OpenAI-compatible generation routes: POST /v1/completions and /v1/chat/completions.
+
+Request schemas, their mapping onto SamplingParams, and the response / SSE chunk shapes. Several
+prompts in one completion request run concurrently and come back as choices with their index.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from lightserve.api_server import (
+    ApiError,
+    ClientGone,
+    EventStream,
+    Front,
+    Generation,
+    StrictModel,
+    check_model,
+    check_n,
+    dumps,
+    encode_text,
+    generate_one,
+    get_front,
+    json_response,
+    make_checked,
+    parse_model,
+    read_json,
+    render_chat,
+    stop_list,
+    until_disconnect,
+)
+from lightserve.engine_client import EngineDead, RequestTimeout
+from lightserve.log import get_logger
+from lightserve.messages import FinishReason, ReqDelta
+from lightserve.metrics import ReqTimer
+from lightserve.sampling import SamplingParams
+
+logger = get_logger(__name__)
+
+router = APIRouter()
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# SamplingParams field -> request field, for error messages.
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
+_CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_DONE = b"data: [DONE]\n\n"
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = None
+
+
+class _SamplingRequest(StrictModel):
+    """Fields both endpoints share. Every field is nullable: some clients send explicit nulls."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: Any = None  # str | list[str]; checked by stop_list
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    n: int | None = None
+    user: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict | None = None  # refused when non-empty
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by _completion_prompts
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Any  # checked by render_chat
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    front = get_front(request)
+    req = parse_model(CompletionRequest, await read_json(request))
+    check_model(front, req.model)
+    check_n(req.n, "n")
+    check_n(req.best_of, "best_of")
+    _refuse(req.echo, "echo")
+    _refuse(req.suffix, "suffix")
+    _refuse(req.logit_bias, "logit_bias")
+    prompts = await _completion_prompts(front, req.prompt)
+    max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = [make_checked(front, ids, _params(req, max_tokens, req.logprobs or 0), "prompt", _COMPLETION_NAMES)
+              for ids in prompts]
+    want_logprobs = req.logprobs is not None
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": front.model_name}
+
+    if req.stream:
+        offsets = [0] * len(prompts)
+
+        def chunk(i: int, delta: ReqDelta) -> dict | None:
+            if not delta.text and not delta.finish and not (want_logprobs and delta.token_ids):
+                return None
+            logprobs = None
+            if want_logprobs:
+                logprobs, offsets[i] = _completion_logprobs(delta.token_texts, delta.logprobs, offsets[i])
+            return {"index": i, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
+
+        return await _open_stream(request, front, prompts, params, head, chunk, req.stream_options, None)
+
+    outs = await until_disconnect(request, _run_all(front, prompts, params))
+    choices = [{"index": i, "text": g.text, "finish_reason": g.finish.api_name(),
+                "logprobs": _completion_logprobs(g.token_texts, g.logprobs, 0)[0] if want_logprobs else None}
+               for i, g in enumerate(outs)]
+    return json_response({**head, "choices": choices, "usage": _usage(outs)})
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    front = get_front(request)
+    req = parse_model(ChatCompletionRequest, await read_json(request))
+    check_model(front, req.model)
+    check_n(req.n, "n")
+    _refuse(req.logit_bias, "logit_bias")
+    _refuse(req.tools, "tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise ApiError(400, "response_format other than text is not supported yet", "response_format")
+    if req.top_logprobs and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    prompt_ids = await encode_text(front, render_chat(front, req.messages), "messages", add_special_tokens=False)
+    names = dict(_CHAT_NAMES)
+    max_tokens = req.max_tokens
+    if req.max_completion_tokens is not None:
+        max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
+    params = make_checked(front, prompt_ids, _params(req, max_tokens, req.top_logprobs or 0), "messages", names)
+    want_logprobs = bool(req.logprobs)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
+            "created": created, "model": front.model_name}
+
+    if req.stream:
+        def chunk(i: int, delta: ReqDelta) -> dict | None:
+            if not delta.text and not delta.finish and not (want_logprobs and delta.token_ids):
+                return None
+            return {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+                    "logprobs": _chat_logprobs(delta.token_texts, delta.logprobs) if want_logprobs else None,
+                    "finish_reason": delta.finish.api_name()}
+
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return await _open_stream(request, front, [prompt_ids], [params], head, chunk, req.stream_options, role)
+
+    g = await until_disconnect(request, generate_one(front, prompt_ids, params))
+    choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": g.finish.api_name(),
+              "logprobs": _chat_logprobs(g.token_texts, g.logprobs) if want_logprobs else None}
+    return json_response({**head, "choices": [choice], "usage": _usage([g])})
+
+
+# ---- streaming ----------------------------------------------------------------------------------------
+class _Choice:
+    """Per-prompt bookkeeping of a stream, for usage and metrics."""
+    __slots__ = ("cached_len", "done", "num_output", "prompt_len", "timer")
+
+    def __init__(self, timer: ReqTimer, prompt_len: int):
+        self.timer, self.prompt_len, self.num_output, self.cached_len, self.done = timer, prompt_len, 0, 0, False
+
+
+async def _open_stream(request: Request, front: Front, prompts: list[list[int]], params: list[SamplingParams],
+                       head: dict, chunk: Callable[[int, ReqDelta], dict | None],
+                       stream_options: StreamOptions | None, role_choice: dict | None) -> Response:
+    """Start the requests and wait for the first delta, so engine errors (overload, dead) still become
+    HTTP statuses and a client that leaves while queued is noticed; then stream the rest as SSE."""
+    choices = [_Choice(front.metrics.timer(), len(ids)) for ids in prompts]
+    items = _single(front, prompts[0], params[0]) if len(prompts) == 1 else _merged(front, prompts, params)
+    try:
+        first = await until_disconnect(request, _anext(items))
+    except BaseException as exc:
+        _finish_open(choices, "disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
+        raise
+    include_usage = bool(stream_options and stream_options.include_usage)
+    return EventStream(_sse(first, items, choices, head, chunk, include_usage, role_choice))
+
+
+async def _sse(first: tuple[int, ReqDelta], items: AsyncIterator[tuple[int, ReqDelta]], choices: list[_Choice],
+               head: dict, chunk: Callable[[int, ReqDelta], dict | None], include_usage: bool,
+               role_choice: dict | None) -> AsyncIterator[bytes]:
+    # Every chunk is `head` plus one choice: serialize the head once, splice each choice in.
+    prefix = b"data: " + dumps(head)[:-1] + b',"choices":['
+    suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
+    item: tuple[int, ReqDelta] | None = first
+    try:
+        if role_choice is not None:
+            yield prefix + dumps(role_choice) + suffix
+        while item is not None:
+            i, delta = item
+            c = choices[i]
+            if delta.token_ids:
+                c.timer.on_tokens(len(delta.token_ids))
+            c.num_output, c.cached_len = delta.num_output, delta.cached_len
+            if delta.finish != FinishReason.NONE:
+                c.done = True
+                c.timer.on_finish(delta.finish.api_name())
+            body = chunk(i, delta)
+            if body is not None:
+                yield prefix + dumps(body) + suffix
+            item = await anext(items, None)
+        if include_usage:
+            usage = _usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
+                                sum(c.cached_len for c in choices))
+            yield b"data: " + dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+    except (RequestTimeout, EngineDead) as exc:
+        _finish_open(choices, "error")
+        code, kind = ("timeout", "timeout") if isinstance(exc, RequestTimeout) else ("engine_dead", "server_error")
+        yield b"data: " + dumps({"error": {"message": str(exc), "type": kind, "param": None, "code": code}}) + b"\n\n"
+    except Exception:
+        logger.exception("stream failed")
+        _finish_open(choices, "error")
+        yield b"data: " + dumps({"error": {"message": "internal server error", "type": "server_error",
+                                           "param": None, "code": "internal_error"}}) + b"\n\n"
+    finally:
+        _finish_open(choices, "disconnect")
+        await items.aclose()
+    yield _DONE
+
+
+async def _single(front: Front, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[tuple[int, ReqDelta]]:
+    gen = front.engine.generate(prompt_ids, params)
+    try:
+        async for delta in gen:
+            yield 0, delta
+    finally:
+        await gen.aclose()  # abort now even if we are closed while suspended at our yield
+
+
+async def _merged(front: Front, prompts: list[list[int]], params: list[SamplingParams]
+                  ) -> AsyncIterator[tuple[int, ReqDelta]]:
+    """Several requests' deltas in arrival order. Each runs in its own task; closing this generator
+    cancels the tasks, which aborts the unfinished requests."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for delta in front.engine.generate(prompts[i], params[i]):
+                queue.put_nowait((i, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
+    try:
+        left = len(prompts)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finish != FinishReason.NONE:
+                left -= 1
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+async def _run_all(front: Front, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
+    if len(prompts) == 1:
+        return [await generate_one(front, prompts[0], params[0])]
+    tasks = [asyncio.ensure_future(generate_one(front, ids, p)) for ids, p in zip(prompts, params)]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # one failed or we were cancelled: abort the rest
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _completion_prompts(front: Front, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [await encode_text(front, prompt, "prompt")]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            prompts = [await encode_text(front, p, "prompt") for p in prompt]
+        elif all(type(t) is int for t in prompt):
+            prompts = [prompt]
+        elif all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+            prompts = prompt
+        else:
+            prompts = []
+        if len(prompts) > front.config.req_pool_size:
+            raise ApiError(400, f"at most {front.config.req_pool_size} prompts per request", "prompt")
+        if prompts:
+            return prompts
+    raise ApiError(400, "must be a non-empty string, list of strings, list of token ids, or list of token-id lists",
+                   "prompt")
+
+
+def _params(req: _SamplingRequest, max_tokens: int, top_logprobs: int) -> SamplingParams:
+    def pick(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    return SamplingParams(
+        max_new_tokens=max_tokens, min_new_tokens=pick(req.min_tokens, 0),
+        temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, -1),
+        min_p=pick(req.min_p, 0.0), repetition_penalty=pick(req.repetition_penalty, 1.0),
+        presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
+        seed=req.seed, ignore_eos=pick(req.ignore_eos, False), skip_special_tokens=pick(req.skip_special_tokens, True),
+        stop=stop_list(req.stop, "stop"), stop_token_ids=list(req.stop_token_ids or ()), top_logprobs=top_logprobs)
+
+
+def _refuse(value: Any, param: str) -> None:
+    if value:
+        raise ApiError(400, f"{param} is not supported yet", param)
+
+
+def _completion_logprobs(texts: list[str], logprobs: list[float], offset: int) -> tuple[dict, int]:
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": None}, offset
+
+
+def _chat_logprobs(texts: list[str], logprobs: list[float]) -> dict:
+    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+               for t, lp in zip(texts, logprobs)]
+    return {"content": content, "refusal": None}
+
+
+def _usage(outs: list[Generation]) -> dict:
+    return _usage_dict(sum(g.prompt_len for g in outs), sum(g.num_output for g in outs),
+                       sum(g.cached_len for g in outs))
+
+
+def _usage_dict(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_open(choices: list[_Choice], reason: str) -> None:
+    for c in choices:
+        if not c.done:
+            c.done = True
+            c.timer.on_finish(reason)
+
+
+async def _anext(items: AsyncIterator[tuple[int, ReqDelta]]) -> tuple[int, ReqDelta]:
+    return await items.__anext__()

@@ -33,3 +33,9 @@ def test_store_kv_triton_odd_head_count_and_int32_locs():
     k, v, k_cache, v_cache, kv_locs = _case(torch.float16, num_tokens=3, num_kv_heads=3, head_dim=64)
     store_kv_triton(k, v, k_cache, v_cache, kv_locs.to(torch.int32))  # 3 * 64 elements: masked block of 256
     assert torch.equal(k_cache[kv_locs], k) and torch.equal(v_cache[kv_locs], v)
+
+
+def test_store_kv_triton_no_tokens_is_a_no_op():
+    k, v, k_cache, v_cache, kv_locs = _case(torch.float16)
+    store_kv_triton(k[:0], v[:0], k_cache, v_cache, kv_locs[:0])
+    assert not k_cache.any() and not v_cache.any()

@@ -1,0 +1,92 @@
+"""ServerProc: a real `python -m lightserve.launch_server` subprocess for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL_DIR = Path(os.environ.get("LIGHTSERVE_CACHE", Path.home() / ".cache" / "lightserve")) / "SmolLM2-135M-Instruct"
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProc:
+    def __init__(self, *args: str, log_path: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "lightserve.launch_server", "--port", str(self.port), *args]
+        self.log_path = log_path
+        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        # A new session: a test can signal the launcher alone, like a user's kill, or the group.
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=self._log, start_new_session=True)
+        self.pid = self.proc.pid
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> ServerProc:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_bytes()[-n:].decode(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def children(self) -> list[int]:
+        return [int(p) for p in _pgrep_children(self.pid)]
+
+    def shm_segments(self) -> list[str]:
+        return sorted(p.name for p in Path("/dev/shm").glob(f"lightserve-{self.pid}-*"))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+        return self.proc.returncode
+
+
+def _pgrep_children(pid: int) -> list[str]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return out.split()
+
+
+def wait_until(cond, timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(interval)
+    return cond()

@@ -414,6 +414,8 @@ async def _client_gone(request: Request, exc: Exception) -> Response:
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    if request.url.path in GENERATE_PATHS:  # sent by ServerErrorMiddleware, outside _FrontMiddleware's count
+        get_front(request).metrics.requests.labels("500").inc()
     return error_response(request.url.path, 500, "internal server error", None, "internal_error")
 
 

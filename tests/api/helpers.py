@@ -104,11 +104,11 @@ def make_app(engine: FakeEngine, tokenizer: Any, health_reason: str | None = Non
 
 
 @contextlib.asynccontextmanager
-async def asgi_client(app: Any, **headers: str) -> AsyncIterator[httpx.AsyncClient]:
+async def asgi_client(app: Any, raise_app_exceptions: bool = True) -> AsyncIterator[httpx.AsyncClient]:
     """httpx over ASGITransport with the app's lifespan run around it (httpx does not run it)."""
     async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers) as client:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             yield client
 
 

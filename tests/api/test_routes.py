@@ -187,3 +187,14 @@ async def test_metrics_parse(engine, tokenizer):
     assert statuses == {"200": 1.0, "400": 1.0}
     itl = next(s for s in families["lightserve_inter_token_latency_seconds"].samples if s.name.endswith("_count"))
     assert itl.value == 2.0
+
+
+async def test_internal_error_hides_details(engine, tokenizer, caplog):
+    engine.fail = RuntimeError("secret internals")
+    app = make_app(engine, tokenizer)
+    async with asgi_client(app, raise_app_exceptions=False) as client:
+        r = await client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert "secret" not in r.text and "Traceback" not in r.text
+        metrics = (await client.get("/metrics")).text
+    assert 'lightserve_requests_total{status="500"} 1.0' in metrics

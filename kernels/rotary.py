@@ -13,16 +13,21 @@ def rotary_emb_ref(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> 
     """HF apply_rotary_pos_emb, bit for bit, written into q and k.
 
     HF computes x*cos + rotate_half(x)*sin in x.dtype with cos = cat(c, c), sin = cat(s, s). Per half that is
-    x1*c - x2*s and x2*c + x1*s with the same roundings (negation is exact), so no rotated copy is built.
+    x1*c - x2*s and x2*c + x1*s with the same roundings (negation is exact), so no rotated copy is built, and
+    the in-place -= / += keep temporaries few (large temporaries cost page faults on CPU).
     """
     half = q.shape[-1] // 2
     cs = cos_sin.index_select(0, positions.long())  # [T, D]
+    cos = cs[:, None, :half].to(q.dtype)  # [T, 1, D/2]
+    sin = cs[:, None, half:].to(q.dtype)  # [T, 1, D/2]
     for x in (q, k):
-        cos = cs[:, None, :half].to(x.dtype)  # [T, 1, D/2]
-        sin = cs[:, None, half:].to(x.dtype)  # [T, 1, D/2]
-        x1, x2 = x[..., :half], x[..., half:]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]
-        x.copy_(rotated)
+        x1, x2 = x[..., :half], x[..., half:]  # [T, H, D/2] views
+        first = x1 * cos
+        first -= x2 * sin
+        second = x2 * cos
+        second += x1 * sin
+        x1.copy_(first)
+        x2.copy_(second)
 
 
 @triton.jit

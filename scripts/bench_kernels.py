@@ -3,6 +3,8 @@
 
     python scripts/bench_kernels.py                      # CUDA if present, else CPU
     python scripts/bench_kernels.py --device cpu --models smollm2 --json results/kernels_cpu.json
+
+The default peaks are an H200's; on CPU pass this machine's (--peak_gbps, --peak_tflops) for meaningful fractions.
 """
 from __future__ import annotations
 

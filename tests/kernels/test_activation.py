@@ -1,8 +1,9 @@
 """silu_and_mul: the Triton kernel against the reference, the reference against silu written out."""
 import pytest
 import torch
-from kernel_cases import DEVICE, TOL
 from lightserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+
+from tests.kernels.kernel_cases import DEVICE, TOL
 
 
 @pytest.mark.parametrize("dtype", TOL)

@@ -2,17 +2,18 @@
 over ragged sequence lengths, GQA and split counts that leave some splits empty."""
 import pytest
 import torch
-from kernel_cases import (
+from lightserve.kernels.decode_attention import (
+    decode_attention_ref,
+    decode_attention_triton,
+)
+
+from tests.kernels.kernel_cases import (
     DEVICE,
     HEAD_LAYOUTS,
     KERNEL_CASES,
     TOL,
     make_kv_batch,
     naive_attention,
-)
-from lightserve.kernels.decode_attention import (
-    decode_attention_ref,
-    decode_attention_triton,
 )
 
 SEQ_LENS = [1, 23, 70, 16]  # a single token, lengths off the 16-token tiles, one exactly on a tile

@@ -1,8 +1,9 @@
 """store_kv: the Triton kernel and the reference against a per-token copy, from strided views of a fused qkv."""
 import pytest
 import torch
-from kernel_cases import DEVICE
 from lightserve.kernels.kv_store import store_kv_ref, store_kv_triton
+
+from tests.kernels.kernel_cases import DEVICE
 
 
 def _case(dtype, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=64, num_rows=20):

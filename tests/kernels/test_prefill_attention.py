@@ -2,17 +2,18 @@
 reference, over ragged requests with cached prefixes and GQA."""
 import pytest
 import torch
-from kernel_cases import (
+from lightserve.kernels.prefill_attention import (
+    prefill_attention_ref,
+    prefill_attention_triton,
+)
+
+from tests.kernels.kernel_cases import (
     DEVICE,
     HEAD_LAYOUTS,
     KERNEL_CASES,
     TOL,
     make_kv_batch,
     naive_attention,
-)
-from lightserve.kernels.prefill_attention import (
-    prefill_attention_ref,
-    prefill_attention_triton,
 )
 
 # (prefix_len, extend_len) per request: no prefix, long prefix, a 1-token extend, lengths off the 16-token tiles.

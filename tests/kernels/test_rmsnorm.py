@@ -1,13 +1,14 @@
 """rmsnorm / add_rmsnorm: the Triton kernel against the reference, the reference against HF's LlamaRMSNorm code."""
 import pytest
 import torch
-from kernel_cases import DEVICE, TOL
 from lightserve.kernels.rmsnorm import (
     add_rmsnorm_ref,
     add_rmsnorm_triton,
     rmsnorm_ref,
     rmsnorm_triton,
 )
+
+from tests.kernels.kernel_cases import DEVICE, TOL
 
 EPS = 1e-6
 

@@ -2,8 +2,9 @@
 reference, on strided q/k views of a fused qkv output."""
 import pytest
 import torch
-from kernel_cases import DEVICE, TOL
 from lightserve.kernels.rotary import rotary_emb_ref, rotary_emb_triton
+
+from tests.kernels.kernel_cases import DEVICE, TOL
 
 BASE = 100000.0  # SmolLM2's rope_theta
 

@@ -23,6 +23,7 @@ setup(
         "gguf>=0.10",
         "prometheus-client>=0.20",
         "tqdm",
+        "orjson>=3.8",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "openai>=1.40", "aiohttp>=3.9", "httpx"],

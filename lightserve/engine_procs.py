@@ -18,6 +18,7 @@ from pathlib import Path
 
 from lightserve.config import SHM_PREFIX, Device, DType, ServerConfig, config_with
 from lightserve.log import get_logger
+from lightserve.procutil import remove_instance_files
 from lightserve.shm.req_pool import ReqPool
 from lightserve.shm.segment import remove_stale_segments
 
@@ -186,10 +187,8 @@ class EngineProcs:
         self.children.clear()
         if self.pool is not None:
             self.pool.close()
-            self.pool.segment.unlink()
             self.pool = None
-        for path in Path(_runtime_dir()).glob(f"{SHM_PREFIX}{self.config.instance_id}-*"):
-            path.unlink(missing_ok=True)  # zmq ipc socket files
+        remove_instance_files(self.config)  # the pool segment and the zmq ipc socket files
 
 
 def _runtime_dir() -> str:

@@ -26,7 +26,14 @@ EXIT_START_FAILED = 2
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
     configure_logging("launcher", config.log_level)
+    # SIGTERM during start-up must still run the cleanup (children, shm); uvicorn installs its
+    # own handlers once it serves.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     sys.exit(serve(config))
+
+
+def _raise_interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def serve(config: ServerConfig) -> int:
@@ -51,6 +58,9 @@ def serve(config: ServerConfig) -> int:
         if not config.is_master_node:
             return _serve_worker_node(procs)
         return _serve_http(config, model_dir, procs, t0)
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT/SIGTERM it handled once it has shut down gracefully.
+        return 0
     finally:
         procs.stop()
         logger.info("stopped")
@@ -96,7 +106,7 @@ def _serve_http(config: ServerConfig, model_dir: str, procs, t0: float) -> int:
     def watch_children() -> None:
         while not server.should_exit:
             child = procs.watch(timeout=0.5)
-            if child is None:
+            if child is None or server.should_exit:
                 continue
             reason = f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.exitcode}"
             logger.error("%s; stopping the server", reason)

@@ -15,13 +15,15 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import signal
 import threading
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Iterator
 
-from lightserve.config import ServerConfig
+from lightserve.config import SHM_PREFIX, ServerConfig
 from lightserve.log import configure_logging, get_logger
 
 logger = get_logger(__name__)
@@ -48,11 +50,14 @@ def child_process(name: str, config: ServerConfig, ready: Connection) -> Iterato
     # ignore SIGINT and wait for the launcher's SIGTERM (or its death).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
+    orphaned = threading.Event()
+
     def watch_parent() -> None:
         # Exit on our own if the launcher dies (kill -9 included): its pid stops being our parent.
         while not stop.wait(PARENT_POLL_S):
             if os.getppid() != parent:
                 logger.error("launcher (pid %d) is gone; exiting", parent)
+                orphaned.set()
                 stop.set()
                 return
 
@@ -67,6 +72,10 @@ def child_process(name: str, config: ServerConfig, ready: Connection) -> Iterato
             with contextlib.suppress(Exception):
                 ready.send(("error", f"{name}: {exc!r}\n{traceback.format_exc()}"))
     finally:
+        if orphaned.is_set():
+            # Nobody is left to unlink this launch's segments and socket files: every orphan tries
+            # (unlink is idempotent), so none outlives the last child.
+            remove_instance_files(config)
         # NOTE: the body has closed its sockets and segments. Skip interpreter finalization: tearing
         # down torch/transformers module state takes seconds on a busy machine (a garbage
         # collection over millions of objects) and would make every stop slow.
@@ -74,6 +83,12 @@ def child_process(name: str, config: ServerConfig, ready: Connection) -> Iterato
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def remove_instance_files(config: ServerConfig) -> None:
+    for directory in (Path("/dev/shm"), Path(tempfile.gettempdir())):
+        for path in directory.glob(f"{SHM_PREFIX}{config.instance_id}-*"):
+            path.unlink(missing_ok=True)
 
 
 def report_ready(ready: Connection, info: dict | None = None) -> None:

@@ -81,6 +81,8 @@ class SamplingParams:
                       f.name, "must be a finite number")
             if f.type == "bool":
                 check(isinstance(value, bool), f.name, "must be a boolean")
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"):
+            check(-2**31 < getattr(self, name) < 2**31, name, "is out of range")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be in [0, max_new_tokens]")
         check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")

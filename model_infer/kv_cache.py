@@ -1,0 +1,54 @@
+"""KVCache: one rank's K/V tensors for every layer plus the req_to_token table, owned by the worker.
+
+The router decides which KV rows (`kv_locs`) each token uses; the worker writes them into
+`req_to_token` (`fill_req_to_token`) before each forward, and the model's `store_kv` fills the rows.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightserve.model_infer.model_config import ModelConfig
+
+
+class KVCache:
+    """K/V storage: `k_caches[layer]`, `v_caches[layer]` are [num_kv_rows, num_kv_heads, head_dim]
+    views into one buffer each; `req_to_token[req_row, position]` is the KV row of that token."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_rows: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_req_rows: int,
+        max_req_total_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.num_kv_rows = num_kv_rows
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # NOTE: zeros, not empty: attention kernels may read (and mask) rows never written, and NaN
+        # garbage times a zero weight is still NaN.
+        self.k = torch.zeros(num_layers, num_kv_rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.k_caches = list(self.k.unbind(0))  # num_layers x [num_kv_rows, Hk_local, D]
+        self.v_caches = list(self.v.unbind(0))
+        self.req_to_token = torch.zeros(num_req_rows, max_req_total_len, dtype=torch.int32, device=device)
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, num_kv_heads_local: int, dtype: torch.dtype) -> int:
+        """K plus V bytes of one token over all layers on one rank (for sizing num_kv_rows)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * num_kv_heads_local * config.head_dim * elem
+
+
+def fill_req_to_token(
+    kv_cache: KVCache, req_rows_per_token: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor
+) -> None:
+    """req_to_token[req_rows_per_token[i], positions[i]] = kv_locs[i] for every new token i.
+    All three are [T] integer tensors on the cache's device."""
+    kv_cache.req_to_token[req_rows_per_token.long(), positions.long()] = kv_locs.to(torch.int32)

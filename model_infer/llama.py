@@ -1,0 +1,187 @@
+"""LlamaForCausalLM: our forward for the Llama family (Llama, Mistral, Qwen2, Qwen3), one class for all.
+
+Called by the worker once per step with a ForwardBatch and its rank's KVCache. Variants are
+ModelConfig fields (biases, q/k norm, rope scaling), never subclasses. All math goes through
+`lightserve.kernels`; tp_size == 1 makes no torch.distributed call.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_infer.rope import build_cos_sin_cache
+from lightserve.model_infer.weights import LayerWeights, ModelWeights, load_weights
+
+from lightserve import kernels
+
+if TYPE_CHECKING:
+    from lightserve.model_infer.forward_batch import ForwardBatch
+    from lightserve.model_infer.kv_cache import KVCache
+
+
+class LlamaForCausalLM:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        assert weights.shards.tp_rank == tp_rank and weights.shards.tp_size == tp_size, "weights of another rank"
+        self.config = config
+        self.weights = weights
+        self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.num_heads = weights.shards.num_heads        # Hq_local
+        self.num_kv_heads = weights.shards.num_kv_heads  # Hk_local
+        self.head_dim = config.head_dim
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+        self.sm_scale = config.head_dim ** -0.5
+        self.cos_sin = build_cos_sin_cache(config, device=self.device)  # [max_pos, D] float32
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group: dist.ProcessGroup | None = None,
+    ) -> LlamaForCausalLM:
+        """Read config.json and this rank's weight shard. Raises ValueError for an unsupported
+        architecture or a tp_size the head counts do not allow."""
+        config = ModelConfig.from_dir(model_dir)
+        weights = load_weights(model_dir, config, dtype, device, tp_rank, tp_size)
+        return cls(config, weights, tp_rank, tp_size, tp_group)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Run one step; returns [B, vocab] float32 logits of the tokens at `batch.logits_indices`.
+
+        Writes this step's K/V into kv_cache at `batch.kv_locs`. Attention reads
+        `batch.req_to_token` (the worker passes kv_cache.req_to_token, already filled for this step).
+        """
+        cfg, w = self.config, self.weights
+        attn = _AttentionInputs.from_batch(batch)
+        hidden = self._embed(batch.input_ids)  # [T, hidden]
+        residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
+        for i, layer in enumerate(w.layers):
+            if i == 0:
+                x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            x = self._attention(layer, x, batch, attn, kv_cache.k_caches[i], kv_cache.v_caches[i])
+            x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps)
+            hidden = self._mlp(layer, x)  # [T, hidden]
+        # Only the sampled positions need the final norm and lm_head.
+        last_hidden = hidden[batch.logits_indices]  # [B, hidden]
+        last_residual = residual[batch.logits_indices]  # [B, hidden]
+        x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps)
+        return self._logits(x)
+
+    __call__ = forward
+
+    def _attention(
+        self,
+        layer: LayerWeights,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        attn: _AttentionInputs,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q = q.view(num_tokens, hq, d)  # [T, Hq, D], strided view into qkv
+        k = k.view(num_tokens, hk, d)  # [T, Hk, D]
+        v = v.view(num_tokens, hk, d)  # [T, Hk, D]
+        if layer.q_norm is not None:  # Qwen3: RMSNorm over head_dim of every head, before rope
+            q = kernels.rmsnorm(q.reshape(-1, d), layer.q_norm, self.config.rms_norm_eps).view(num_tokens, hq, d)
+            k = kernels.rmsnorm(k.reshape(-1, d), layer.k_norm, self.config.rms_norm_eps).view(num_tokens, hk, d)
+        kernels.rotary_emb(q, k, batch.positions, self.cos_sin)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.kv_locs)
+
+        nd = batch.num_decode
+        parts = []  # decode outputs first, then extend outputs: the batch's token order
+        if nd > 0:
+            parts.append(kernels.decode_attention(
+                q[:nd], k_cache, v_cache, batch.req_to_token, attn.decode_req_rows, attn.decode_seq_lens,
+                batch.max_seq_len, self.sm_scale,
+            ))  # [num_decode, Hq, D]
+        if attn.has_extend:
+            parts.append(kernels.prefill_attention(
+                q[nd:], k_cache, v_cache, batch.req_to_token, attn.extend_req_rows, attn.extend_q_start_locs,
+                attn.extend_prefix_lens, attn.extend_lens, batch.max_extend_len, self.sm_scale,
+            ))  # [T - num_decode, Hq, D]
+        o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
+        o = o.reshape(num_tokens, hq * d)  # [T, Hq * D]
+        if self.tp_size == 1:
+            return F.linear(o, layer.o_proj, layer.o_bias)  # [T, hidden]
+        out = F.linear(o, layer.o_proj)  # [T, hidden], partial sum of this rank's heads
+        dist.all_reduce(out, group=self.tp_group)
+        if layer.o_bias is not None:  # once, after the reduction, not once per rank
+            out += layer.o_bias
+        return out
+
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
+        out = F.linear(kernels.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        if self.tp_size > 1:
+            dist.all_reduce(out, group=self.tp_group)
+        return out
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weights.embed)  # [T, hidden]
+        # Vocab-parallel: each rank looks up the ids it owns, zeros elsewhere, then all ranks sum.
+        sh = self.weights.shards
+        local = input_ids - sh.vocab_start  # [T]
+        owned = (local >= 0) & (local < sh.vocab_per_rank)  # [T] bool
+        out = F.embedding(local * owned, self.weights.embed)  # [T, hidden]
+        out *= owned.unsqueeze(1).to(out.dtype)
+        dist.all_reduce(out, group=self.tp_group)
+        return out
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weights.lm_head)  # [B, V] (tp > 1: [B, Vp])
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits, group=self.tp_group)
+            logits = torch.cat(parts, dim=-1)[:, : self.config.vocab_size]  # [B, V], padding dropped
+        return logits.float()
+
+
+class _AttentionInputs:
+    """Per-step slices of the batch metadata, cut once per forward instead of once per layer."""
+
+    __slots__ = (
+        "decode_req_rows",
+        "decode_seq_lens",
+        "extend_lens",
+        "extend_prefix_lens",
+        "extend_q_start_locs",
+        "extend_req_rows",
+        "has_extend",
+    )
+
+    @classmethod
+    def from_batch(cls, batch: ForwardBatch) -> _AttentionInputs:
+        nd = batch.num_decode
+        self = cls()
+        self.decode_req_rows = batch.req_rows[:nd]  # [num_decode]
+        self.decode_seq_lens = batch.seq_lens[:nd]  # [num_decode]
+        self.has_extend = batch.num_reqs > nd
+        self.extend_req_rows = batch.req_rows[nd:]  # [num_extend]
+        # q[num_decode:] starts at token num_decode, so extend offsets are rebased to it.
+        self.extend_q_start_locs = batch.q_start_locs[nd:] - batch.num_decode_tokens  # [num_extend]
+        self.extend_prefix_lens = batch.prefix_lens[nd:]  # [num_extend]
+        self.extend_lens = batch.extend_lens[nd:]  # [num_extend]
+        return self

@@ -1,0 +1,218 @@
+"""ModelWeights: one tensor-parallel rank's shard of a Llama-family checkpoint, loaded from safetensors.
+
+Called once by the worker (through `LlamaForCausalLM.load`). Each rank reads only its slices
+(`safe_open(...).get_slice`), so a rank never holds the full q/k/v or MLP matrices.
+
+Sharding (`TPShards` computes every range):
+  q/k/v, gate/up   column-parallel: rank r keeps its heads / its I/tp rows; fused into one matrix each.
+  o_proj, down     row-parallel: rank r keeps the matching input columns; outputs are all-reduced.
+  embed, lm_head   vocab-parallel: rank r keeps rows [r*Vp, (r+1)*Vp), Vp = ceil(V/tp), zero-padded.
+KV heads: when tp <= Hk, rank r keeps kv heads [r*Hk/tp, (r+1)*Hk/tp) (needs Hk % tp == 0).
+When tp > Hk, kv heads are replicated: rank r keeps the single kv head r*Hk//tp (needs tp % Hk == 0).
+That head is the one its query heads [r*Hq/tp, (r+1)*Hq/tp) use: with tp = m*Hk each kv group of
+g = Hq/Hk query heads is split evenly over m consecutive ranks.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+if TYPE_CHECKING:
+    from lightserve.model_infer.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TPShards:
+    """Index ranges owned by one rank; all in units of rows (heads are converted with head_dim)."""
+    tp_rank: int
+    tp_size: int
+    num_heads: int        # Hq_local
+    num_kv_heads: int     # Hk_local
+    q_head_start: int
+    kv_head_start: int
+    inter_size: int       # I_local
+    inter_start: int
+    vocab_per_rank: int   # Vp, the padded vocab slice of every rank
+    vocab_start: int
+
+    @classmethod
+    def for_rank(cls, config: ModelConfig, tp_rank: int, tp_size: int) -> TPShards:
+        """Raises ValueError when tp_size does not divide the heads / intermediate size."""
+        hq, hk = config.num_heads, config.num_kv_heads
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        if hq % tp_size != 0:
+            raise ValueError(f"tp_size {tp_size} must divide num_attention_heads {hq}")
+        if config.intermediate_size % tp_size != 0:
+            raise ValueError(f"tp_size {tp_size} must divide intermediate_size {config.intermediate_size}")
+        if tp_size <= hk:
+            if hk % tp_size != 0:
+                raise ValueError(f"tp_size {tp_size} must divide num_key_value_heads {hk}")
+            kv_local, kv_start = hk // tp_size, tp_rank * (hk // tp_size)
+        else:
+            if tp_size % hk != 0:
+                raise ValueError(f"tp_size {tp_size} > num_key_value_heads {hk} must be a multiple of it")
+            kv_local, kv_start = 1, tp_rank * hk // tp_size
+        inter_local = config.intermediate_size // tp_size
+        vocab_per_rank = -(-config.vocab_size // tp_size)
+        return cls(
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            num_heads=hq // tp_size,
+            num_kv_heads=kv_local,
+            q_head_start=tp_rank * (hq // tp_size),
+            kv_head_start=kv_start,
+            inter_size=inter_local,
+            inter_start=tp_rank * inter_local,
+            vocab_per_rank=vocab_per_rank,
+            vocab_start=tp_rank * vocab_per_rank,
+        )
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor            # [hidden]
+    qkv_proj: torch.Tensor              # [(Hq_local + 2*Hk_local) * D, hidden]; rows q | k | v
+    qkv_bias: torch.Tensor | None       # [(Hq_local + 2*Hk_local) * D]
+    q_norm: torch.Tensor | None         # [D] (Qwen3)
+    k_norm: torch.Tensor | None         # [D] (Qwen3)
+    o_proj: torch.Tensor                # [hidden, Hq_local * D]
+    o_bias: torch.Tensor | None         # [hidden], full; added once after the all-reduce
+    post_attn_norm: torch.Tensor        # [hidden]
+    gate_up_proj: torch.Tensor          # [2 * I_local, hidden]; rows gate | up
+    down_proj: torch.Tensor             # [hidden, I_local]
+
+
+@dataclass
+class ModelWeights:
+    shards: TPShards
+    embed: torch.Tensor                 # [Vp, hidden] (tp == 1: [V, hidden]); padded rows are zero
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor            # [hidden]
+    lm_head: torch.Tensor               # [Vp, hidden]; the same tensor as embed when tied
+
+
+def load_weights(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> ModelWeights:
+    """Load this rank's shard of every weight, cast to `dtype`, on `device`.
+
+    Raises ValueError for a tp_size the head counts do not allow, FileNotFoundError when the folder
+    has no *.safetensors, KeyError naming a missing tensor.
+    """
+    start = time.perf_counter()
+    shards = TPShards.for_rank(config, tp_rank, tp_size)
+    reader = _CheckpointReader(Path(model_dir), dtype, device)
+    try:
+        weights = _load(reader, config, shards)
+    finally:
+        reader.close()
+    logger.info("loaded weights (tp %d/%d, %s) in %.1fs", tp_rank, tp_size, dtype, time.perf_counter() - start)
+    return weights
+
+
+def _load(reader: _CheckpointReader, config: ModelConfig, sh: TPShards) -> ModelWeights:
+    d = config.head_dim
+    q_rows = (sh.q_head_start * d, (sh.q_head_start + sh.num_heads) * d)
+    kv_rows = (sh.kv_head_start * d, (sh.kv_head_start + sh.num_kv_heads) * d)
+    inter_rows = (sh.inter_start, sh.inter_start + sh.inter_size)
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = torch.cat([
+            reader.rows(attn + "q_proj.weight", *q_rows),
+            reader.rows(attn + "k_proj.weight", *kv_rows),
+            reader.rows(attn + "v_proj.weight", *kv_rows),
+        ])
+        qkv_bias = None
+        if config.qkv_bias:
+            qkv_bias = torch.cat([
+                reader.rows(attn + "q_proj.bias", *q_rows),
+                reader.rows(attn + "k_proj.bias", *kv_rows),
+                reader.rows(attn + "v_proj.bias", *kv_rows),
+            ])
+        layers.append(LayerWeights(
+            input_norm=reader.full(p + "input_layernorm.weight"),
+            qkv_proj=qkv,
+            qkv_bias=qkv_bias,
+            q_norm=reader.full(attn + "q_norm.weight") if config.qk_norm else None,
+            k_norm=reader.full(attn + "k_norm.weight") if config.qk_norm else None,
+            o_proj=reader.cols(attn + "o_proj.weight", *q_rows),
+            o_bias=reader.full(attn + "o_proj.bias") if config.o_bias else None,
+            post_attn_norm=reader.full(p + "post_attention_layernorm.weight"),
+            gate_up_proj=torch.cat([
+                reader.rows(mlp + "gate_proj.weight", *inter_rows),
+                reader.rows(mlp + "up_proj.weight", *inter_rows),
+            ]),
+            down_proj=reader.cols(mlp + "down_proj.weight", *inter_rows),
+        ))
+    embed = _vocab_rows(reader, "model.embed_tokens.weight", config, sh)
+    # NOTE: a checkpoint without lm_head.weight is tied whatever its config says.
+    tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
+    lm_head = embed if tied else _vocab_rows(reader, "lm_head.weight", config, sh)
+    return ModelWeights(
+        shards=sh, embed=embed, layers=layers, final_norm=reader.full("model.norm.weight"), lm_head=lm_head
+    )
+
+
+def _vocab_rows(reader: _CheckpointReader, name: str, config: ModelConfig, sh: TPShards) -> torch.Tensor:
+    if sh.tp_size == 1:
+        return reader.full(name)  # [V, hidden]
+    end = min(sh.vocab_start + sh.vocab_per_rank, config.vocab_size)
+    part = reader.rows(name, sh.vocab_start, end)  # [<=Vp, hidden]
+    if part.shape[0] == sh.vocab_per_rank:
+        return part
+    padded = part.new_zeros(sh.vocab_per_rank, part.shape[1])  # [Vp, hidden]
+    padded[: part.shape[0]] = part
+    return padded
+
+
+class _CheckpointReader:
+    """Reads tensors, or row/column ranges of them, from all *.safetensors files of a folder."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device | str) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        self.dtype, self.device = dtype, device
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118 (not iterable)
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def full(self, name: str) -> torch.Tensor:
+        return self._cast(self._handle(name).get_tensor(name))
+
+    def rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self._cast(self._handle(name).get_slice(name)[start:end])
+
+    def cols(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self._cast(self._handle(name).get_slice(name)[:, start:end])
+
+    def close(self) -> None:
+        self._handles.clear()
+        self._where.clear()
+
+    def _handle(self, name: str):
+        try:
+            return self._where[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} not found in the checkpoint") from None
+
+    def _cast(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype).contiguous()

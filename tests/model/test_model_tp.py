@@ -1,0 +1,70 @@
+"""Tensor parallelism on CPU with gloo: 2 ranks over a model with 1 kv head (so it is replicated)
+and an odd vocabulary (so the vocab shards are padded) give the same logits as one rank."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightserve.model_infer.llama import LlamaForCausalLM
+
+from .fake_worker import FakeWorker
+from .tiny_models import make_tiny_model
+
+TP = 2
+VOCAB = 131
+PROMPTS = [[5, 9, 17, 33, 2, 8, 101], [7, 7, 64], [129, 3, 11, 12, 40]]
+
+
+def _run(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """A prefill of all prompts, then two decode steps."""
+    worker = FakeWorker(model)
+    out = [worker.step(list(enumerate(PROMPTS)), num_decode=0)]
+    for token in (42, 43):
+        out.append(worker.step([(row, [token]) for row in range(len(PROMPTS))], num_decode=len(PROMPTS)))
+    return out
+
+
+def _rank_main(rank: int, port: int, model_dir: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
+    try:
+        model = LlamaForCausalLM.load(model_dir, torch.float32, tp_rank=rank, tp_size=TP, tp_group=None)
+        logits = _run(model)
+        if rank == 0:
+            torch.save(logits, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_logits_equal_tp1(tmp_path: Path):
+    model_dir = make_tiny_model("llama_bias", tmp_path / "model", vocab_size=VOCAB, num_key_value_heads=1)
+    expected = _run(LlamaForCausalLM.load(model_dir, torch.float32))
+
+    ctx = mp.get_context("spawn")
+    out_path = tmp_path / "tp_logits.pt"
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, str(model_dir), str(out_path))) for r in range(TP)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=120)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0] * TP
+    got = torch.load(out_path)
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape == (len(PROMPTS), VOCAB)
+        torch.testing.assert_close(g, e, atol=2e-5, rtol=1e-5)

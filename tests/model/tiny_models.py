@@ -1,0 +1,44 @@
+"""Tiny random-weight checkpoints of each supported architecture, saved by transformers in float32,
+for comparing our forward against transformers' own."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "llama_bias")
+
+
+def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
+    """Save a 2-layer model (hidden 64, 4 heads, 2 kv heads unless overridden) to out_dir; return it.
+    All weights, including norms and biases, are random so every term of the forward matters."""
+    import transformers
+
+    common = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 2, "vocab_size": 160, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+                  "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    if kind == "llama3":
+        cfg = transformers.LlamaConfig(**{**common, **overrides}, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**{**common, **overrides}, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**{**common, **overrides}, head_dim=24, tie_word_embeddings=True)
+    elif kind == "mistral":
+        cfg = transformers.MistralConfig(**{**common, **overrides}, sliding_window=None)
+    elif kind == "llama_bias":
+        cfg = transformers.LlamaConfig(**{**common, **overrides}, attention_bias=True)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(zlib.crc32(kind.encode()))  # str hash() is salted per process
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out_dir)
+    return out_dir

@@ -59,6 +59,7 @@ class LightllmParams(StrictModel):
     ignore_eos: bool | None = None
     stop_sequences: Any = None  # str | list[str]; checked by stop_list
     stop_token_ids: list[int] | None = None
+    disable_prompt_cache: bool | None = None
     skip_special_tokens: bool | None = None
     add_special_tokens: bool | None = None
     return_details: bool | None = None
@@ -115,7 +116,8 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
         min_p=pick(p.min_p, 0.0), repetition_penalty=pick(p.repetition_penalty, 1.0),
         presence_penalty=pick(p.presence_penalty, 0.0), frequency_penalty=pick(p.frequency_penalty, 0.0),
         seed=p.seed, ignore_eos=pick(p.ignore_eos, False), skip_special_tokens=pick(p.skip_special_tokens, True),
-        stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), stop_token_ids=list(p.stop_token_ids or ()))
+        stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), stop_token_ids=list(p.stop_token_ids or ()),
+        disable_prompt_cache=pick(p.disable_prompt_cache, False))
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated

@@ -70,6 +70,7 @@ class _SamplingRequest(StrictModel):
     stop: Any = None  # str | list[str]; checked by stop_list
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    disable_prompt_cache: bool | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     skip_special_tokens: bool | None = None
@@ -325,7 +326,8 @@ def _params(req: _SamplingRequest, max_tokens: int, top_logprobs: int) -> Sampli
         min_p=pick(req.min_p, 0.0), repetition_penalty=pick(req.repetition_penalty, 1.0),
         presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
         seed=req.seed, ignore_eos=pick(req.ignore_eos, False), skip_special_tokens=pick(req.skip_special_tokens, True),
-        stop=stop_list(req.stop, "stop"), stop_token_ids=list(req.stop_token_ids or ()), top_logprobs=top_logprobs)
+        stop=stop_list(req.stop, "stop"), stop_token_ids=list(req.stop_token_ids or ()), top_logprobs=top_logprobs,
+        disable_prompt_cache=pick(req.disable_prompt_cache, False))
 
 
 def _refuse(value: Any, param: str) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from multiprocessing.connection import Connection
 
+import time
+
 import zmq
 
 from lightserve.config import ServerConfig
@@ -18,6 +20,7 @@ logger = get_logger(__name__)
 
 IDLE_POLL_MS = 50
 STEP_POLL_MS = 100
+STATS_LOG_S = 10.0
 
 
 def run_router(config: ServerConfig, kv_size: int, ready: Connection) -> None:
@@ -59,6 +62,8 @@ class Router:
         self.to_detok = to_detok
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
+        self._log_at = time.monotonic() + STATS_LOG_S
+        self._window = dict(steps=0, tokens=0, forward_s=0.0, step_s=0.0)
 
     def loop(self, stop) -> None:
         while not stop.is_set():
@@ -67,22 +72,42 @@ class Router:
             if record is None:
                 self._publish()
                 continue
+            t0 = time.perf_counter()
             data = encode(record.plan)
             for sock in self.to_workers:
                 sock.send(data, copy=False)
-            if not self._wait_step(record, stop):
+            done = self._wait_step(record, stop)
+            if done is None:
                 return
             self.scheduler.finish_step(record)
             self._publish()
+            self._account(record, done, time.perf_counter() - t0)
 
-    def _wait_step(self, record: StepRecord, stop) -> bool:
+    def _wait_step(self, record: StepRecord, stop) -> StepDone | None:
         while not stop.is_set():
             if self.step_done.poll(STEP_POLL_MS):
                 msg = decode(self.step_done.recv())
                 assert isinstance(msg, StepDone) and msg.step == record.plan.step, msg
-                return True
-        return False
+                return msg
+        return None
 
+    def _account(self, record: StepRecord, done: StepDone, step_s: float) -> None:
+        """A periodic INFO line (never per step): throughput and where a step's time goes."""
+        w = self._window
+        w["steps"] += 1
+        w["tokens"] += int(record.plan.input_ids.shape[0])
+        w["forward_s"] += done.forward_s
+        w["step_s"] += step_s
+        now = time.monotonic()
+        if now < self._log_at:
+            return
+        s = self.scheduler
+        logger.info("%.1f steps/s, %d tokens/step, step %.1f ms (forward+sample %.1f ms), running %d, "
+                    "waiting %d, KV free %d/%d", w["steps"] / (now - self._log_at + STATS_LOG_S),
+                    w["tokens"] // w["steps"], 1e3 * w["step_s"] / w["steps"], 1e3 * w["forward_s"] / w["steps"],
+                    len(s.running), len(s.waiting), s.allocator.num_free, s.allocator.num_total)
+        self._window = dict(steps=0, tokens=0, forward_s=0.0, step_s=0.0)
+        self._log_at = now + STATS_LOG_S
     def _drain_inbox(self, timeout_ms: int) -> None:
         if not self.poller.poll(timeout_ms):
             return

@@ -22,6 +22,7 @@ def _signed(c: int) -> int:  # a uint64 constant as the int64 with the same bits
 _GOLDEN = _signed(0x9E3779B97F4A7C15)
 _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
+_NUM_CANDIDATES = 1024  # tokens per row considered by top-k/top-p before falling back to a full sort
 
 
 def sample(
@@ -94,24 +95,51 @@ def _sample_random(
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """scaled [R, V] -> [R, V] with tokens outside each row's top-k, then outside its top-p nucleus
-    (of the top-k renormalized distribution), set to -inf. The most likely token always survives."""
+    (of the top-k renormalized distribution), set to -inf. The most likely token always survives.
+
+    NOTE: sorting a 49k vocabulary costs far more than the rest of sampling, so the filter works on
+    the top `_NUM_CANDIDATES` (or top-k) tokens of each row; that is exact whenever those candidates
+    hold the whole top-k set or at least top_p of the mass. The rare flatter rows get a full sort.
+    """
     vocab = scaled.shape[1]
-    if bool((top_ps >= 1.0).all()):
-        # Top-k only: a partial topk is much cheaper than sorting the whole vocabulary.
-        k_max = int(top_ks.max())
-        vals, idx = scaled.topk(k_max, dim=-1)  # [R, k_max], descending
-        drop = torch.arange(k_max, device=scaled.device).unsqueeze(0) >= top_ks.unsqueeze(1)
-        vals = vals.masked_fill(drop, float("-inf"))
-        return torch.full_like(scaled, float("-inf")).scatter_(1, idx, vals)
-    vals, idx = scaled.sort(dim=-1, descending=True)  # [R, V]
-    drop_k = torch.arange(vocab, device=scaled.device).unsqueeze(0) >= top_ks.unsqueeze(1)  # [R, V]
-    vals = vals.masked_fill(drop_k, float("-inf"))
-    probs = torch.softmax(vals, dim=-1)  # [R, V]
-    mass_before = probs.cumsum(dim=-1) - probs  # [R, V], probability of the strictly better tokens
+    has_k = top_ks < vocab  # [R]
+    k_needed = int(torch.where(has_k, top_ks, 0).max())
+    if bool(has_k.all()):  # every row's candidates are its top-k set: exact, and the cheapest topk
+        num_cand, full_lse = k_needed, None
+    else:
+        num_cand, full_lse = min(vocab, max(_NUM_CANDIDATES, k_needed)), torch.logsumexp(scaled, dim=-1)
+    vals, idx = scaled.topk(num_cand, dim=-1)  # [R, K], descending
+    vals, covered = _mask_sorted(vals, top_ks, top_ps, full_lse=full_lse)
+    out = torch.full_like(scaled, float("-inf")).scatter_(1, idx, vals)  # [R, V]
+    if not bool(covered.all()):
+        rows = (~covered).nonzero().squeeze(1)  # [R']
+        vals, idx = scaled[rows].sort(dim=-1, descending=True)  # [R', V]
+        vals, _ = _mask_sorted(vals, top_ks[rows], top_ps[rows], full_lse=None)
+        out[rows] = torch.empty_like(vals).scatter_(1, idx, vals)
+    return out
+
+
+def _mask_sorted(
+    vals: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, full_lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vals [R, K]: each row's K largest scaled logits, descending (K may be V). Returns them with the
+    dropped ones at -inf, and [R] bool: whether the row's result is exact from these K alone.
+    full_lse [R]: logsumexp of each whole row, for rows without top-k (None when every row has one)."""
+    num_cand = vals.shape[1]
+    positions = torch.arange(num_cand, device=vals.device).unsqueeze(0)  # [1, K]
+    vals = vals.masked_fill(positions >= top_ks.unsqueeze(1), float("-inf"))
+    in_cand_k = top_ks <= num_cand  # [R] the whole top-k set is among the candidates
+    lse = torch.logsumexp(vals, dim=-1)  # [R], renormalizes over the top-k set
+    if full_lse is not None:
+        lse = torch.where(in_cand_k, lse, full_lse)  # no top-k: probabilities over the whole vocabulary
+    probs = torch.exp(vals - lse.unsqueeze(1))  # [R, K]
+    cum = probs.cumsum(dim=-1)  # [R, K]
+    mass_before = cum - probs  # probability of the strictly better tokens
     drop_p = mass_before >= top_ps.unsqueeze(1)  # keeps the smallest prefix whose mass reaches top_p
     drop_p[:, 0] = False
-    vals = vals.masked_fill(drop_p, float("-inf"))
-    return torch.empty_like(scaled).scatter_(1, idx, vals)
+    drop_p &= (top_ps < 1.0).unsqueeze(1)  # top_p == 1 is off, even where cumsum rounds up to 1
+    covered = in_cand_k | (cum[:, -1] >= top_ps)
+    return vals.masked_fill(drop_p, float("-inf")), covered
 
 
 def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:

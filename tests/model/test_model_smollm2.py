@@ -19,6 +19,17 @@ PROMPTS = [
 NUM_NEW_TOKENS = 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # NOTE: with 2 OpenMP threads on a 2-core machine shared with other test runs, every small matmul
+    # waits for a descheduled thread: measured 10x slower than 1 thread under load. These batch-4
+    # shapes gain little from a second thread anyway.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     import transformers

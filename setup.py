@@ -24,6 +24,7 @@ setup(
         "prometheus-client>=0.20",
         "tqdm",
         "orjson>=3.8",
+        "accelerate",  # transformers needs it to load the bundled GGUF
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "openai>=1.40", "aiohttp>=3.9", "httpx"],

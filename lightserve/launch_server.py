@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -21,6 +22,9 @@ logger = get_logger("lightserve.launcher")
 
 EXIT_CHILD_DIED = 3
 EXIT_START_FAILED = 2
+# A non-zero node gives up on node 0 after this many failed probes, one every NODE0_PROBE_S.
+NODE0_PROBE_S = 2.0
+NODE0_PROBE_FAILURES = 3
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -67,16 +71,42 @@ def serve(config: ServerConfig) -> int:
 
 
 def _serve_worker_node(procs) -> int:
-    """Nodes other than 0 run only worker ranks: wait until one exits or we are told to stop."""
+    """Nodes other than 0 run only worker ranks: wait until one exits, node 0 goes away, or we are
+    told to stop.
+
+    Node 0's liveness is its rank 0's rendezvous store on --nccl_host:--nccl_port, which lives as long
+    as the TP group does. An idle rank here only waits on a zmq socket (which reconnects forever), so
+    without this probe a dead node 0 would leave this node running until the next collective.
+    """
+    config = procs.config
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    failures = 0
+    next_probe = time.monotonic() + NODE0_PROBE_S
     while not stop.is_set():
         dead = procs.watch(timeout=0.5)
         if dead is not None:
-            logger.error("%s exited with code %s; stopping this node", dead.name, dead.proc.exitcode)
+            logger.error("%s (pid %d) exited with code %s; stopping this node", dead.name, dead.proc.pid,
+                         dead.proc.exitcode)
+            return EXIT_CHILD_DIED
+        if time.monotonic() < next_probe:
+            continue
+        next_probe = time.monotonic() + NODE0_PROBE_S
+        failures = 0 if _reachable(config.nccl_host, config.nccl_port) else failures + 1
+        if failures >= NODE0_PROBE_FAILURES:
+            logger.error("node 0 (rank 0's store at %s:%d) unreachable for %d probes; stopping this node",
+                         config.nccl_host, config.nccl_port, failures)
             return EXIT_CHILD_DIED
     return 0
+
+
+def _reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=NODE0_PROBE_S):
+            return True
+    except OSError:
+        return False
 
 
 def _serve_http(config: ServerConfig, model_dir: str, procs, t0: float) -> int:

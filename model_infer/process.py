@@ -28,7 +28,10 @@ from lightserve.model_infer.sampler import sample
 logger = get_logger(__name__)
 
 POLL_MS = 100
-TP_INIT_TIMEOUT = datetime.timedelta(seconds=120)
+# Bounds the rendezvous (every rank of every node must join within it) and, for gloo and for nccl's
+# watchdog, every later collective: a rank whose peer hangs errors out instead of waiting forever.
+# A peer that dies closes its sockets, and gloo fails at once ("Connection closed by peer").
+TP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -91,8 +94,19 @@ def _init_tp_group(config: ServerConfig, tp_rank: int, device: torch.device):
     if config.tp == 1:
         return None
     backend = "nccl" if device.type == "cuda" else "gloo"
-    torch.distributed.init_process_group(backend, init_method=f"tcp://{config.nccl_host}:{config.nccl_port}",
-                                         rank=tp_rank, world_size=config.tp, timeout=TP_INIT_TIMEOUT)
+    addr = f"tcp://{config.nccl_host}:{config.nccl_port}"
+    t0 = time.monotonic()
+    try:
+        # Rank 0 hosts the rendezvous store on nccl_port; the launchers of other nodes probe that
+        # port to notice that node 0 is gone (launch_server._serve_worker_node).
+        torch.distributed.init_process_group(backend, init_method=addr, rank=tp_rank, world_size=config.tp,
+                                             timeout=TP_TIMEOUT)
+    except Exception as exc:
+        raise RuntimeError(f"rank {tp_rank}/{config.tp} could not join the {backend} group at {addr} within "
+                           f"{TP_TIMEOUT.total_seconds():.0f} s (are all {config.nnodes} node(s) started "
+                           f"with the same --tp/--nccl_host/--nccl_port?): {exc}") from exc
+    logger.info("pid %d joined the %s group at %s as rank %d/%d in %.1f s", os.getpid(), backend, addr,
+                tp_rank, config.tp, time.monotonic() - t0)
     return torch.distributed.group.WORLD
 
 

@@ -121,8 +121,12 @@ class Scheduler:
                     break
                 chunks.append((req, n))
                 budget -= n
-        # Admit waiting (paused requests sit at the head) while the budget and KV allow.
-        reserved = self.admission.running_need(self.running)
+        # Admit waiting (paused requests sit at the head) while the budget and KV allow. Reserve
+        # the rows running prefills still need beyond this step's chunk too: without them, two
+        # long prompts admitted together could each hold half the KV, neither able to grow, and
+        # no step would ever run again.
+        unallocated = sum(r.extend_len for r in self.running) - len(decodes) - sum(n for _, n in chunks)
+        reserved = self.admission.running_need(self.running) + unallocated
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
             n = self._admit(req, budget, reserved)
@@ -133,7 +137,7 @@ class Scheduler:
                 fills.append(req)
             chunks.append((req, n))
             budget -= n
-            reserved += self.admission.future_need(req)
+            reserved += self.admission.future_need(req) + req.extend_len - n
         if not decodes and not chunks:
             return None
         return self._build_plan(decodes, decode_locs, chunks, fills)

@@ -2,6 +2,7 @@
 worker rank and waits for rank 0's StepDone before planning the next step."""
 from __future__ import annotations
 
+import contextlib
 from multiprocessing.connection import Connection
 
 import time
@@ -46,7 +47,10 @@ def run_router(config: ServerConfig, kv_size: int, ready: Connection) -> None:
             router.loop(stop)
         finally:
             for sock in to_workers:
-                sock.send(encode(Shutdown()), zmq.NOBLOCK)
+                # Best effort: a dead worker (the usual reason we stop) cannot take it, and zmq.Again
+                # here would turn a clean stop into a traceback and leave the sockets open.
+                with contextlib.suppress(zmq.Again):
+                    sock.send(encode(Shutdown()), zmq.NOBLOCK)
             for sock in (inbox, step_done, to_detok, *to_workers):
                 sock.close(linger=100)
             ctx.term()

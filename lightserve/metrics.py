@@ -104,6 +104,11 @@ class _EngineCollector(Collector):
                                 value=self._engine.num_pending)
         yield GaugeMetricFamily(PREFIX + "requests_queued", "Requests waiting in the front for a free slot",
                                 value=self._engine.num_queued)
+        pool = self._engine.pool
+        yield GaugeMetricFamily(PREFIX + "req_slots_total", "Request-pool slots (--req_pool_size)",
+                                value=pool.num_slots)
+        yield GaugeMetricFamily(PREFIX + "req_slots_free", "Request-pool slots every owner has released",
+                                value=pool.num_free_slots())
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # names depend on STATS_FIELDS; skip the registration-time duplicate check

@@ -24,8 +24,13 @@ VOCAB = 49152
 
 
 class FakePool:
+    num_slots = 8
+
     def __init__(self) -> None:
         self.stats = {name: i + 1 for i, name in enumerate(STATS_FIELDS)}
+
+    def num_free_slots(self) -> int:
+        return self.num_slots
 
     def stats_dict(self) -> dict[str, int]:
         return dict(self.stats)

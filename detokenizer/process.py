@@ -103,7 +103,8 @@ class Detokenizer:
         i = stream.shm_index
         ids = self.pool.output_ids(i, stream.num_read, num_output).tolist()
         logprobs = self.pool.output_logprobs(i, stream.num_read, num_output).tolist()
-        delta = stream.advance(ids, logprobs, finish, int(self.pool.cached_len[i]))
+        top = self.pool.output_top_logprobs(i, stream.num_read, num_output)
+        delta = stream.advance(ids, logprobs, finish, int(self.pool.cached_len[i]), top)
         if delta.finish != FinishReason.NONE:
             del self.streams[i]
             self._ended[i] = stream.req_id

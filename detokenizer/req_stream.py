@@ -31,7 +31,7 @@ class ReqStream:
         self._stop = StopChecker(stop)
 
     def advance(self, token_ids: list[int], logprobs: list[float], finish: FinishReason,
-                cached_len: int = 0) -> ReqDelta:
+                cached_len: int = 0, top_logprobs: list[list[tuple[int, float]]] | None = None) -> ReqDelta:
         """The delta for tokens [num_read, num_read + len(token_ids)) of the output.
 
         `finish` is the pool's status (NONE while running). The delta's finish is STOP when a
@@ -64,4 +64,5 @@ class ReqStream:
         return ReqDelta(
             shm_index=self.shm_index, req_id=self.req_id, text="".join(texts) + tail,
             token_ids=token_ids[:n], token_texts=texts, logprobs=logprobs[:n],
-            num_output=self.num_read, finish=finish, cached_len=cached_len)
+            num_output=self.num_read, finish=finish, cached_len=cached_len,
+            top_logprobs=top_logprobs[:n] if top_logprobs else [])

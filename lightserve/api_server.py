@@ -32,7 +32,7 @@ from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeou
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason
 from lightserve.metrics import FrontMetrics
-from lightserve.sampling import ParamError, SamplingParams
+from lightserve.sampling import GrammarKind, ParamError, SamplingParams
 
 if TYPE_CHECKING:
     from lightserve.config import ServerConfig
@@ -111,6 +111,7 @@ class Generation:
     num_output: int = 0
     finish: FinishReason = FinishReason.NONE
     cached_len: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
@@ -227,11 +228,39 @@ def make_checked(front: Front, prompt_ids: list[int], params: SamplingParams, pr
             value = getattr(params, name)
             if isinstance(value, int) and not _INT32[0] <= value <= _INT32[1]:
                 raise ParamError(name, "is out of range")
+        if isinstance(params.top_logprobs, int) and params.top_logprobs > front.config.max_top_logprobs:
+            raise ParamError("top_logprobs", f"must be <= {front.config.max_top_logprobs} (--max_top_logprobs)")
         if isinstance(params.max_new_tokens, int) and params.max_new_tokens > front.max_model_len:
             raise ParamError("max_new_tokens", f"must be <= {front.max_model_len}, this server's context length")
         return front.engine.check_prompt(prompt_ids, params, prompt_param)
     except ParamError as exc:
         raise ApiError(400, exc.message, names.get(exc.param, exc.param)) from None
+
+
+def grammar_of(param: str, json_schema: Any = None, regex: Any = None, ebnf: Any = None,
+               json_object: bool = False) -> tuple[GrammarKind, str]:
+    """The one structured-output constraint of a request, from whichever API field named it."""
+    given = [(k, v) for k, v in ((GrammarKind.JSON_SCHEMA, json_schema), (GrammarKind.REGEX, regex),
+                                 (GrammarKind.EBNF, ebnf)) if v is not None]
+    if json_object:
+        given.append((GrammarKind.JSON_OBJECT, ""))
+    if len(given) > 1:
+        raise ApiError(400, "give at most one of response_format, guided_json, regular_constraint/guided_regex "
+                            "and guided_grammar", param)
+    if not given:
+        return GrammarKind.NONE, ""
+    kind, value = given[0]
+    if kind is GrammarKind.JSON_SCHEMA and not isinstance(value, str):
+        if not isinstance(value, dict):
+            raise ApiError(400, "the JSON schema must be an object or a string", param)
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise ApiError(400, "must be a string", param)
+    return kind, value
+
+
+def token_text(front: Front, token_id: int) -> str:
+    return front.tokenizer.decode([token_id])
 
 
 def check_n(value: int | None, param: str) -> None:
@@ -253,6 +282,7 @@ async def generate_one(front: Front, prompt_ids: list[int], params: SamplingPara
                 out.token_ids += delta.token_ids
                 out.token_texts += delta.token_texts
                 out.logprobs += delta.logprobs
+                out.top_logprobs += delta.top_logprobs
             texts.append(delta.text)
             out.num_output, out.finish, out.cached_len = delta.num_output, delta.finish, delta.cached_len
     except asyncio.CancelledError:

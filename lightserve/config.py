@@ -68,6 +68,7 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every route but /health"})
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "largest accepted HTTP request body"})
     max_n: int = field(default=16, metadata={"help": "largest n / best_of per request"})
+    max_top_logprobs: int = field(default=5, metadata={"help": "largest top_logprobs per token (shm holds req_pool_size x max_req_total_len x this x 8 bytes, backed only where written)"})
     served_model_name: str | None = field(default=None, metadata={"help": "model name in the OpenAI API; default: the folder name"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     start_timeout_s: float = field(default=600.0, metadata={"help": "seconds each child may take to report ready"})
@@ -90,6 +91,7 @@ class ServerConfig:
         need(self.chunked_prefill_size is None or self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         need(self.req_pool_size >= 1, "req_pool_size", "must be >= 1")
         need(self.max_queue_size >= 0, "max_queue_size", "must be >= 0")
+        need(0 <= self.max_top_logprobs <= 20, "max_top_logprobs", "must be in [0, 20]")
         need(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", f"unknown level {self.log_level!r}")
 
     # ---- derived names: unique per launch so two servers (or two tests) never collide ----

@@ -144,7 +144,8 @@ class EngineProcs:
             logger.warning("removed shared memory left by crashed launches: %s", ", ".join(stale))
         try:
             if config.is_master_node:
-                self.pool = ReqPool.create(config.shm_name, config.req_pool_size, config.max_req_total_len)
+                self.pool = ReqPool.create(config.shm_name, config.req_pool_size, config.max_req_total_len,
+                                            config.max_top_logprobs)
             saved_preload = os.environ.get("LD_PRELOAD")
             if config.device is Device.CPU:
                 preload_tcmalloc()

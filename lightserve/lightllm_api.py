@@ -14,12 +14,14 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from lightserve.api_server import (
+    ApiError,
     ClientGone,
     EventStream,
     Front,
     StrictModel,
     check_n,
     dumps,
+    grammar_of,
     encode_text,
     generate_one,
     get_front,
@@ -28,6 +30,7 @@ from lightserve.api_server import (
     parse_model,
     read_json,
     stop_list,
+    token_text,
     until_disconnect,
 )
 from lightserve.engine_client import EngineDead, RequestTimeout
@@ -65,6 +68,12 @@ class LightllmParams(StrictModel):
     return_details: bool | None = None
     best_of: int | None = None
     n: int | None = None
+    logit_bias: dict | None = None            # {"token id": bias}
+    allowed_token_ids: list[int] | None = None
+    guided_json: Any = None                   # a JSON schema (object or string)
+    regular_constraint: str | None = None     # a regular expression
+    guided_grammar: str | None = None         # an EBNF grammar
+    top_logprobs: int | None = None           # alternatives per token in return_details
 
 
 class GenerateRequest(StrictModel):
@@ -82,6 +91,8 @@ async def generate(request: Request) -> Response:
                            "prompt_cache_len": g.cached_len}
     if details:
         out["tokens"] = [{"id": i, "text": t, "logprob": lp} for i, t, lp in zip(g.token_ids, g.token_texts, g.logprobs)]
+        for token, alts in zip(out["tokens"], g.top_logprobs):
+            token["top_logprobs"] = [{"id": i, "text": token_text(front, i), "logprob": lp} for i, lp in alts]
     return json_response(out)
 
 
@@ -110,6 +121,11 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
         return default if value is None else value
 
     prompt_ids = await encode_text(front, req.inputs, "inputs", pick(p.add_special_tokens, True))
+    kind, grammar = grammar_of("parameters.guided_json", p.guided_json, p.regular_constraint, p.guided_grammar)
+    try:
+        bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
+    except (TypeError, ValueError):
+        raise ApiError(400, "keys must be token ids", "parameters.logit_bias") from None
     params = SamplingParams(
         max_new_tokens=pick(p.max_new_tokens, 16), min_new_tokens=pick(p.min_new_tokens, 0),
         temperature=pick(p.temperature, 1.0), top_p=pick(p.top_p, 1.0), top_k=pick(p.top_k, -1),
@@ -117,7 +133,9 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
         presence_penalty=pick(p.presence_penalty, 0.0), frequency_penalty=pick(p.frequency_penalty, 0.0),
         seed=p.seed, ignore_eos=pick(p.ignore_eos, False), skip_special_tokens=pick(p.skip_special_tokens, True),
         stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), stop_token_ids=list(p.stop_token_ids or ()),
-        disable_prompt_cache=pick(p.disable_prompt_cache, False))
+        disable_prompt_cache=pick(p.disable_prompt_cache, False), logit_bias=bias,
+        allowed_token_ids=list(p.allowed_token_ids or ()), grammar_kind=kind, grammar=grammar,
+        top_logprobs=pick(p.top_logprobs, 0))
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated

@@ -105,6 +105,9 @@ class ReqDelta:
     num_output: int              # output tokens so far
     finish: FinishReason = FinishReason.NONE
     cached_len: int = 0          # prompt tokens served from the prefix cache
+    # per token of token_ids: its top_logprobs alternatives (token id, logprob), best first; empty
+    # when the request asked for none
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

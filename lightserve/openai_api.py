@@ -24,6 +24,8 @@ from lightserve.api_server import (
     check_model,
     check_n,
     dumps,
+    grammar_of,
+    token_text,
     encode_text,
     generate_one,
     get_front,
@@ -39,7 +41,7 @@ from lightserve.engine_client import EngineDead, RequestTimeout
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
-from lightserve.sampling import SamplingParams
+from lightserve.sampling import GrammarKind, SamplingParams
 
 logger = get_logger(__name__)
 
@@ -47,8 +49,9 @@ router = APIRouter()
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # SamplingParams field -> request field, for error messages.
-_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs"}
-_CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs",
+                     "grammar": "guided_json"}
+_CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "grammar": "response_format"}
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -78,7 +81,11 @@ class _SamplingRequest(StrictModel):
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict | None = None  # refused when non-empty
+    logit_bias: dict | None = None  # {"token id": bias in [-100, 100]}
+    allowed_token_ids: list[int] | None = None  # vLLM's extension
+    guided_json: Any = None        # vLLM's extensions: a JSON schema (object or string),
+    guided_regex: str | None = None  # a regular expression,
+    guided_grammar: str | None = None  # an EBNF grammar
 
 
 class CompletionRequest(_SamplingRequest):
@@ -107,11 +114,11 @@ async def completions(request: Request) -> Response:
     check_n(req.best_of, "best_of")
     _refuse(req.echo, "echo")
     _refuse(req.suffix, "suffix")
-    _refuse(req.logit_bias, "logit_bias")
     prompts = await _completion_prompts(front, req.prompt)
     max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params = [make_checked(front, ids, _params(req, max_tokens, req.logprobs or 0), "prompt", _COMPLETION_NAMES)
-              for ids in prompts]
+    grammar = grammar_of("guided_json", req.guided_json, req.guided_regex, req.guided_grammar)
+    params = [make_checked(front, ids, _params(req, max_tokens, req.logprobs or 0, grammar), "prompt",
+                           _COMPLETION_NAMES) for ids in prompts]
     want_logprobs = req.logprobs is not None
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": front.model_name}
@@ -124,14 +131,16 @@ async def completions(request: Request) -> Response:
                 return None
             logprobs = None
             if want_logprobs:
-                logprobs, offsets[i] = _completion_logprobs(delta.token_texts, delta.logprobs, offsets[i])
+                logprobs, offsets[i] = _completion_logprobs(front, delta.token_texts, delta.logprobs,
+                                                            delta.top_logprobs, offsets[i])
             return {"index": i, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
 
         return await _open_stream(request, front, prompts, params, head, chunk, req.stream_options, None)
 
     outs = await until_disconnect(request, _run_all(front, prompts, params))
     choices = [{"index": i, "text": g.text, "finish_reason": g.finish.api_name(),
-                "logprobs": _completion_logprobs(g.token_texts, g.logprobs, 0)[0] if want_logprobs else None}
+                "logprobs": _completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0]
+                if want_logprobs else None}
                for i, g in enumerate(outs)]
     return json_response({**head, "choices": choices, "usage": _usage(outs)})
 
@@ -142,10 +151,8 @@ async def chat_completions(request: Request) -> Response:
     req = parse_model(ChatCompletionRequest, await read_json(request))
     check_model(front, req.model)
     check_n(req.n, "n")
-    _refuse(req.logit_bias, "logit_bias")
     _refuse(req.tools, "tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "response_format other than text is not supported yet", "response_format")
+    grammar = _chat_grammar(req)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     prompt_ids = await encode_text(front, render_chat(front, req.messages), "messages", add_special_tokens=False)
@@ -155,7 +162,8 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
-    params = make_checked(front, prompt_ids, _params(req, max_tokens, req.top_logprobs or 0), "messages", names)
+    params = make_checked(front, prompt_ids, _params(req, max_tokens, req.top_logprobs or 0, grammar), "messages",
+                          names)
     want_logprobs = bool(req.logprobs)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
@@ -166,7 +174,8 @@ async def chat_completions(request: Request) -> Response:
             if not delta.text and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
             return {"index": 0, "delta": {"content": delta.text} if delta.text else {},
-                    "logprobs": _chat_logprobs(delta.token_texts, delta.logprobs) if want_logprobs else None,
+                    "logprobs": _chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
+                    if want_logprobs else None,
                     "finish_reason": delta.finish.api_name()}
 
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -174,7 +183,7 @@ async def chat_completions(request: Request) -> Response:
 
     g = await until_disconnect(request, generate_one(front, prompt_ids, params))
     choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": g.finish.api_name(),
-              "logprobs": _chat_logprobs(g.token_texts, g.logprobs) if want_logprobs else None}
+              "logprobs": _chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
     return json_response({**head, "choices": [choice], "usage": _usage([g])})
 
 
@@ -316,7 +325,39 @@ async def _completion_prompts(front: Front, prompt: Any) -> list[list[int]]:
                    "prompt")
 
 
-def _params(req: _SamplingRequest, max_tokens: int, top_logprobs: int) -> SamplingParams:
+def _chat_grammar(req: ChatCompletionRequest) -> tuple[GrammarKind, str]:
+    fmt = req.response_format
+    json_schema, json_object = None, False
+    if fmt is not None:
+        kind = fmt.get("type", "text")
+        if kind == "json_object":
+            json_object = True
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or "schema" not in spec:
+                raise ApiError(400, 'json_schema needs {"name": ..., "schema": {...}}', "response_format")
+            json_schema = spec["schema"]
+        elif kind != "text":
+            raise ApiError(400, f"unknown response_format type {kind!r}", "response_format")
+    if req.guided_json is not None:
+        if json_schema is not None or json_object:
+            raise ApiError(400, "give response_format or guided_json, not both", "guided_json")
+        json_schema = req.guided_json
+    return grammar_of("response_format", json_schema, req.guided_regex, req.guided_grammar, json_object)
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float]:
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            out[int(key)] = value
+        except (TypeError, ValueError):
+            raise ApiError(400, f"keys must be token ids, got {key!r}", "logit_bias") from None
+    return out
+
+
+def _params(req: _SamplingRequest, max_tokens: int, top_logprobs: int,
+            grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, "")) -> SamplingParams:
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 
@@ -327,7 +368,8 @@ def _params(req: _SamplingRequest, max_tokens: int, top_logprobs: int) -> Sampli
         presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
         seed=req.seed, ignore_eos=pick(req.ignore_eos, False), skip_special_tokens=pick(req.skip_special_tokens, True),
         stop=stop_list(req.stop, "stop"), stop_token_ids=list(req.stop_token_ids or ()), top_logprobs=top_logprobs,
-        disable_prompt_cache=pick(req.disable_prompt_cache, False))
+        disable_prompt_cache=pick(req.disable_prompt_cache, False), logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=list(req.allowed_token_ids or ()), grammar_kind=grammar[0], grammar=grammar[1])
 
 
 def _refuse(value: Any, param: str) -> None:
@@ -335,17 +377,24 @@ def _refuse(value: Any, param: str) -> None:
         raise ApiError(400, f"{param} is not supported yet", param)
 
 
-def _completion_logprobs(texts: list[str], logprobs: list[float], offset: int) -> tuple[dict, int]:
+def _completion_logprobs(front: Front, texts: list[str], logprobs: list[float],
+                         top: list[list[tuple[int, float]]], offset: int) -> tuple[dict, int]:
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": None}, offset
+    top_dicts = [{token_text(front, i): lp for i, lp in alts} for alts in top] if top else None
+    return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": top_dicts}, offset
 
 
-def _chat_logprobs(texts: list[str], logprobs: list[float]) -> dict:
-    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-               for t, lp in zip(texts, logprobs)]
+def _chat_logprobs(front: Front, texts: list[str], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+    def alt(i: int, lp: float) -> dict:
+        text = token_text(front, i)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                "top_logprobs": [alt(i, a) for i, a in top[j]] if j < len(top) else []}
+               for j, (t, lp) in enumerate(zip(texts, logprobs))]
     return {"content": content, "refusal": None}
 
 

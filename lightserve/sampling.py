@@ -7,14 +7,27 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
 
 import numpy as np
 
 MAX_STOP_TOKEN_IDS = 16   # stop_token_ids beyond this are refused at the edge
 MAX_STOP_STR_BYTES = 1024  # UTF-8 JSON of the stop strings
 MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 64
+MAX_LOGIT_BIAS = 64        # logit_bias entries per request
+MAX_ALLOWED_TOKEN_IDS = 64  # allowed_token_ids per request
+MAX_GRAMMAR_BYTES = 16384   # UTF-8 of a JSON schema / regex / EBNF grammar
+
+
+class GrammarKind(IntEnum):
+    """What the request's grammar text is (params.grammar_kind); the worker compiles it with xgrammar."""
+    NONE = 0
+    JSON_OBJECT = 1   # any JSON object; no text
+    JSON_SCHEMA = 2
+    REGEX = 3
+    EBNF = 4
 
 PARAMS_DTYPE = np.dtype([
     ("max_new_tokens", np.int32),
@@ -33,7 +46,14 @@ PARAMS_DTYPE = np.dtype([
     ("disable_prompt_cache", np.uint8),
     ("num_stop_token_ids", np.int32),
     ("stop_token_ids", np.int32, (MAX_STOP_TOKEN_IDS,)),
+    ("num_logit_bias", np.int32),
+    ("logit_bias_ids", np.int32, (MAX_LOGIT_BIAS,)),
+    ("logit_bias_values", np.float32, (MAX_LOGIT_BIAS,)),
+    ("num_allowed_token_ids", np.int32),  # 0: every token allowed
+    ("allowed_token_ids", np.int32, (MAX_ALLOWED_TOKEN_IDS,)),
+    ("grammar_kind", np.uint8),   # GrammarKind; the text is the slot's `grammar` field
 ])
+_LIST_FIELDS = ("stop_token_ids", "logit_bias", "allowed_token_ids")  # filled by to_record's own code
 
 
 class ParamError(ValueError):
@@ -65,6 +85,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
     disable_prompt_cache: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] = field(default_factory=list)   # empty: all tokens
+    grammar_kind: int = GrammarKind.NONE
+    grammar: str = ""
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise ParamError naming the first bad field; return self so calls chain."""
@@ -102,23 +126,70 @@ class SamplingParams:
         for t in self.stop_token_ids:
             check(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab_size is None or t < vocab_size),
                   "stop_token_ids", f"{t!r} is not a token id of this model")
+        check(isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+              f"must map at most {MAX_LOGIT_BIAS} token ids to numbers")
+        for t, v in self.logit_bias.items():
+            check(_is_token_id(t, vocab_size), "logit_bias", f"{t!r} is not a token id of this model")
+            check(isinstance(v, (int, float)) and not isinstance(v, bool) and -100.0 <= v <= 100.0, "logit_bias",
+                  f"the bias of token {t} must be a number in [-100, 100]")
+        check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+              "allowed_token_ids", f"must be a list of at most {MAX_ALLOWED_TOKEN_IDS} ids")
+        for t in self.allowed_token_ids:
+            check(_is_token_id(t, vocab_size), "allowed_token_ids", f"{t!r} is not a token id of this model")
+        check(self.grammar_kind in GrammarKind.__members__.values(), "grammar_kind", "unknown grammar kind")
+        check(isinstance(self.grammar, str) and len(self.grammar.encode()) <= MAX_GRAMMAR_BYTES, "grammar",
+              f"must be at most {MAX_GRAMMAR_BYTES} bytes")
+        if self.grammar_kind != GrammarKind.NONE:
+            try:
+                check_grammar(GrammarKind(self.grammar_kind), self.grammar)
+            except ValueError as exc:
+                raise ParamError("grammar", f"invalid {GrammarKind(self.grammar_kind).name.lower()}: {exc}") from None
         return self
 
     def to_record(self, record: np.ndarray) -> None:
         """Fill one PARAMS_DTYPE record (a 0-d view into shared memory)."""
         for name in PARAMS_DTYPE.names:
-            if name in ("stop_token_ids", "num_stop_token_ids"):
+            if name.startswith("num_") or any(name.startswith(f) for f in _LIST_FIELDS):
                 continue
             value = getattr(self, name)
             record[name] = -1 if value is None else value
         record["num_stop_token_ids"] = len(self.stop_token_ids)
         record["stop_token_ids"][: len(self.stop_token_ids)] = self.stop_token_ids
+        record["num_logit_bias"] = len(self.logit_bias)
+        record["logit_bias_ids"][: len(self.logit_bias)] = list(self.logit_bias.keys())
+        record["logit_bias_values"][: len(self.logit_bias)] = list(self.logit_bias.values())
+        record["num_allowed_token_ids"] = len(self.allowed_token_ids)
+        record["allowed_token_ids"][: len(self.allowed_token_ids)] = self.allowed_token_ids
 
     def stop_bytes(self) -> bytes:
         return json.dumps(self.stop).encode() if self.stop else b""
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def check_grammar(kind: GrammarKind, text: str) -> None:
+    """Parse a grammar without a tokenizer (the worker compiles it); ValueError with xgrammar's message."""
+    import xgrammar as xgr  # imported only by requests that use a grammar
+
+    try:
+        match kind:
+            case GrammarKind.JSON_SCHEMA:
+                json.loads(text)
+                xgr.Grammar.from_json_schema(text, any_whitespace=False)
+            case GrammarKind.REGEX:
+                xgr.Grammar.from_regex(text)
+            case GrammarKind.EBNF:
+                xgr.Grammar.from_ebnf(text)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises assorted RuntimeError/ValueError types
+        lines = str(exc).strip().splitlines()
+        # xgrammar prefixes "[hh:mm:ss] /path/file.cc:line: "; the client needs only the message.
+        message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0]) if lines else type(exc).__name__
+        raise ValueError(message) from None
+
+
+def _is_token_id(t: object, vocab_size: int | None) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab_size is None or t < vocab_size)
 
 
 def is_greedy(temperature: float, top_k: int) -> bool:

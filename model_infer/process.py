@@ -23,6 +23,8 @@ from lightserve.shm.req_pool import ReqPool
 
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
+from lightserve.model_infer.grammar import GrammarSet
+from lightserve.model_infer.logits_process import process_logits
 from lightserve.model_infer.sampler import sample
 
 logger = get_logger(__name__)
@@ -64,7 +66,7 @@ def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connec
         plans.connect(config.plan_addr(tp_rank))
         writer = None
         if tp_rank == 0:
-            writer = OutputWriter(pool, model_config, ctx, config)
+            writer = OutputWriter(pool, model_config, ctx, config, model_dir)
         report_ready(ready, {"kv_size": runner.kv_size})
         try:
             while not stop.is_set():
@@ -113,7 +115,8 @@ def _init_tp_group(config: ServerConfig, tp_rank: int, device: torch.device):
 class OutputWriter:
     """Rank 0: sample, publish tokens in shm, notify the router and the detokenizer."""
 
-    def __init__(self, pool: ReqPool, model_config: ModelConfig, ctx: zmq.Context, config: ServerConfig):
+    def __init__(self, pool: ReqPool, model_config: ModelConfig, ctx: zmq.Context, config: ServerConfig,
+                 model_dir: str):
         self.pool = pool
         self.eos_ids = np.array(model_config.eos_token_ids or [-1], np.int32)
         # req_id each slot was last seen with: a new id means a new occupant, whose counters reset.
@@ -122,6 +125,7 @@ class OutputWriter:
         self.to_router.connect(config.step_done_addr)
         self.to_detok = ctx.socket(zmq.PUSH)
         self.to_detok.connect(config.detok_addr)
+        self.grammars = GrammarSet(model_dir, model_config.vocab_size)
 
     def close(self) -> None:
         self.to_router.close(linger=0)
@@ -135,6 +139,7 @@ class OutputWriter:
             pool.num_output[slots] = 0
             pool.finish[slots] = FinishReason.NONE
             self.slot_req[slots] = plan.req_ids[fresh]
+            self.grammars.drop(slots)
         idx = plan.shm_indices[plan.sample]                      # [S] slots that sample this step
         if idx.size:
             self._sample_and_publish(idx, logits)
@@ -146,6 +151,13 @@ class OutputWriter:
         pool = self.pool
         params = pool.params[idx]                                # [S] structured copy
         num_out = pool.num_output[idx].astype(np.int64)          # [S]
+        prompt_lens = pool.prompt_len[idx].astype(np.int64)      # [S]
+        # Logprobs (chosen and top-N) are of the model's own distribution, before any processing.
+        raw = logits
+        logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, pool.token_ids, self.eos_ids)
+        grammar_rows = np.flatnonzero(params["grammar_kind"] != 0)
+        if grammar_rows.size:
+            self.grammars.mask(logits, idx, grammar_rows, params["grammar_kind"], pool)
         next_ids, logprobs = sample(
             logits,
             torch.from_numpy(params["temperature"].copy()),
@@ -153,14 +165,27 @@ class OutputWriter:
             torch.from_numpy(params["top_k"].astype(np.int64)),
             torch.from_numpy(params["seed"].copy()),
             torch.from_numpy(num_out),
+            min_ps=torch.from_numpy(params["min_p"].copy()),
+            raw_logits=raw,
         )
         ids = next_ids.cpu().numpy().astype(np.int32)
         lps = logprobs.cpu().numpy().astype(np.float32)
-        pos = pool.prompt_len[idx] + num_out                     # where each new token goes
+        pos = prompt_lens + num_out                              # where each new token goes
+        top_k = np.minimum(params["top_logprobs"], pool.max_top_logprobs)
+        top_rows = np.flatnonzero(top_k > 0)
+        if top_rows.size:
+            k = int(top_k.max())
+            rows_t = torch.from_numpy(top_rows).to(raw.device)
+            top_vals, top_ids = torch.log_softmax(raw[rows_t], dim=-1).topk(k, dim=-1)   # [R, k]
+            pool.top_ids[idx[top_rows], pos[top_rows], :k] = top_ids.cpu().numpy().astype(np.int32)
+            pool.top_logprobs[idx[top_rows], pos[top_rows], :k] = top_vals.cpu().numpy()
+        if grammar_rows.size:
+            self.grammars.accept(idx[grammar_rows], ids[grammar_rows])
         new_count = (num_out + 1).astype(np.int32)
         # Finish status, vectorized over the batch.
         allow_stop = new_count >= params["min_new_tokens"]
-        is_eos = np.isin(ids, self.eos_ids) & (params["ignore_eos"] == 0)
+        # A finished grammar (its matcher accepted eos) ends the request like eos does.
+        is_eos = np.isin(ids, self.eos_ids) & ((params["ignore_eos"] == 0) | (params["grammar_kind"] != 0))
         stop_slots = np.arange(params["stop_token_ids"].shape[1]) < params["num_stop_token_ids"][:, None]
         is_stop_id = ((params["stop_token_ids"] == ids[:, None]) & stop_slots).any(axis=1)
         at_length = (new_count >= params["max_new_tokens"]) | (pos + 1 >= pool.max_len)
@@ -171,3 +196,5 @@ class OutputWriter:
         pool.logprobs[idx, pos] = lps
         pool.num_output[idx] = new_count
         pool.finish[idx] = finish
+        if self.grammars.matchers:
+            self.grammars.drop(idx[finish != FinishReason.NONE])

@@ -1,4 +1,4 @@
-"""Batched token sampling (greedy, temperature, top-k, top-p) with per-request seeds. Called by the
+"""Batched token sampling (greedy, temperature, top-k, top-p, min-p) with per-request seeds. Called by the
 worker (rank 0) on the logits of each step; no per-request Python loop and no torch.Generator.
 
 Randomness: each row's uniform draw is a splitmix64 hash of (seed, step), computed with vectorized
@@ -32,13 +32,18 @@ def sample(
     top_ks: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
+    min_ps: torch.Tensor | None = None,
+    raw_logits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     logits [B, V] float32; temperatures [B] float32 (<= 0 means greedy); top_ps [B] float32 (1 = off);
     top_ks [B] int64 (<= 0 or >= V = off, 1 = greedy); seeds [B] int64; steps [B] int64 (the index of
     the token being sampled within its request, so every step gets a fresh draw). The parameters may
-    be host tensors of any numeric dtype; they are moved to logits' device.
+    be host tensors of any numeric dtype; they are moved to logits' device. min_ps [B] float32 (0 =
+    off): drop tokens whose probability is below min_p times the top token's (after temperature).
+    raw_logits [B, V]: the model's logits before any processing (penalties, bias), for logprobs;
+    None means `logits`.
     Returns next_ids [B] int64 and logprobs [B] float32: log_softmax of the raw (untempered) logits
     at the chosen token. Does not modify its inputs.
     """
@@ -50,12 +55,15 @@ def sample(
     steps = steps.to(dev, torch.int64)
     greedy_ids = logits.argmax(dim=-1)  # [B]
     greedy = (temperatures <= 0) | (top_ks == 1)  # [B] bool
+    min_ps = torch.zeros_like(temperatures) if min_ps is None else min_ps.to(dev, logits.dtype)
     if bool(greedy.all()):
         next_ids = greedy_ids
     else:
-        next_ids = torch.where(greedy, greedy_ids, _sample_random(logits, temperatures, top_ps, top_ks, seeds, steps, greedy))
-    chosen = logits.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
-    logprobs = chosen - torch.logsumexp(logits, dim=-1)  # [B]
+        next_ids = torch.where(greedy, greedy_ids,
+                               _sample_random(logits, temperatures, top_ps, top_ks, min_ps, seeds, steps, greedy))
+    raw = logits if raw_logits is None else raw_logits
+    chosen = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
+    logprobs = chosen - torch.logsumexp(raw, dim=-1)  # [B]
     return next_ids, logprobs
 
 
@@ -71,6 +79,7 @@ def _sample_random(
     temperatures: torch.Tensor,
     top_ps: torch.Tensor,
     top_ks: torch.Tensor,
+    min_ps: torch.Tensor,
     seeds: torch.Tensor,
     steps: torch.Tensor,
     greedy: torch.Tensor,
@@ -83,6 +92,12 @@ def _sample_random(
     rows = need_filter.nonzero().squeeze(1)  # [R]
     if rows.numel() > 0:
         scaled[rows] = _filter_top_k_top_p(scaled[rows], top_ks[rows], top_ps[rows])
+    rows = (~greedy & (min_ps > 0)).nonzero().squeeze(1)  # [M]
+    if rows.numel() > 0:
+        # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); the top token always survives.
+        sub = scaled[rows]
+        floor = sub.max(dim=-1).values + torch.log(min_ps[rows])
+        scaled[rows] = sub.masked_fill(sub < floor.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scaled, dim=-1)  # [B, V]
     cdf = probs.cumsum(dim=-1)  # [B, V]
     # Scale by the row total rather than trusting cumsum to end at exactly 1.

@@ -13,13 +13,23 @@ stop_len     i32 [N]        front           bytes of stop_json in use
 stop_json    u8 [N, S]      front           UTF-8 JSON list of stop strings
 token_ids    i32 [N, L]     front [0, prompt_len); rank 0 [prompt_len, prompt_len + num_output)
 logprobs     f32 [N, L]     rank 0          logprob of output token j at [prompt_len + j]
+top_ids      i32 [N, L, K]  rank 0          top-K alternatives of output token j at [prompt_len + j]
+top_logprobs f32 [N, L, K]  rank 0          their logprobs; only the first params.top_logprobs are set
+grammar_len  i32 [N]        front           bytes of grammar in use (0: unconstrained)
+grammar      u8 [N, G]      front           grammar text (JSON schema / regex / EBNF; params.grammar_kind)
 num_output   i32 [N]        rank 0          published AFTER the token and logprob it counts
 finish       u8 [N]         rank 0          FinishReason; written AFTER num_output is final
 cached_len   i32 [N]        router          prompt tokens served from the prefix cache
 released_gen u32 [3, N]     row FRONT: front, row ROUTER: router, row DETOK: detokenizer
 stats        i64 [K]        router          counters for /metrics (STATS_FIELDS)
 
-Write order for each new token (rank 0): token_ids, logprobs, num_output, then finish. A reader
+K = --max_top_logprobs (default 5; 0 leaves the arrays empty). NOTE: sized per position like
+logprobs, not as a ring of the latest token: a ring would be overwritten whenever the detokenizer
+lags rank 0 by more than its length, and there is no backpressure between them. The cost is
+N x L x K x 8 bytes of address space (512 x 8192 x 5 x 8 = 168 MB by default), but tmpfs backs
+only the pages written, i.e. the positions of requests that asked for top logprobs.
+
+Write order for each new token (rank 0): token_ids, logprobs (and top_*), num_output, then finish. A reader
 that reads finish first and num_output second therefore never sees a count ahead of its tokens,
 and once it sees a finish status the count it reads next is final.
 """
@@ -29,7 +39,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from lightserve.sampling import MAX_STOP_STR_BYTES, PARAMS_DTYPE
+from lightserve.sampling import MAX_GRAMMAR_BYTES, MAX_STOP_STR_BYTES, PARAMS_DTYPE
 from lightserve.shm.segment import Segment
 
 
@@ -47,10 +57,10 @@ STATS_FIELDS = (
     "steps_total", "max_batch_size", "last_batch_size",
 )
 
-_HEADER = np.dtype([("num_slots", np.int64), ("max_len", np.int64)])
+_HEADER = np.dtype([("num_slots", np.int64), ("max_len", np.int64), ("max_top_logprobs", np.int64)])
 
 
-def _layout(num_slots: int, max_len: int) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+def _layout(num_slots: int, max_len: int, top_k: int) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     n, length = num_slots, max_len
     return [
         ("slot_gen", np.dtype(np.uint32), (n,)),
@@ -61,6 +71,10 @@ def _layout(num_slots: int, max_len: int) -> list[tuple[str, np.dtype, tuple[int
         ("stop_json", np.dtype(np.uint8), (n, MAX_STOP_STR_BYTES)),
         ("token_ids", np.dtype(np.int32), (n, length)),
         ("logprobs", np.dtype(np.float32), (n, length)),
+        ("top_ids", np.dtype(np.int32), (n, length, top_k)),
+        ("top_logprobs", np.dtype(np.float32), (n, length, top_k)),
+        ("grammar_len", np.dtype(np.int32), (n,)),
+        ("grammar", np.dtype(np.uint8), (n, MAX_GRAMMAR_BYTES)),
         ("num_output", np.dtype(np.int32), (n,)),
         ("finish", np.dtype(np.uint8), (n,)),
         ("cached_len", np.dtype(np.int32), (n,)),
@@ -69,9 +83,9 @@ def _layout(num_slots: int, max_len: int) -> list[tuple[str, np.dtype, tuple[int
     ]
 
 
-def _offsets(num_slots: int, max_len: int) -> tuple[dict[str, int], int]:
+def _offsets(num_slots: int, max_len: int, top_k: int) -> tuple[dict[str, int], int]:
     offsets, pos = {}, 64  # header first, every array 64-byte aligned (own cache lines)
-    for name, dtype, shape in _layout(num_slots, max_len):
+    for name, dtype, shape in _layout(num_slots, max_len, top_k):
         offsets[name] = pos
         pos += -(-dtype.itemsize * int(np.prod(shape)) // 64) * 64
     return offsets, pos
@@ -84,18 +98,20 @@ class ReqPool:
         self.segment = segment
         header = np.frombuffer(segment.buf, _HEADER, count=1)[0]
         self.num_slots, self.max_len = int(header["num_slots"]), int(header["max_len"])
-        offsets, _ = _offsets(self.num_slots, self.max_len)
-        for name, dtype, shape in _layout(self.num_slots, self.max_len):
+        self.max_top_logprobs = int(header["max_top_logprobs"])
+        offsets, _ = _offsets(self.num_slots, self.max_len, self.max_top_logprobs)
+        for name, dtype, shape in _layout(self.num_slots, self.max_len, self.max_top_logprobs):
             count = int(np.prod(shape))
             view = np.frombuffer(segment.buf, dtype, count=count, offset=offsets[name]).reshape(shape)
             setattr(self, name, view)
 
     @classmethod
-    def create(cls, name: str, num_slots: int, max_len: int) -> ReqPool:
-        _, size = _offsets(num_slots, max_len)
+    def create(cls, name: str, num_slots: int, max_len: int, max_top_logprobs: int = 5) -> ReqPool:
+        _, size = _offsets(num_slots, max_len, max_top_logprobs)
         segment = Segment.create(name, size)
         header = np.frombuffer(segment.buf, _HEADER, count=1)
         header["num_slots"], header["max_len"] = num_slots, max_len
+        header["max_top_logprobs"] = max_top_logprobs
         del header
         return cls(segment)
 
@@ -104,7 +120,7 @@ class ReqPool:
         return cls(Segment.attach(name))
 
     def close(self) -> None:
-        for name, _, _ in _layout(self.num_slots, self.max_len):
+        for name, _, _ in _layout(self.num_slots, self.max_len, self.max_top_logprobs):
             self.__dict__.pop(name, None)
         self.segment.close()
 
@@ -141,11 +157,18 @@ class ReqPool:
         stop = params.stop_bytes()
         self.stop_json[shm_index, : len(stop)] = np.frombuffer(stop, np.uint8)
         self.stop_len[shm_index] = len(stop)
+        grammar = params.grammar.encode()
+        self.grammar[shm_index, : len(grammar)] = np.frombuffer(grammar, np.uint8)
+        self.grammar_len[shm_index] = len(grammar)
 
     def stop_strings(self, shm_index: int) -> list[str]:
         import json
         n = int(self.stop_len[shm_index])
         return json.loads(self.stop_json[shm_index, :n].tobytes()) if n else []
+
+    def grammar_text(self, shm_index: int) -> str:
+        n = int(self.grammar_len[shm_index])
+        return self.grammar[shm_index, :n].tobytes().decode()
 
     # ---- rank 0: outputs ---------------------------------------------------------------------------
     def read_output(self, shm_index: int) -> tuple[int, int]:
@@ -160,6 +183,16 @@ class ReqPool:
     def output_logprobs(self, shm_index: int, start: int, end: int) -> np.ndarray:
         base = int(self.prompt_len[shm_index])
         return self.logprobs[shm_index, base + start: base + end]
+
+    def output_top_logprobs(self, shm_index: int, start: int, end: int) -> list[list[tuple[int, float]]]:
+        """Per output token in [start, end): its params.top_logprobs alternatives, best first."""
+        k = min(int(self.params[shm_index]["top_logprobs"]), self.max_top_logprobs)
+        if k == 0:
+            return []
+        base = int(self.prompt_len[shm_index])
+        ids = self.top_ids[shm_index, base + start: base + end, :k].tolist()
+        lps = self.top_logprobs[shm_index, base + start: base + end, :k].tolist()
+        return [list(zip(i, v)) for i, v in zip(ids, lps)]
 
     # ---- router: stats ---------------------------------------------------------------------------------
     def set_stat(self, name: str, value: int) -> None:

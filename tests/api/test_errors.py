@@ -79,7 +79,9 @@ CASES = [
     (C, comp(n=0), 400, "n"),
     (C, comp(best_of=3), 400, "best_of"),
     (C, comp(echo=True), 400, "echo"),
-    (C, comp(logit_bias={"5": 1.0}), 400, "logit_bias"),
+    (C, comp(logit_bias={"x": 1.0}), 400, "logit_bias"),
+    (C, comp(logit_bias={"5": 101}), 400, "logit_bias"),
+    (C, comp(guided_json={"type": "nonsense"}), 400, "guided_json"),
     # chat
     (CHAT, {}, 400, "messages"),
     (CHAT, {"messages": []}, 400, "messages"),
@@ -97,7 +99,8 @@ CASES = [
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(n=3), 400, "n"),
     (CHAT, chat(tools=[{"type": "function"}]), 400, "tools"),
-    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CHAT, chat(response_format={"type": "xml"}), 400, "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 3}}}), 400, "response_format"),
     (CHAT, chat(temperature=[1]), 400, "temperature"),
     # LightLLM routes
     (GEN, b"{", 400, "body"),

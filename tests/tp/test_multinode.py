@@ -1,0 +1,61 @@
+"""Two nodes simulated on one machine over loopback: node 0 (HTTP front, router, detokenizer, rank 0)
+and node 1 (rank 1 only, plans over tcp) give the same outputs as --tp 2 on one node. Then node 0
+dies (SIGKILL of its whole process group, like a lost machine) and node 1 stops on its own."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from tests.e2e.server import ServerProc, wait_until
+from tests.tp.conftest import TINY_NEW_TOKENS
+from tests.tp.helpers import PROMPTS, SERVER_FLAGS, generate_greedy
+
+NODE1_STOP_S = 30
+
+
+def test_two_nodes_match_single_node_tp2(tiny_model_dir, tiny_tp2_outputs, tmp_path):
+    port = _free_port_block(3)  # rendezvous store + one plan socket per rank
+    common = (*SERVER_FLAGS, "--model_dir", str(tiny_model_dir), "--tp", "2", "--nnodes", "2",
+              "--nccl_host", "127.0.0.1", "--nccl_port", str(port))
+    node0 = ServerProc(*common, "--node_rank", "0", log_path=tmp_path / "node0.log")
+    node1 = ServerProc(*common, "--node_rank", "1", log_path=tmp_path / "node1.log")
+    try:
+        node0.wait_ready()
+        assert node1.proc.poll() is None, node1.log_tail()
+        assert generate_greedy(node0.url, PROMPTS, TINY_NEW_TOKENS) == tiny_tp2_outputs
+        node1_log = node1.log_tail(100_000)
+        assert "[worker-tp1]" in node1_log and "[worker-tp0]" not in node1_log
+        assert "[router]" not in node1_log and "[detokenizer]" not in node1_log  # node 0's alone
+        node1_children = node1.children()
+        os.killpg(node0.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert wait_until(lambda: node1.proc.poll() is not None, NODE1_STOP_S), node1.log_tail()
+        stopped_s = time.monotonic() - t0
+        assert node1.proc.returncode == 3, node1.log_tail()
+        assert "node 0" in node1.log_tail() or "worker-tp1" in node1.log_tail()
+        assert wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in node1_children), 10), \
+            "orphaned process on node 1"
+        assert stopped_s < NODE1_STOP_S
+    finally:
+        node1.stop()
+        node0.stop(signal.SIGKILL)
+        for path in Path("/dev/shm").glob(f"lightserve-{node0.pid}-*"):  # node 0 was killed outright
+            path.unlink(missing_ok=True)
+
+
+def _free_port_block(n: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for p in range(base + 1, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of ports")

@@ -70,9 +70,13 @@ class Router:
         self._window = dict(steps=0, tokens=0, forward_s=0.0, step_s=0.0)
 
     def loop(self, stop) -> None:
+        planned = True
         while not stop.is_set():
-            self._drain_inbox(0 if self.scheduler.has_work() else IDLE_POLL_MS)
+            # Block on the inbox only when the last attempt planned nothing: idle, or every request
+            # waits for KV that only an abort can free. Never a zero-timeout spin.
+            self._drain_inbox(0 if planned and self.scheduler.has_work() else IDLE_POLL_MS)
             record = self.scheduler.plan_step()
+            planned = record is not None
             if record is None:
                 self._publish()
                 continue

@@ -15,8 +15,8 @@ def test_tp3_matches_tp1_on_smollm2(tmp_path):
     """SmolLM2-135M has 9 query heads and 3 KV heads: 3 ranks keep 3 query heads and 1 KV head each."""
     ref = run_server(tmp_path / "tp1.log", PROMPTS, SMOLLM2_NEW_TOKENS, "--tp", "1")
     got = run_server(tmp_path / "tp3.log", PROMPTS, SMOLLM2_NEW_TOKENS, "--tp", "3")
-    assert all(len(ids) == SMOLLM2_NEW_TOKENS for ids in ref)  # the chat model does not stop this early
     assert got == ref
+    assert sum(map(len, ref)) > 4 * len(PROMPTS)  # not a trivial comparison of end-of-text tokens
 
 
 def test_tp2_matches_tp1_on_tiny_model(tiny_model_dir, tiny_tp2_outputs, tmp_path):
@@ -27,7 +27,7 @@ def test_tp2_matches_tp1_on_tiny_model(tiny_model_dir, tiny_tp2_outputs, tmp_pat
 
 def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lightserve.launch_server", *SERVER_FLAGS, "--tp", "2"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode != 0
     assert "--tp 2 does not divide the model's 9 attention heads" in proc.stderr, proc.stderr[-2000:]
     assert "worker-tp" not in proc.stderr  # refused before any rank started

@@ -202,26 +202,28 @@ class EngineProcs:
         return [infos[c.name] for c in children]
 
     def dead_child(self) -> Child | None:
-        return next((c for c in self.children if not c.proc.is_alive()), None)
+        """The first child that has exited. Safe from any thread: it polls the sentinels and reaps
+        nothing. (Process.is_alive reaps: called from /health while the watcher thread reaps too,
+        its waitpid could fail and report a dead child alive, or the watcher's exit code None.)"""
+        return self.watch(timeout=0)
 
     def watch(self, timeout: float | None = None) -> Child | None:
-        """Block until a child dies (or timeout); return it."""
-        live = [c for c in self.children if c.proc.is_alive()]
-        if len(live) < len(self.children):
-            return self.dead_child()
-        ready = wait([c.proc.sentinel for c in live], timeout=timeout)
-        return next((c for c in live if c.proc.sentinel in ready), None)
+        """Block until a child exits (or timeout); return it, not yet reaped: join it for its exit
+        code (the sentinel closes a moment before the kernel has the exit status)."""
+        ready = wait([c.proc.sentinel for c in self.children], timeout=timeout)
+        return next((c for c in self.children if c.proc.sentinel in ready), None)
 
-    def stop(self) -> None:
-        """SIGTERM every child, join them, SIGKILL stragglers, unlink the pool. Idempotent."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every child, join them for up to `grace_s`, SIGKILL stragglers, unlink the pool.
+        Idempotent."""
         for c in self.children:
             if c.proc.is_alive():
                 os.kill(c.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        deadline = time.monotonic() + grace_s
         for c in self.children:
             c.proc.join(max(deadline - time.monotonic(), 0.05))
             if c.proc.is_alive():
-                logger.warning("%s did not stop in %.0f s; killing it", c.name, STOP_GRACE_S)
+                logger.warning("%s did not stop in %.0f s; killing it", c.name, grace_s)
                 c.proc.kill()
                 c.proc.join(2.0)
             c.conn.close()

@@ -7,6 +7,7 @@ every shared-memory segment of this launch.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ logger = get_logger("lightserve.launcher")
 
 EXIT_CHILD_DIED = 3
 EXIT_START_FAILED = 2
+FAULT_STOP_GRACE_S = 1.0  # SIGTERM-to-SIGKILL grace for the other children once one has died
+REAP_TIMEOUT_S = 1.0
 # A non-zero node gives up on node 0 after this many failed probes, one every NODE0_PROBE_S.
 NODE0_PROBE_S = 2.0
 NODE0_PROBE_FAILURES = 3
@@ -33,7 +36,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     # SIGTERM during start-up must still run the cleanup (children, shm); uvicorn installs its
     # own handlers once it serves.
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    sys.exit(serve(config))
+    code = serve(config)
+    # NOTE: as in the children (procutil.child_process), skip interpreter finalization: every
+    # process and file of this launch is gone by now, and tearing down torch/transformers state
+    # took 8 s on a loaded machine, enough to break the 10 s bound on stopping after a crash.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _raise_interrupt(signum, _frame) -> None:
@@ -58,15 +68,20 @@ def serve(config: ServerConfig) -> int:
         if procs is not None:
             procs.stop()
         return 130
+    code = 0
     try:
-        if not config.is_master_node:
-            return _serve_worker_node(procs)
-        return _serve_http(config, model_dir, procs, t0)
+        code = _serve_http(config, model_dir, procs, t0) if config.is_master_node else _serve_worker_node(procs)
+        return code
     except KeyboardInterrupt:
         # uvicorn re-raises the SIGINT/SIGTERM it handled once it has shut down gracefully.
         return 0
     finally:
-        procs.stop()
+        # After a child died the engine is broken and nothing is worth waiting for: a short grace
+        # keeps the whole stop within 10 s even when a worker is in a long step.
+        if code == EXIT_CHILD_DIED:
+            procs.stop(grace_s=FAULT_STOP_GRACE_S)
+        else:
+            procs.stop()
         logger.info("stopped")
 
 
@@ -87,6 +102,7 @@ def _serve_worker_node(procs) -> int:
     while not stop.is_set():
         dead = procs.watch(timeout=0.5)
         if dead is not None:
+            dead.proc.join(REAP_TIMEOUT_S)
             logger.error("%s (pid %d) exited with code %s; stopping this node", dead.name, dead.proc.pid,
                          dead.proc.exitcode)
             return EXIT_CHILD_DIED
@@ -138,6 +154,7 @@ def _serve_http(config: ServerConfig, model_dir: str, procs, t0: float) -> int:
             child = procs.watch(timeout=0.5)
             if child is None or server.should_exit:
                 continue
+            child.proc.join(REAP_TIMEOUT_S)  # for its exit code
             reason = f"{child.name} (pid {child.proc.pid}) exited with code {child.proc.exitcode}"
             logger.error("%s; stopping the server", reason)
             dead["reason"] = reason

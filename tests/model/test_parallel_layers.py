@@ -25,7 +25,7 @@ def _rank_main(rank: int, port: int, model_dir: str) -> None:
         full = LlamaForCausalLM.load(model_dir, torch.float32)
         part = LlamaForCausalLM.load(model_dir, torch.float32, tp_rank=rank, tp_size=TP, tp_group=None)
         cfg, sh = full.config, part.weights.shards
-        d, tol = cfg.head_dim, dict(atol=1e-5, rtol=1e-5)
+        d, tol = cfg.head_dim, {"atol": 1e-5, "rtol": 1e-5}
         gen = torch.Generator().manual_seed(0)  # same inputs on both ranks
         x = torch.randn(5, cfg.hidden_size, generator=gen)  # [T, hidden]
         lf, lp = full.weights.layers[0], part.weights.layers[0]

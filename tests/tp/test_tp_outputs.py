@@ -5,12 +5,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.tp.conftest import TINY_NEW_TOKENS
 from tests.tp.helpers import PROMPTS, SERVER_FLAGS, run_server
 
 SMOLLM2_NEW_TOKENS = 16
 
 
+@pytest.mark.timeout(1200)  # two SmolLM2 servers one after the other; 380 s on a loaded 2-core machine
 def test_tp3_matches_tp1_on_smollm2(tmp_path):
     """SmolLM2-135M has 9 query heads and 3 KV heads: 3 ranks keep 3 query heads and 1 KV head each."""
     ref = run_server(tmp_path / "tp1.log", PROMPTS, SMOLLM2_NEW_TOKENS, "--tp", "1")

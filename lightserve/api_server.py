@@ -11,8 +11,10 @@ section into its own module (and dropping the function-level import in create_ap
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -263,11 +265,33 @@ def token_text(front: Front, token_id: int) -> str:
     return front.tokenizer.decode([token_id])
 
 
-def check_n(value: int | None, param: str) -> None:
-    if value is not None and value < 1:
+def check_n(front: Front, value: int | None, param: str) -> int:
+    """The validated n (or best_of); 1 when not given."""
+    if value is None:
+        return 1
+    if value < 1:
         raise ApiError(400, "must be >= 1", param)
-    if value is not None and value > 1:
-        raise ApiError(400, "n > 1 is not supported yet", param)
+    if value > front.config.max_n:
+        raise ApiError(400, f"must be <= {front.config.max_n} (--max_n)", param)
+    return value
+
+
+def samples_of(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies of one prompt's params sharing a group id, so the router prefills the prompt once and
+    the samples diverge after it. A given seed becomes seed + i: the samples must differ."""
+    if n == 1:
+        return [params]
+    group_id = secrets.randbits(62) + 1
+    return [dataclasses.replace(params, group_id=group_id, seed=None if params.seed is None else params.seed + i)
+            for i in range(n)]
+
+
+def best_of(outs: list[Generation], n: int) -> list[Generation]:
+    """The n generations with the highest cumulative logprob (OpenAI's best_of), in their order."""
+    if len(outs) == n:
+        return outs
+    keep = sorted(range(len(outs)), key=lambda i: -sum(outs[i].logprobs))[:n]
+    return [outs[i] for i in sorted(keep)]
 
 
 async def generate_one(front: Front, prompt_ids: list[int], params: SamplingParams) -> Generation:

@@ -19,6 +19,8 @@ from lightserve.api_server import (
     EventStream,
     Front,
     StrictModel,
+    Generation,
+    best_of,
     check_n,
     dumps,
     grammar_of,
@@ -29,6 +31,7 @@ from lightserve.api_server import (
     make_checked,
     parse_model,
     read_json,
+    samples_of,
     stop_list,
     token_text,
     until_disconnect,
@@ -84,9 +87,15 @@ class GenerateRequest(StrictModel):
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     front = get_front(request)
-    prompt_ids, params, details = await _parse(request, front)
-    g = await until_disconnect(request, generate_one(front, prompt_ids, params))
-    out: dict[str, Any] = {"generated_text": [g.text], "count_output_tokens": g.num_output,
+    prompt_ids, params, details, n, num_samples = await _parse(request, front)
+    if num_samples == 1:
+        outs = [await until_disconnect(request, generate_one(front, prompt_ids, params))]
+    else:
+        outs = await until_disconnect(request, _run_samples(front, prompt_ids, samples_of(params, num_samples)))
+        outs = best_of(outs, n)
+    g = outs[0]
+    # n > 1 (LightLLM's diverse mode): one text per sample; the counts cover all of them.
+    out: dict[str, Any] = {"generated_text": [o.text for o in outs], "count_output_tokens": sum(o.num_output for o in outs),
                            "finish_reason": g.finish.api_name(), "prompt_tokens": g.prompt_len,
                            "prompt_cache_len": g.cached_len}
     if details:
@@ -99,7 +108,9 @@ async def generate(request: Request) -> Response:
 @router.post("/generate_stream")
 async def generate_stream(request: Request) -> Response:
     front = get_front(request)
-    prompt_ids, params, _ = await _parse(request, front)
+    prompt_ids, params, _, _, num_samples = await _parse(request, front)
+    if num_samples > 1:
+        raise ApiError(400, "n and best_of > 1 are not supported when streaming", "parameters.n")
     timer = front.metrics.timer()
     gen = front.engine.generate(prompt_ids, params)
     # Wait for the first delta so engine errors still become HTTP statuses.
@@ -111,11 +122,22 @@ async def generate_stream(request: Request) -> Response:
     return EventStream(_events(front, first, gen, len(prompt_ids), timer))
 
 
-async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingParams, bool]:
+async def _run_samples(front: Front, prompt_ids: list[int], params: list[SamplingParams]) -> list[Generation]:
+    tasks = [asyncio.ensure_future(generate_one(front, prompt_ids, p)) for p in params]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:  # one failed or we were cancelled: abort the rest
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingParams, bool, int, int]:
+    """Prompt ids, params, return_details, n, and the number of samples to run (best_of >= n)."""
     req = parse_model(GenerateRequest, await read_json(request))
     p = req.parameters or LightllmParams()
-    check_n(p.n, "parameters.n")
-    check_n(p.best_of, "parameters.best_of")
+    n = check_n(front, p.n, "parameters.n")
+    num_samples = max(n, check_n(front, p.best_of, "parameters.best_of"))
 
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
@@ -139,7 +161,7 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated
-    return prompt_ids, params, bool(p.return_details)
+    return prompt_ids, params, bool(p.return_details), n, num_samples
 
 
 async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], prompt_len: int,

@@ -22,6 +22,7 @@ from lightserve.api_server import (
     Generation,
     StrictModel,
     check_model,
+    best_of,
     check_n,
     dumps,
     grammar_of,
@@ -34,6 +35,7 @@ from lightserve.api_server import (
     parse_model,
     read_json,
     render_chat,
+    samples_of,
     stop_list,
     until_disconnect,
 )
@@ -110,15 +112,24 @@ async def completions(request: Request) -> Response:
     front = get_front(request)
     req = parse_model(CompletionRequest, await read_json(request))
     check_model(front, req.model)
-    check_n(req.n, "n")
-    check_n(req.best_of, "best_of")
+    n = check_n(front, req.n, "n")
+    num_samples = check_n(front, req.best_of, "best_of") if req.best_of is not None else n
+    if num_samples < n:
+        raise ApiError(400, "must be >= n", "best_of")
+    if req.stream and num_samples > n:
+        raise ApiError(400, "best_of > n cannot stream", "best_of")
     _refuse(req.echo, "echo")
     _refuse(req.suffix, "suffix")
     prompts = await _completion_prompts(front, req.prompt)
     max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     grammar = grammar_of("guided_json", req.guided_json, req.guided_regex, req.guided_grammar)
-    params = [make_checked(front, ids, _params(req, max_tokens, req.logprobs or 0, grammar), "prompt",
-                           _COMPLETION_NAMES) for ids in prompts]
+    if len(prompts) * num_samples > front.config.req_pool_size:
+        raise ApiError(400, f"prompts x n must be <= {front.config.req_pool_size}", "n")
+    one = [make_checked(front, ids, _params(req, max_tokens, req.logprobs or 0, grammar), "prompt",
+                        _COMPLETION_NAMES) for ids in prompts]
+    # Choice index = prompt index * n + sample index, as OpenAI orders them.
+    params = [s for p in one for s in samples_of(p, num_samples)]
+    prompts = [ids for ids in prompts for _ in range(num_samples)]
     want_logprobs = req.logprobs is not None
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": front.model_name}
@@ -138,6 +149,7 @@ async def completions(request: Request) -> Response:
         return await _open_stream(request, front, prompts, params, head, chunk, req.stream_options, None)
 
     outs = await until_disconnect(request, _run_all(front, prompts, params))
+    outs = [g for k in range(0, len(outs), num_samples) for g in best_of(outs[k: k + num_samples], n)]
     choices = [{"index": i, "text": g.text, "finish_reason": g.finish.api_name(),
                 "logprobs": _completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0]
                 if want_logprobs else None}
@@ -150,7 +162,7 @@ async def chat_completions(request: Request) -> Response:
     front = get_front(request)
     req = parse_model(ChatCompletionRequest, await read_json(request))
     check_model(front, req.model)
-    check_n(req.n, "n")
+    n = check_n(front, req.n, "n")
     _refuse(req.tools, "tools")
     grammar = _chat_grammar(req)
     if req.top_logprobs and not req.logprobs:
@@ -173,18 +185,20 @@ async def chat_completions(request: Request) -> Response:
         def chunk(i: int, delta: ReqDelta) -> dict | None:
             if not delta.text and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
-            return {"index": 0, "delta": {"content": delta.text} if delta.text else {},
+            return {"index": i, "delta": {"content": delta.text} if delta.text else {},
                     "logprobs": _chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
                     if want_logprobs else None,
                     "finish_reason": delta.finish.api_name()}
 
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return await _open_stream(request, front, [prompt_ids], [params], head, chunk, req.stream_options, role)
+        return await _open_stream(request, front, [prompt_ids] * n, samples_of(params, n), head, chunk,
+                                  req.stream_options, role)
 
-    g = await until_disconnect(request, generate_one(front, prompt_ids, params))
-    choice = {"index": 0, "message": {"role": "assistant", "content": g.text}, "finish_reason": g.finish.api_name(),
-              "logprobs": _chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
-    return json_response({**head, "choices": [choice], "usage": _usage([g])})
+    outs = await until_disconnect(request, _run_all(front, [prompt_ids] * n, samples_of(params, n)))
+    choices = [{"index": i, "message": {"role": "assistant", "content": g.text}, "finish_reason": g.finish.api_name(),
+                "logprobs": _chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
+               for i, g in enumerate(outs)]
+    return json_response({**head, "choices": choices, "usage": _usage(outs)})
 
 
 # ---- streaming ----------------------------------------------------------------------------------------

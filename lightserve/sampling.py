@@ -52,6 +52,7 @@ PARAMS_DTYPE = np.dtype([
     ("num_allowed_token_ids", np.int32),  # 0: every token allowed
     ("allowed_token_ids", np.int32, (MAX_ALLOWED_TOKEN_IDS,)),
     ("grammar_kind", np.uint8),   # GrammarKind; the text is the slot's `grammar` field
+    ("group_id", np.int64),       # != 0: one of the n samples of one prompt (prefilled once, router)
 ])
 _LIST_FIELDS = ("stop_token_ids", "logit_bias", "allowed_token_ids")  # filled by to_record's own code
 
@@ -89,6 +90,7 @@ class SamplingParams:
     allowed_token_ids: list[int] = field(default_factory=list)   # empty: all tokens
     grammar_kind: int = GrammarKind.NONE
     grammar: str = ""
+    group_id: int = 0  # set by the front for the n samples of one prompt; not a client field
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise ParamError naming the first bad field; return self so calls chain."""

@@ -36,6 +36,15 @@ class StepRecord:
 
 
 @dataclass
+class Group:
+    """The n samples of one prompt: the leader prefills it alone; once its prompt KV is in the radix
+    cache (`ready`), the siblings are admitted and match it, computing one token each."""
+    leader: Req
+    members: int = 0
+    ready: bool = False
+
+
+@dataclass
 class Limits:
     max_running: int
     batch_max_tokens: int
@@ -56,6 +65,7 @@ class Scheduler:
         self.by_slot: dict[int, Req] = {}
         self.step = 0
         self.released: list[tuple[int, int, FinishReason]] = []  # aborts the detokenizer must hear of
+        self.groups: dict[int, Group] = {}
         self.counters = dict(pauses_total=0, resumes_total=0, prompt_tokens_total=0,
                              prompt_tokens_cached_total=0, generation_tokens_total=0, max_batch_size=0,
                              last_batch_size=0)
@@ -82,7 +92,13 @@ class Scheduler:
         params = self.pool.params[shm_index]
         req = Req(req_id=req_id, shm_index=shm_index, prompt_len=int(self.pool.prompt_len[shm_index]),
                   max_new_tokens=int(params["max_new_tokens"]), arrival_step=self.step,
-                  use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]))
+                  use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]),
+                  group_id=int(params["group_id"]))
+        if req.group_id and req.use_cache:
+            group = self.groups.setdefault(req.group_id, Group(leader=req))
+            group.members += 1
+        else:
+            req.group_id = 0  # without the cache the samples cannot share the prompt: run them alone
         self.pool.cached_len[shm_index] = 0
         self.by_slot[shm_index] = req
         self.waiting.append(req)
@@ -127,8 +143,12 @@ class Scheduler:
         # no step would ever run again.
         unallocated = sum(r.extend_len for r in self.running) - len(decodes) - sum(n for _, n in chunks)
         reserved = self.admission.running_need(self.running) + unallocated
+        held: list[Req] = []  # group siblings waiting for their leader's prompt, kept in queue order
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
+            if self._must_wait(req):
+                held.append(self.waiting.popleft())
+                continue
             n = self._admit(req, budget, reserved)
             if n == 0:
                 break
@@ -138,9 +158,32 @@ class Scheduler:
             chunks.append((req, n))
             budget -= n
             reserved += self.admission.future_need(req) + req.extend_len - n
+        self.waiting.extendleft(reversed(held))
         if not decodes and not chunks:
             return None
         return self._build_plan(decodes, decode_locs, chunks, fills)
+
+    def _must_wait(self, req: Req) -> bool:
+        group = self.groups.get(req.group_id) if req.group_id else None
+        return group is not None and group.leader is not req and not group.ready
+
+    def _share_prompt(self, req: Req, group: Group) -> None:
+        """The leader's prompt is computed: put its KV (all but the last prompt token, which is what
+        a sibling matches) into the radix cache now, while it still runs, and let the siblings in."""
+        n = req.prompt_len - 1
+        ids = self.pool.token_ids[req.shm_index, :n]
+        present = self.cache.insert(ids, req.kv_locs[:n])
+        if present > req.cached_len:
+            # The tree already held [cached_len, present): our rows there duplicate it. We still
+            # attend over them, so they are freed when we retire, not now.
+            req.dup_locs = req.kv_locs[req.cached_len:present].copy()
+        locs, node = self.cache.match_prefix(ids)
+        assert len(locs) == n, (len(locs), n)
+        self.cache.lock(node)
+        self.cache.unlock(req.prefix_node)
+        req.prefix_node = node
+        req.cached_len = n  # rows [0, n) are the tree's now
+        group.ready = True
 
     def _reserve_decode_rows(self, decodes: list[Req]) -> bool:
         """Make room for one new row per decode: evict the cache, then pause the newest requests."""
@@ -249,6 +292,10 @@ class Scheduler:
             if finish[i] != FinishReason.NONE and req.status is ReqStatus.RUNNING:
                 self.running.remove(req)
                 self._retire(req)
+            elif req.group_id and req.computed_len >= req.prompt_len - 1:
+                group = self.groups[req.group_id]
+                if group.leader is req and not group.ready and req.status is ReqStatus.RUNNING:
+                    self._share_prompt(req, group)
         self.admission.on_step()
 
     # ---- state changes ------------------------------------------------------------------------------
@@ -265,6 +312,13 @@ class Scheduler:
     def _retire(self, req: Req) -> None:
         if req.status is ReqStatus.RUNNING:
             self._give_back_kv(req)
+        if req.group_id:
+            group = self.groups[req.group_id]
+            group.members -= 1
+            if group.leader is req:
+                group.ready = True  # its KV went to the cache (or it never ran): siblings go ahead
+            if group.members == 0:
+                del self.groups[req.group_id]
         del self.by_slot[req.shm_index]
         self.pool.release(Owner.ROUTER, req.shm_index)
 
@@ -283,6 +337,9 @@ class Scheduler:
             self.cache.unlock(req.prefix_node)
         else:
             self.allocator.free(locs.copy())
+        if req.dup_locs is not None:
+            self.allocator.free(req.dup_locs)
+            req.dup_locs = None
         req.prefix_node = None
 
     # ---- metrics --------------------------------------------------------------------------------------

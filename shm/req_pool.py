@@ -8,7 +8,9 @@ Field                      writer          notes
 slot_gen     u32 [N]        front           bumped when the front takes the slot (start of a request)
 req_id       i64 [N]        front           unique per request; messages carry it to detect reuse
 prompt_len   i32 [N]        front
-params       PARAMS [N]     front           SamplingParams' numeric fields (lightserve.sampling)
+params       PARAMS [N]     front           SamplingParams' numeric fields (lightserve.sampling), with fixed-size
+                                           lists: logit_bias_ids/values, allowed_token_ids (64 each),
+                                           stop_token_ids (16); grammar_kind; group_id (n samples)
 stop_len     i32 [N]        front           bytes of stop_json in use
 stop_json    u8 [N, S]      front           UTF-8 JSON list of stop strings
 token_ids    i32 [N, L]     front [0, prompt_len); rank 0 [prompt_len, prompt_len + num_output)

@@ -55,7 +55,8 @@ def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connec
         runner = ModelRunner(model_dir, model_config, torch_dtype(config.data_type.value), device, tp_rank,
                              config.tp, tp_group, num_req_rows=config.req_pool_size,
                              max_req_total_len=config.max_req_total_len,
-                             kv_size=config.max_total_token_num, ranks_per_node=config.ranks_per_node)
+                             kv_size=config.max_total_token_num, ranks_per_node=config.ranks_per_node,
+                             cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.
             size = torch.tensor([runner.kv_size], dtype=torch.long, device=device)

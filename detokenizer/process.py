@@ -8,6 +8,7 @@ tested and benchmarked in-process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from multiprocessing.connection import Connection
@@ -105,6 +106,11 @@ class Detokenizer:
         logprobs = self.pool.output_logprobs(i, stream.num_read, num_output).tolist()
         top = self.pool.output_top_logprobs(i, stream.num_read, num_output)
         delta = stream.advance(ids, logprobs, finish, int(self.pool.cached_len[i]), top)
+        if ids and stream.num_read == len(delta.token_ids) and delta.token_ids:
+            # The first delta with tokens: the prefill is done, so its prompt logprobs are written.
+            prompt = self.pool.prompt_logprobs(i)
+            if prompt is not None:
+                delta = dataclasses.replace(delta, prompt_logprobs=prompt[0], prompt_top_logprobs=prompt[1])
         if delta.finish != FinishReason.NONE:
             del self.streams[i]
             self._ended[i] = stream.req_id

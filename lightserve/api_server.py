@@ -114,6 +114,8 @@ class Generation:
     finish: FinishReason = FinishReason.NONE
     cached_len: int = 0
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] | None = None      # prompt tokens 1..prompt_len-1, when asked for
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
@@ -230,8 +232,10 @@ def make_checked(front: Front, prompt_ids: list[int], params: SamplingParams, pr
             value = getattr(params, name)
             if isinstance(value, int) and not _INT32[0] <= value <= _INT32[1]:
                 raise ParamError(name, "is out of range")
-        if isinstance(params.top_logprobs, int) and params.top_logprobs > front.config.max_top_logprobs:
-            raise ParamError("top_logprobs", f"must be <= {front.config.max_top_logprobs} (--max_top_logprobs)")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if isinstance(value, int) and value > front.config.max_top_logprobs:
+                raise ParamError(name, f"must be <= {front.config.max_top_logprobs} (--max_top_logprobs)")
         if isinstance(params.max_new_tokens, int) and params.max_new_tokens > front.max_model_len:
             raise ParamError("max_new_tokens", f"must be <= {front.max_model_len}, this server's context length")
         return front.engine.check_prompt(prompt_ids, params, prompt_param)
@@ -307,6 +311,8 @@ async def generate_one(front: Front, prompt_ids: list[int], params: SamplingPara
                 out.token_texts += delta.token_texts
                 out.logprobs += delta.logprobs
                 out.top_logprobs += delta.top_logprobs
+            if delta.prompt_logprobs is not None:
+                out.prompt_logprobs, out.prompt_top_logprobs = delta.prompt_logprobs, delta.prompt_top_logprobs
             texts.append(delta.text)
             out.num_output, out.finish, out.cached_len = delta.num_output, delta.finish, delta.cached_len
     except asyncio.CancelledError:

@@ -60,6 +60,9 @@ class BatchPlan:
     fill_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [F] request slot
     fill_pos: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))    # [F] token position
     fill_locs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [F] KV row
+    # Extra logits rows for prompt logprobs: indices into [T] of prompt tokens whose next-token
+    # distribution rank 0 needs (requests with prompt_logprobs). Logits come back [S + E, vocab].
+    prompt_logit_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [E]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +111,10 @@ class ReqDelta:
     # per token of token_ids: its top_logprobs alternatives (token id, logprob), best first; empty
     # when the request asked for none
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Only on the first delta with tokens, and only for a request with prompt_logprobs: per prompt
+    # token 1..prompt_len-1 its logprob, and its alternatives (token id, logprob), best first.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ prompts in one completion request run concurrently and come back as choices with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -93,7 +94,8 @@ class _SamplingRequest(StrictModel):
 class CompletionRequest(_SamplingRequest):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by _completion_prompts
     logprobs: int | None = None
-    echo: bool | None = None
+    echo: bool | None = None           # prepend the prompt (and, with logprobs, its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's extension: per prompt token, its logprob and k alternatives
     suffix: str | None = None
     best_of: int | None = None
 
@@ -118,42 +120,72 @@ async def completions(request: Request) -> Response:
         raise ApiError(400, "must be >= n", "best_of")
     if req.stream and num_samples > n:
         raise ApiError(400, "best_of > n cannot stream", "best_of")
-    _refuse(req.echo, "echo")
     _refuse(req.suffix, "suffix")
+    echo = bool(req.echo)
     prompts = await _completion_prompts(front, req.prompt)
     max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    # max_tokens 0 (scoring a prompt: echo + logprobs, or prompt_logprobs) runs one step and shows none.
+    score_only = max_tokens == 0
+    if score_only and req.stream:
+        raise ApiError(400, "max_tokens 0 cannot stream", "max_tokens")
     grammar = grammar_of("guided_json", req.guided_json, req.guided_regex, req.guided_grammar)
     if len(prompts) * num_samples > front.config.req_pool_size:
         raise ApiError(400, f"prompts x n must be <= {front.config.req_pool_size}", "n")
-    one = [make_checked(front, ids, _params(req, max_tokens, req.logprobs or 0, grammar), "prompt",
-                        _COMPLETION_NAMES) for ids in prompts]
+    want_logprobs = req.logprobs is not None
+    prompt_k = req.prompt_logprobs
+    if echo and want_logprobs:
+        prompt_k = max(prompt_k or 0, req.logprobs)
+    base = dataclasses.replace(_params(req, 1 if score_only else max_tokens, req.logprobs or 0, grammar),
+                               prompt_logprobs=prompt_k)
+    one = [make_checked(front, ids, base, "prompt", _COMPLETION_NAMES) for ids in prompts]
     # Choice index = prompt index * n + sample index, as OpenAI orders them.
     params = [s for p in one for s in samples_of(p, num_samples)]
-    prompts = [ids for ids in prompts for _ in range(num_samples)]
-    want_logprobs = req.logprobs is not None
+    given, prompts = prompts, [ids for ids in prompts for _ in range(num_samples)]
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": front.model_name}
 
     if req.stream:
         offsets = [0] * len(prompts)
+        echoed = [not echo] * len(prompts)
 
         def chunk(i: int, delta: ReqDelta) -> dict | None:
-            if not delta.text and not delta.finish and not (want_logprobs and delta.token_ids):
-                return None
-            logprobs = None
+            text, logprobs = delta.text, None
             if want_logprobs:
                 logprobs, offsets[i] = _completion_logprobs(front, delta.token_texts, delta.logprobs,
                                                             delta.top_logprobs, offsets[i])
-            return {"index": i, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
+            if not echoed[i]:
+                echoed[i] = True
+                text, logprobs, offsets[i] = _with_echo(front, prompts[i], delta.prompt_logprobs,
+                                                        delta.prompt_top_logprobs, text, logprobs, want_logprobs)
+            if not text and not delta.finish and not (want_logprobs and delta.token_ids):
+                return None
+            body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
+            if delta.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                body["prompt_logprobs"] = _vllm_prompt_logprobs(front, prompts[i], delta.prompt_logprobs,
+                                                                delta.prompt_top_logprobs)
+            return body
 
         return await _open_stream(request, front, prompts, params, head, chunk, req.stream_options, None)
 
     outs = await until_disconnect(request, _run_all(front, prompts, params))
     outs = [g for k in range(0, len(outs), num_samples) for g in best_of(outs[k: k + num_samples], n)]
-    choices = [{"index": i, "text": g.text, "finish_reason": g.finish.api_name(),
-                "logprobs": _completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0]
-                if want_logprobs else None}
-               for i, g in enumerate(outs)]
+    if score_only:
+        for g in outs:
+            g.text, g.token_ids, g.token_texts, g.logprobs, g.top_logprobs = "", [], [], [], []
+            g.num_output, g.finish = 0, FinishReason.LENGTH
+    choices = []
+    for i, g in enumerate(outs):
+        ids = given[i // n]
+        text = g.text
+        logprobs = _completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0] \
+            if want_logprobs else None
+        if echo:
+            text, logprobs, _ = _with_echo(front, ids, g.prompt_logprobs, g.prompt_top_logprobs, text, logprobs,
+                                           want_logprobs)
+        choice = {"index": i, "text": text, "finish_reason": g.finish.api_name(), "logprobs": logprobs}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(front, ids, g.prompt_logprobs, g.prompt_top_logprobs)
+        choices.append(choice)
     return json_response({**head, "choices": choices, "usage": _usage(outs)})
 
 
@@ -399,6 +431,42 @@ def _completion_logprobs(front: Front, texts: list[str], logprobs: list[float],
         offset += len(text)
     top_dicts = [{token_text(front, i): lp for i, lp in alts} for alts in top] if top else None
     return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": top_dicts}, offset
+
+
+def _with_echo(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
+               prompt_top: list[list[tuple[int, float]]] | None, text: str, logprobs: dict | None,
+               want_logprobs: bool) -> tuple[str, dict | None, int]:
+    """The prompt prepended to a choice's text and, with logprobs, to its token lists (the first
+    prompt token has no logprob: None, as OpenAI gives it). Returns (text, logprobs, next offset)."""
+    prompt_text = front.tokenizer.decode(prompt_ids)
+    if not want_logprobs:
+        return prompt_text + text, logprobs, 0
+    texts = [token_text(front, t) for t in prompt_ids]
+    lps: list[float | None] = [None] + (prompt_lps if prompt_lps is not None else [None] * (len(prompt_ids) - 1))
+    tops = [None] + [{token_text(front, t): lp for t, lp in alts} for alts in (prompt_top or [[]] * (len(lps) - 1))]
+    head, offset = _completion_logprobs(front, texts, lps, [], 0)
+    head["top_logprobs"] = tops
+    tail = logprobs or {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": None}
+    merged = {"tokens": head["tokens"] + tail["tokens"],
+              "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+              "text_offset": head["text_offset"] + [o + offset for o in tail["text_offset"]],
+              "top_logprobs": tops + (tail["top_logprobs"] or [{} for _ in tail["tokens"]])}
+    return prompt_text + text, merged, offset + sum(len(t) for t in tail["tokens"])
+
+
+def _vllm_prompt_logprobs(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
+                          prompt_top: list[list[tuple[int, float]]] | None) -> list[dict | None] | None:
+    """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank?, decoded_token}}
+    holding the prompt token itself and its alternatives (rank given for the alternatives)."""
+    if prompt_lps is None:
+        return None
+    out: list[dict | None] = [None]
+    for tok, lp, alts in zip(prompt_ids[1:], prompt_lps, prompt_top or [[]] * len(prompt_lps)):
+        entry = {str(t): {"logprob": a, "rank": r, "decoded_token": token_text(front, t)}
+                 for r, (t, a) in enumerate(alts, start=1)}
+        entry.setdefault(str(tok), {"logprob": lp, "decoded_token": token_text(front, tok)})
+        out.append(entry)
+    return out
 
 
 def _chat_logprobs(front: Front, texts: list[str], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:

@@ -44,6 +44,7 @@ PARAMS_DTYPE = np.dtype([
     ("skip_special_tokens", np.uint8),
     ("top_logprobs", np.int32),   # alternatives to report per token
     ("disable_prompt_cache", np.uint8),
+    ("prompt_logprobs", np.int32),  # -1: none; k >= 0: each prompt token's logprob and k alternatives
     ("num_stop_token_ids", np.int32),
     ("stop_token_ids", np.int32, (MAX_STOP_TOKEN_IDS,)),
     ("num_logit_bias", np.int32),
@@ -85,6 +86,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    # None: no prompt logprobs. k: the logprob of every prompt token after the first, with its k
+    # best alternatives (OpenAI echo + logprobs, vLLM prompt_logprobs). Such a request never reads
+    # its prompt from the prefix cache: the cache holds KV, not the logits the logprobs come from.
+    prompt_logprobs: int | None = None
     disable_prompt_cache: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] = field(default_factory=list)   # empty: all tokens
@@ -120,6 +125,8 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
         check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS, "prompt_logprobs",
+              f"must be in [0, {MAX_TOP_LOGPROBS}]")
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be a list of non-empty strings")
         check(len(json.dumps(self.stop).encode()) <= MAX_STOP_STR_BYTES, "stop", "too long")

@@ -49,7 +49,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
-        """Run one step; returns float32 logits [num_sampled, vocab] for the requests with plan.sample."""
+        """Run one step; returns float32 logits [S + E, vocab]: the S requests with plan.sample, then
+        the E tokens of plan.prompt_logit_idx."""
         batch = self._make_batch(plan)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
@@ -71,7 +72,8 @@ class ModelRunner:
         positions_t = torch.from_numpy(positions).to(dev, torch.long)
         table[torch.from_numpy(rows).to(dev, torch.long), positions_t] = kv_locs
         seq_lens = plan.prefix_lens + extend
-        logits_idx = (q_start + extend - 1)[plan.sample]
+        # Sampling rows first ([S]), then the prompt-logprob rows ([E]) rank 0 asked for.
+        logits_idx = np.concatenate([(q_start + extend - 1)[plan.sample], plan.prompt_logit_idx])
         nd = plan.num_decode
         return ForwardBatch(
             input_ids=torch.from_numpy(plan.input_ids).to(dev, torch.long),

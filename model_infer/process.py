@@ -143,11 +143,36 @@ class OutputWriter:
             self.slot_req[slots] = plan.req_ids[fresh]
             self.grammars.drop(slots)
         idx = plan.shm_indices[plan.sample]                      # [S] slots that sample this step
+        if plan.prompt_logit_idx.size:
+            # Before any new token's count is published: a reader that sees the first output token
+            # then sees every prompt logprob too.
+            self._publish_prompt_logprobs(plan, logits[idx.size:])
         if idx.size:
-            self._sample_and_publish(idx, logits)
+            self._sample_and_publish(idx, logits[: idx.size])
         self.to_router.send(encode(StepDone(plan.step, forward_s)), copy=False)
         if idx.size:
             self.to_detok.send(encode(TokensReady(idx, plan.req_ids[plan.sample])), copy=False)
+
+    def _publish_prompt_logprobs(self, plan: BatchPlan, logits: torch.Tensor) -> None:
+        """logits [E, vocab]: the distribution after each token of plan.prompt_logit_idx. Token t at
+        sequence position p scores prompt token p + 1: its logprob goes to logprobs[slot, p + 1] and
+        the slot's prompt_logprobs alternatives to top_ids/top_logprobs[slot, p + 1] (positions below
+        prompt_len, so they never meet the output tokens' entries)."""
+        pool = self.pool
+        tok = plan.prompt_logit_idx.astype(np.int64)                              # [E] index in [T]
+        q_start = np.cumsum(plan.extend_lens, dtype=np.int64) - plan.extend_lens  # [B]
+        b = np.searchsorted(q_start, tok, side="right") - 1                       # [E] request of each
+        slots = plan.shm_indices[b]
+        target_pos = plan.prefix_lens[b] + (tok - q_start[b]) + 1                # [E]
+        targets = torch.from_numpy(pool.token_ids[slots, target_pos].astype(np.int64)).to(logits.device)
+        logp = torch.log_softmax(logits, dim=-1)                                  # [E, vocab]
+        pool.logprobs[slots, target_pos] = logp.gather(1, targets[:, None])[:, 0].cpu().numpy()
+        k_each = np.minimum(pool.params["prompt_logprobs"][slots], pool.max_top_logprobs)
+        k = int(k_each.max())
+        if k > 0:
+            vals, ids = logp.topk(k, dim=-1)                                      # [E, k]
+            pool.top_ids[slots, target_pos, :k] = ids.cpu().numpy().astype(np.int32)
+            pool.top_logprobs[slots, target_pos, :k] = vals.cpu().numpy()
 
     def _sample_and_publish(self, idx: np.ndarray, logits: torch.Tensor) -> None:
         pool = self.pool

@@ -28,6 +28,8 @@ class Req:
     kv_locs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [capacity] int32
     prefix_node: Any = None        # radix node locked while running (None without the cache)
     use_cache: bool = True         # False: per-request disable_prompt_cache
+    prompt_logprobs: bool = False  # rank 0 needs the logits of every prompt position (never cache-matched
+                                   # at first admission; a resume may match: its prompt logprobs are written)
     group_id: int = 0              # != 0: one of n samples of one prompt (see Scheduler._must_wait)
     dup_locs: np.ndarray | None = None  # own rows duplicating the tree's after a mid-run prompt insert
     aborted: bool = False

@@ -93,8 +93,8 @@ class Scheduler:
         req = Req(req_id=req_id, shm_index=shm_index, prompt_len=int(self.pool.prompt_len[shm_index]),
                   max_new_tokens=int(params["max_new_tokens"]), arrival_step=self.step,
                   use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]),
-                  group_id=int(params["group_id"]))
-        if req.group_id and req.use_cache:
+                  group_id=int(params["group_id"]), prompt_logprobs=int(params["prompt_logprobs"]) >= 0)
+        if req.group_id and req.use_cache and not req.prompt_logprobs:
             group = self.groups.setdefault(req.group_id, Group(leader=req))
             group.members += 1
         else:
@@ -216,7 +216,7 @@ class Scheduler:
         or 0 if it must keep waiting."""
         ids = self.pool.token_ids[req.shm_index, : req.seq_len]
         prefix_locs, node = np.zeros(0, np.int32), None
-        if req.use_cache:
+        if req.use_cache and not (req.prompt_logprobs and req.status is ReqStatus.WAITING):
             # Leave at least one token to compute: its logits give the next token.
             prefix_locs, node = self.cache.match_prefix(ids[: req.seq_len - 1])
             self.cache.lock(node)
@@ -264,6 +264,7 @@ class Scheduler:
         for i, req in enumerate(decodes):
             req.ensure_capacity(req.computed_len + 1)
             req.kv_locs[req.computed_len] = decode_locs[i]
+        prompt_logit_idx = self._prompt_logit_indices(chunks, len(decodes))
         fill_rows = np.concatenate([np.full(r.cached_len, r.shm_index, np.int32) for r in fills]) if fills else None
         fill_pos = np.concatenate([np.arange(r.cached_len, dtype=np.int32) for r in fills]) if fills else None
         fill_locs = np.concatenate([r.kv_locs[: r.cached_len] for r in fills]) if fills else None
@@ -273,10 +274,27 @@ class Scheduler:
             prefix_lens=prefix, extend_lens=extend, sample=sample,
             input_ids=np.concatenate(ids).astype(np.int32, copy=False),
             kv_locs=np.concatenate(locs).astype(np.int32, copy=False), num_decode=len(decodes),
-            **({} if not fills else dict(fill_rows=fill_rows, fill_pos=fill_pos, fill_locs=fill_locs)))
+            **({} if not fills else dict(fill_rows=fill_rows, fill_pos=fill_pos, fill_locs=fill_locs)),
+            **({} if prompt_logit_idx is None else dict(prompt_logit_idx=prompt_logit_idx)))
         self.counters["last_batch_size"] = len(reqs)
         self.counters["max_batch_size"] = max(self.counters["max_batch_size"], len(reqs))
         return StepRecord(plan, reqs)
+
+    @staticmethod
+    def _prompt_logit_indices(chunks: list[tuple[Req, int]], num_decode: int) -> np.ndarray | None:
+        """Indices in the step's token array [T] of the tokens at prompt positions p < prompt_len - 1
+        of requests that asked for prompt logprobs: their logits give the logprob of prompt token p + 1.
+        (The last prompt token's logits are the sampling row, already computed.)"""
+        if not any(req.prompt_logprobs for req, _ in chunks):
+            return None
+        out, start = [], num_decode
+        for req, n in chunks:
+            if req.prompt_logprobs:
+                end = min(req.computed_len + n, req.prompt_len - 1)  # exclusive, in sequence positions
+                if end > req.computed_len:
+                    out.append(np.arange(start, start + end - req.computed_len, dtype=np.int32))
+            start += n
+        return np.concatenate(out) if out else None
 
     # ---- after the step -------------------------------------------------------------------------------
     def finish_step(self, record: StepRecord) -> None:

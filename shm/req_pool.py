@@ -14,8 +14,9 @@ params       PARAMS [N]     front           SamplingParams' numeric fields (ligh
 stop_len     i32 [N]        front           bytes of stop_json in use
 stop_json    u8 [N, S]      front           UTF-8 JSON list of stop strings
 token_ids    i32 [N, L]     front [0, prompt_len); rank 0 [prompt_len, prompt_len + num_output)
-logprobs     f32 [N, L]     rank 0          logprob of output token j at [prompt_len + j]
-top_ids      i32 [N, L, K]  rank 0          top-K alternatives of output token j at [prompt_len + j]
+logprobs     f32 [N, L]     rank 0          logprob of output token j at [prompt_len + j]; with
+                                           params.prompt_logprobs, of prompt token p at [p] (p >= 1)
+top_ids      i32 [N, L, K]  rank 0          top-K alternatives of the token at the same position
 top_logprobs f32 [N, L, K]  rank 0          their logprobs; only the first params.top_logprobs are set
 grammar_len  i32 [N]        front           bytes of grammar in use (0: unconstrained)
 grammar      u8 [N, G]      front           grammar text (JSON schema / regex / EBNF; params.grammar_kind)
@@ -195,6 +196,21 @@ class ReqPool:
         ids = self.top_ids[shm_index, base + start: base + end, :k].tolist()
         lps = self.top_logprobs[shm_index, base + start: base + end, :k].tolist()
         return [list(zip(i, v)) for i, v in zip(ids, lps)]
+
+    def prompt_logprobs(self, shm_index: int) -> tuple[list[float], list[list[tuple[int, float]]]] | None:
+        """Logprobs of prompt tokens 1..prompt_len-1 and their params.prompt_logprobs alternatives, or
+        None when the request asked for none. Valid once its first output token is published."""
+        k = int(self.params[shm_index]["prompt_logprobs"])
+        if k < 0:
+            return None
+        n = int(self.prompt_len[shm_index])
+        k = min(k, self.max_top_logprobs)
+        lps = self.logprobs[shm_index, 1:n].tolist()
+        if k == 0:
+            return lps, [[] for _ in lps]
+        ids = self.top_ids[shm_index, 1:n, :k].tolist()
+        vals = self.top_logprobs[shm_index, 1:n, :k].tolist()
+        return lps, [list(zip(i, v)) for i, v in zip(ids, vals)]
 
     # ---- router: stats ---------------------------------------------------------------------------------
     def set_stat(self, name: str, value: int) -> None:

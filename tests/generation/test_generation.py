@@ -181,6 +181,44 @@ def test_logprobs_match_transformers(server, tokenizer):
     assert all(len(d) >= 1 for d in comp["choices"][0]["logprobs"]["top_logprobs"])
 
 
+def test_echo_and_prompt_logprobs_match_transformers(server, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 3 + "Then the fox"
+    ids = tokenizer.encode(prompt)
+    # Cache the prompt first: a scoring request must still compute (not match) it, or it has no logits.
+    assert _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1}).status_code == 200
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2, "prompt_logprobs": 2}
+    data = _post(server, "/v1/completions", body).json()
+    choice = data["choices"][0]
+    assert choice["text"] == tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == 0 and data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)   # [P-1, V]
+    want = [ref[j - 1, ids[j]].item() for j in range(1, len(ids))]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=2e-3)
+    assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"][-1] == len(choice["text"]) - len(lp["tokens"][-1])
+    for j in range(1, len(ids)):
+        assert max(lp["top_logprobs"][j].values()) == pytest.approx(ref[j - 1].max().item(), abs=2e-3)
+    # vLLM's prompt_logprobs: the prompt token itself plus the 2 best, keyed by token id
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for j in range(1, len(ids)):
+        assert plp[j][str(ids[j])]["logprob"] == pytest.approx(want[j - 1], abs=2e-3)
+        ranked = sorted((v["rank"], int(t)) for t, v in plp[j].items() if "rank" in v)
+        assert [t for _, t in ranked] == ref[j - 1].topk(2).indices.tolist()
+    # echo while generating, streamed: the prompt comes first, then the same tokens as without echo
+    plain = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5}).json()["choices"][0]["text"]
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
+                      json={"prompt": prompt, "max_tokens": 5, "echo": True, "stream": True}) as resp:
+        texts = [json.loads(line[6:])["choices"][0]["text"] for line in resp.iter_lines()
+                 if line.startswith("data: {")]
+    assert texts[0].startswith(tokenizer.decode(ids)) and "".join(texts) == tokenizer.decode(ids) + plain
+
+
 def test_top_logprobs_above_the_server_limit_is_refused(server):
     resp = _post(server, "/v1/chat/completions", _chat_body("Hi", max_tokens=1, logprobs=True, top_logprobs=6))
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "top_logprobs", resp.text

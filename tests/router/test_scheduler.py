@@ -206,3 +206,27 @@ def test_admission_ratio_decays_and_bumps_on_pause():
     cons = Admission(AdmissionPolicy.CONSERVATIVE)
     cons.on_step()
     assert cons.ratio == 1.0
+
+
+def test_prompt_logprobs_requests_compute_their_whole_prompt_in_chunks(pool):
+    """A request asking for prompt logprobs skips the prefix cache at admission, and across its
+    chunks the plan asks for the logits of every prompt position but the last (the sampling row)."""
+    sched = make_scheduler(pool, chunk=16)
+    prompt = list(range(1, 41))
+    add(sched, pool, 0, prompt, max_new=2)
+    run_until_idle(sched, pool)                              # the prompt is cached now
+    add(sched, pool, 1, prompt, max_new=2, prompt_logprobs=1)
+    add(sched, pool, 2, prompt, max_new=2)                   # a plain twin still matches
+    positions: dict[int, list[int]] = {1: [], 2: []}
+
+    def on_plan(record):
+        plan = record.plan
+        q_start = np.cumsum(plan.extend_lens) - plan.extend_lens
+        for t in plan.prompt_logit_idx:
+            b = int(np.searchsorted(q_start, t, side="right") - 1)
+            positions[int(plan.shm_indices[b])].append(int(plan.prefix_lens[b] + t - q_start[b]))
+
+    run_until_idle(sched, pool, on_plan=on_plan)
+    assert positions[1] == list(range(len(prompt) - 1)) and positions[2] == []
+    assert pool.cached_len[1] == 0 and pool.cached_len[2] == len(prompt) - 1
+    assert_kv_accounted(sched)

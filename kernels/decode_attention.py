@@ -1,7 +1,9 @@
 """Attention of one new query per request over its whole cached sequence (decode step).
 
 Called by the model's attention in a decode step. On GPU it is flash-decoding: stage 1 splits each sequence into
-chunks and writes a partial softmax per chunk, stage 2 merges the chunks. On CPU the reference runs batched SDPA.
+chunks and writes a partial softmax per chunk, stage 2 merges the chunks. On CPU a C kernel streams each
+request's K/V rows in place (kernels/cpu/decode_attention.c); the torch reference, batched SDPA over a
+gathered copy, is the test oracle and the fallback where no C compiler is available.
 """
 from __future__ import annotations
 
@@ -166,8 +168,41 @@ def decode_attention(
     max_seq_len: int, sm_scale: float,
 ) -> Tensor:
     """q [B, Hq, D] -> [B, Hq, D]; request b attends to its tokens 0 .. seq_lens[b] - 1 (seq_lens >= 1)."""
-    fn = decode_attention_triton if q.is_cuda else decode_attention_ref
-    return fn(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale)
+    if q.is_cuda:
+        return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale)
+    out = decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, sm_scale)
+    if out is None:
+        out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale)
+    return out
+
+
+def decode_attention_cpu(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
+    sm_scale: float,
+) -> Tensor | None:
+    """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather.
+    None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference."""
+    from lightserve.kernels.cpu import library
+
+    lib = library()
+    if lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.stride(-1) != 1 \
+            or k_cache.stride(-2) != k_cache.shape[-1] or v_cache.stride() != k_cache.stride():
+        return None
+    batch, num_heads, head_dim = q.shape
+    qf = q.to(torch.float32).contiguous()                                     # [B, Hq, D]
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)        # [B, Hq, D]
+    rows = req_rows.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
+    with torch.profiler.record_function("decode_attention_cpu"):  # visible in scripts/profile_step.py
+        rc = lib.decode_attention(
+            qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
+            req_to_token.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
+            batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0), v_cache.stride(0),
+            req_to_token.stride(0), sm_scale, torch.get_num_threads())
+    if rc != 0:
+        return None
+    return out.to(q.dtype)
 
 
 def _default_num_splits(device: torch.device, num_programs: int, num_tiles: int) -> int:

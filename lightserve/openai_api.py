@@ -125,7 +125,7 @@ async def completions(request: Request) -> Response:
     prompts = await _completion_prompts(front, req.prompt)
     max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     # max_tokens 0 (scoring a prompt: echo + logprobs, or prompt_logprobs) runs one step and shows none.
-    score_only = max_tokens == 0
+    score_only = max_tokens == 0 and (echo or req.prompt_logprobs is not None)
     if score_only and req.stream:
         raise ApiError(400, "max_tokens 0 cannot stream", "max_tokens")
     grammar = grammar_of("guided_json", req.guided_json, req.guided_regex, req.guided_grammar)

@@ -216,9 +216,11 @@ class Scheduler:
         or 0 if it must keep waiting."""
         ids = self.pool.token_ids[req.shm_index, : req.seq_len]
         prefix_locs, node = np.zeros(0, np.int32), None
-        if req.use_cache and not (req.prompt_logprobs and req.status is ReqStatus.WAITING):
-            # Leave at least one token to compute: its logits give the next token.
-            prefix_locs, node = self.cache.match_prefix(ids[: req.seq_len - 1])
+        if req.use_cache:
+            # Leave at least one token to compute: its logits give the next token. A first run that
+            # needs prompt logprobs matches nothing (the root): the cache has no logits to give.
+            fresh_scoring = req.prompt_logprobs and req.status is ReqStatus.WAITING
+            prefix_locs, node = self.cache.match_prefix(ids[: 0 if fresh_scoring else req.seq_len - 1])
             self.cache.lock(node)
         available = self.allocator.num_free + (self.cache.evictable_size if self.cache else 0)
         need = req.seq_len - len(prefix_locs)

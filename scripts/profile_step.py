@@ -35,7 +35,8 @@ from lightserve.sampling import SamplingParams
 from lightserve.shm.req_pool import ReqPool
 
 GROUPS = {  # aten op name fragment -> op group
-    "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)",
+    "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)", "mkldnn_linear": "linear (GEMM)",
+    "decode_attention_cpu": "attention",
     "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
     "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
     "embedding": "embedding", "index_put": "KV write / tables", "copy_": "copies", "cat": "copies",

@@ -2,7 +2,9 @@
 over ragged sequence lengths, GQA and split counts that leave some splits empty."""
 import pytest
 import torch
+from lightserve.kernels.cpu import library
 from lightserve.kernels.decode_attention import (
+    decode_attention_cpu,
     decode_attention_ref,
     decode_attention_triton,
 )
@@ -64,3 +66,27 @@ def test_decode_triton_strided_q_and_default_splits():
     out = decode_attention_triton(q_view, batch.k_cache, batch.v_cache, **meta)
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta),
                                **TOL[torch.float16])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 1), (2, 2), (32, 8)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
+    """Ragged lengths (1 token, off and on the kernel's 32-token blocks, several blocks) over rows
+    scattered through the cache; a strided q (a view into the fused qkv projection)."""
+    seq_lens = [1, 31, 32, 33, 100, 7]
+    batch, q, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype)
+    qkv = torch.cat([q.flatten(1), torch.zeros(len(seq_lens), 2 * num_kv_heads * head_dim, dtype=dtype)], dim=1)
+    q_view = qkv[:, :num_heads * head_dim].view(q.shape)
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
+    out = decode_attention_cpu(q_view, batch.k_cache, batch.v_cache, **meta_cpu)
+    assert out is not None and out.dtype == dtype
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+def test_cpu_kernel_declines_what_it_does_not_support():
+    batch, q, meta = _decode_case([5, 9], 4, 1, 80, torch.float32)  # head_dim 80: not compiled in
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
+    assert decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu) is None

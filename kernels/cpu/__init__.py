@@ -1,0 +1,72 @@
+"""CPU kernels written in C, built on first use with the machine's C compiler and loaded with ctypes.
+
+Why C and not a torch extension: a torch C++ extension compiles against the torch headers
+(a minute per build); these kernels need only raw pointers, so gcc builds them in about a second.
+The build is cached under $LIGHTSERVE_CACHE/kernels (default ~/.cache/lightserve/kernels), keyed by
+the source, the flags and the compiler, and written atomically so concurrent processes (every
+worker rank, every test) may build at once. They link the OpenMP runtime torch already loaded
+(same soname, libgomp.so.1), so they share its thread pool instead of starting a second one.
+
+Without a compiler, or when the build fails, `library()` returns None and callers use the torch
+reference path, with one warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from lightserve.log import get_logger
+
+logger = get_logger(__name__)
+
+_SOURCES = ("decode_attention.c",)
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LIGHTSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightserve")
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel library (built now if needed), or None when it cannot be built here."""
+    if os.environ.get("LIGHTSERVE_NO_C_KERNELS") == "1":
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        logger.warning("no C compiler found: CPU kernels fall back to torch ops (slower decode attention)")
+        return None
+    here = Path(__file__).parent
+    sources = [here / name for name in _SOURCES]
+    key = hashlib.sha256()
+    for part in [cc, *_FLAGS, *(p.read_bytes() for p in sources)]:
+        key.update(part if isinstance(part, bytes) else part.encode())
+    target = _cache_dir() / f"lightserve_cpu_{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"], check=True,
+                           capture_output=True, text=True, timeout=120)
+            os.replace(tmp, target)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            logger.warning("building the CPU kernels failed, falling back to torch ops: %s", detail)
+            return None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
+                                     i64, i64, i64, ctypes.c_float, i32]
+    return lib

@@ -150,18 +150,20 @@ class EngineProcs:
             if config.device is Device.CPU:
                 preload_tcmalloc()
             first = config.node_rank * config.ranks_per_node
-            for rank in range(first, first + config.ranks_per_node):
-                self._spawn(f"worker-tp{rank}", run_worker, config, self.model_dir, rank)
+            workers = [self._spawn(f"worker-tp{rank}", run_worker, config, self.model_dir, rank)
+                       for rank in range(first, first + config.ranks_per_node)]
             _restore_env("LD_PRELOAD", saved_preload)  # the caller's own environment stays as it was
-            infos = self._wait_ready(self.children)
+            # The detokenizer needs nothing from the workers: it loads its tokenizer while they load
+            # the model (start-up time is mostly imports, and they overlap).
+            detok = [self._spawn("detokenizer", run_detokenizer, config, self.model_dir)] \
+                if config.is_master_node else []
+            infos = self._wait_ready(workers)
             if not config.is_master_node:
                 return config
             self.kv_size = min(info["kv_size"] for info in infos)
             config = config_with(config, max_req_total_len=min(config.max_req_total_len, self.kv_size))
             self.config = config
-            late = [self._spawn("router", run_router, config, self.kv_size),
-                    self._spawn("detokenizer", run_detokenizer, config, self.model_dir)]
-            self._wait_ready(late)
+            self._wait_ready([self._spawn("router", run_router, config, self.kv_size), *detok])
             return config
         except BaseException:
             self.stop()

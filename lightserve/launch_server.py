@@ -60,6 +60,8 @@ def serve(config: ServerConfig) -> int:
         logger.info("model %s, device %s, dtype %s, tp %d", model_dir, config.device.value,
                     config.data_type.value, config.tp)
         procs = EngineProcs(config, model_dir)
+        # The front's own slow part (transformers import, tokenizer load) overlaps the engine start.
+        front_prep = _FrontPrep(model_dir) if config.is_master_node else None
         config = procs.start()
     except StartError as exc:
         logger.error("start-up failed: %s", exc)
@@ -70,7 +72,7 @@ def serve(config: ServerConfig) -> int:
         return 130
     code = 0
     try:
-        code = _serve_http(config, model_dir, procs, t0) if config.is_master_node else _serve_worker_node(procs)
+        code = _serve_http(config, front_prep, procs, t0) if config.is_master_node else _serve_worker_node(procs)
         return code
     except KeyboardInterrupt:
         # uvicorn re-raises the SIGINT/SIGTERM it handled once it has shut down gracefully.
@@ -125,16 +127,42 @@ def _reachable(host: str, port: int) -> bool:
         return False
 
 
-def _serve_http(config: ServerConfig, model_dir: str, procs, t0: float) -> int:
+class _FrontPrep:
+    """Imports the HTTP front and loads its tokenizer on a thread, while the engine processes start
+    (the launcher's main thread only waits for them then)."""
+
+    def __init__(self, model_dir: str):
+        self._result: tuple | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(model_dir,), name="front-prep", daemon=True)
+        self._thread.start()
+
+    def _run(self, model_dir: str) -> None:
+        try:
+            import uvicorn  # noqa: F401 - imported for its cost, here
+            from transformers import AutoTokenizer
+
+            import lightserve.api_server  # noqa: F401
+            from lightserve.model_infer.model_config import ModelConfig
+            self._result = (AutoTokenizer.from_pretrained(model_dir), ModelConfig.from_dir(model_dir).vocab_size)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by get()
+            self._error = exc
+
+    def get(self) -> tuple:
+        """(tokenizer, vocab_size)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def _serve_http(config: ServerConfig, front_prep: _FrontPrep, procs, t0: float) -> int:
     import uvicorn
-    from transformers import AutoTokenizer
 
     from lightserve.api_server import create_app
     from lightserve.engine_client import EngineClient
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    from lightserve.model_infer.model_config import ModelConfig
-    vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    tokenizer, vocab_size = front_prep.get()
     engine = EngineClient(config, procs.pool, config.max_req_total_len, vocab_size)
     dead: dict[str, str] = {}
 

@@ -224,6 +224,19 @@ def render_chat(front: Front, messages: Any, param: str = "messages") -> str:
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param) from None
 
 
+def request_params(src: Any, **given: Any) -> SamplingParams:
+    """SamplingParams from an HTTP request model: each field named like a SamplingParams field that
+    the client set (not None), then `given`, the fields this API names or converts its own way.
+    Unset, temperature is 1 (both APIs sample unless told otherwise), the rest SamplingParams'."""
+    values: dict[str, Any] = {"temperature": 1.0}
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(src, f.name, None)
+        if value is not None:
+            values[f.name] = list(value) if isinstance(value, tuple) else value
+    values.update(given)
+    return SamplingParams(**values)
+
+
 def make_checked(front: Front, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
                  names: dict[str, str]) -> SamplingParams:
     """engine.check_prompt plus the edge's own bounds; ParamError fields renamed to the API's names."""

@@ -10,3 +10,8 @@ import os
 def no_tcmalloc() -> bool:
     """LIGHTSERVE_NO_TCMALLOC=1: do not preload tcmalloc into CPU worker processes."""
     return os.environ.get("LIGHTSERVE_NO_TCMALLOC", "") not in ("", "0")
+
+
+def no_c_kernels() -> bool:
+    """LIGHTSERVE_NO_C_KERNELS=1: run the torch reference ops instead of the CPU C kernels."""
+    return os.environ.get("LIGHTSERVE_NO_C_KERNELS", "") not in ("", "0")

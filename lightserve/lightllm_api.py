@@ -18,19 +18,20 @@ from lightserve.api_server import (
     ClientGone,
     EventStream,
     Front,
-    StrictModel,
     Generation,
+    StrictModel,
     best_of,
     check_n,
     dumps,
-    grammar_of,
     encode_text,
     generate_one,
     get_front,
+    grammar_of,
     json_response,
     make_checked,
     parse_model,
     read_json,
+    request_params,
     samples_of,
     stop_list,
     token_text,
@@ -139,25 +140,15 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
     n = check_n(front, p.n, "parameters.n")
     num_samples = max(n, check_n(front, p.best_of, "parameters.best_of"))
 
-    def pick(value: Any, default: Any) -> Any:
-        return default if value is None else value
-
-    prompt_ids = await encode_text(front, req.inputs, "inputs", pick(p.add_special_tokens, True))
+    add_special = p.add_special_tokens if p.add_special_tokens is not None else True
+    prompt_ids = await encode_text(front, req.inputs, "inputs", add_special)
     kind, grammar = grammar_of("parameters.guided_json", p.guided_json, p.regular_constraint, p.guided_grammar)
     try:
         bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
     except (TypeError, ValueError):
         raise ApiError(400, "keys must be token ids", "parameters.logit_bias") from None
-    params = SamplingParams(
-        max_new_tokens=pick(p.max_new_tokens, 16), min_new_tokens=pick(p.min_new_tokens, 0),
-        temperature=pick(p.temperature, 1.0), top_p=pick(p.top_p, 1.0), top_k=pick(p.top_k, -1),
-        min_p=pick(p.min_p, 0.0), repetition_penalty=pick(p.repetition_penalty, 1.0),
-        presence_penalty=pick(p.presence_penalty, 0.0), frequency_penalty=pick(p.frequency_penalty, 0.0),
-        seed=p.seed, ignore_eos=pick(p.ignore_eos, False), skip_special_tokens=pick(p.skip_special_tokens, True),
-        stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), stop_token_ids=list(p.stop_token_ids or ()),
-        disable_prompt_cache=pick(p.disable_prompt_cache, False), logit_bias=bias,
-        allowed_token_ids=list(p.allowed_token_ids or ()), grammar_kind=kind, grammar=grammar,
-        top_logprobs=pick(p.top_logprobs, 0))
+    params = request_params(p, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), logit_bias=bias,
+                            grammar_kind=kind, grammar=grammar)
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated

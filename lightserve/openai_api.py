@@ -22,22 +22,23 @@ from lightserve.api_server import (
     Front,
     Generation,
     StrictModel,
-    check_model,
     best_of,
+    check_model,
     check_n,
     dumps,
-    grammar_of,
-    token_text,
     encode_text,
     generate_one,
     get_front,
+    grammar_of,
     json_response,
     make_checked,
     parse_model,
     read_json,
     render_chat,
+    request_params,
     samples_of,
     stop_list,
+    token_text,
     until_disconnect,
 )
 from lightserve.engine_client import EngineDead, RequestTimeout
@@ -404,18 +405,10 @@ def _logit_bias(bias: dict | None) -> dict[int, float]:
 
 def _params(req: _SamplingRequest, max_tokens: int, top_logprobs: int,
             grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, "")) -> SamplingParams:
-    def pick(value: Any, default: Any) -> Any:
-        return default if value is None else value
-
-    return SamplingParams(
-        max_new_tokens=max_tokens, min_new_tokens=pick(req.min_tokens, 0),
-        temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, -1),
-        min_p=pick(req.min_p, 0.0), repetition_penalty=pick(req.repetition_penalty, 1.0),
-        presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
-        seed=req.seed, ignore_eos=pick(req.ignore_eos, False), skip_special_tokens=pick(req.skip_special_tokens, True),
-        stop=stop_list(req.stop, "stop"), stop_token_ids=list(req.stop_token_ids or ()), top_logprobs=top_logprobs,
-        disable_prompt_cache=pick(req.disable_prompt_cache, False), logit_bias=_logit_bias(req.logit_bias),
-        allowed_token_ids=list(req.allowed_token_ids or ()), grammar_kind=grammar[0], grammar=grammar[1])
+    return request_params(
+        req, max_new_tokens=max_tokens, min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
+        stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs, logit_bias=_logit_bias(req.logit_bias),
+        grammar_kind=grammar[0], grammar=grammar[1])
 
 
 def _refuse(value: Any, param: str) -> None:

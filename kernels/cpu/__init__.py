@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from lightserve import envs
 from lightserve.log import get_logger
 
 logger = get_logger(__name__)
@@ -37,7 +38,7 @@ def _cache_dir() -> Path:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The built kernel library (built now if needed), or None when it cannot be built here."""
-    if os.environ.get("LIGHTSERVE_NO_C_KERNELS") == "1":
+    if envs.no_c_kernels():
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:

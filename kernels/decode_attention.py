@@ -178,13 +178,14 @@ def decode_attention(
 
 def decode_attention_cpu(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    sm_scale: float,
+    sm_scale: float, lib=None,
 ) -> Tensor | None:
     """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather.
-    None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference."""
+    None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference.
+    `lib`: a loaded kernel library other than the default build (tests of the portable C path)."""
     from lightserve.kernels.cpu import library
 
-    lib = library()
+    lib = lib or library()
     if lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.stride(-1) != 1 \
             or k_cache.stride(-2) != k_cache.shape[-1] or v_cache.stride() != k_cache.stride():
         return None

@@ -40,32 +40,52 @@ def library() -> ctypes.CDLL | None:
     """The built kernel library (built now if needed), or None when it cannot be built here."""
     if envs.no_c_kernels():
         return None
+    try:
+        return load(build())
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("CPU C kernels unavailable, falling back to torch ops: %s", detail)
+        return None
+
+
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """Compile the sources (once per source/flags/compiler; cached) and return the .so path.
+    Raises OSError when there is no compiler, CalledProcessError when the build fails."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        logger.warning("no C compiler found: CPU kernels fall back to torch ops (slower decode attention)")
-        return None
-    here = Path(__file__).parent
-    sources = [here / name for name in _SOURCES]
+        raise OSError("no C compiler (gcc or cc) on PATH")
+    flags = (*_FLAGS, *extra_flags)
+    sources = [Path(__file__).parent / name for name in _SOURCES]
     key = hashlib.sha256()
-    for part in [cc, *_FLAGS, *(p.read_bytes() for p in sources)]:
+    # -march=native: a cache shared by machines with other CPUs must not hand them this build.
+    for part in [cc, *flags, _cpu_flags(), *(p.read_bytes() for p in sources)]:
         key.update(part if isinstance(part, bytes) else part.encode())
     target = _cache_dir() / f"lightserve_cpu_{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"], check=True,
-                           capture_output=True, text=True, timeout=120)
-            os.replace(tmp, target)
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            logger.warning("building the CPU kernels failed, falling back to torch ops: %s", detail)
-            return None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *flags, "-o", tmp, *map(str, sources), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent builder's copy is identical
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,

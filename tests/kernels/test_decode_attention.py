@@ -86,6 +86,20 @@ def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_c_path_matches_reference(dtype):
+    """The plain-C task (what a CPU without AVX2 runs), built here with AVX2 switched off."""
+    from lightserve.kernels.cpu import build, load
+
+    portable = load(build(("-mno-avx2", "-mno-fma")))
+    seq_lens = [1, 31, 33, 100]
+    batch, q, meta = _decode_case(seq_lens, 9, 3, 64, dtype)
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
+    out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=portable)
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 def test_cpu_kernel_declines_what_it_does_not_support():
     batch, q, meta = _decode_case([5, 9], 4, 1, 80, torch.float32)  # head_dim 80: not compiled in
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}

@@ -45,9 +45,8 @@ class LlamaForCausalLM:
         self.cos_sin = build_cos_sin_cache(config, device=self.device)  # [max_pos, D] float32
         # float32 lm_head on CPU through oneDNN with the weight reordered once: the [B, hidden] x
         # [hidden, vocab] GEMM is skinny, where MKL's sgemm (F.linear) is 1.5-2x slower (measured
-        # for B = 1, 8, 64, 256 on AVX2 and AVX-512 CPUs). Up to kernels.SMALL_M_MAX rows the
-        # streaming C kernel (kernels.linear) beats both. Other linears: kernels.linear, i.e. the C
-        # kernel for few rows and F.linear above (where oneDNN and MKL are within noise).
+        # for B = 1, 8, 64, 256 on AVX2 and AVX-512 CPUs). Other linears stay on F.linear: for
+        # their shapes oneDNN and MKL are within noise of each other.
         self.lm_head_onednn = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.lm_head_onednn = weights.lm_head.to_mkldnn()  # [V(p), hidden], oneDNN's blocked layout
@@ -106,7 +105,7 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
+        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.view(num_tokens, hq, d)  # [T, Hq, D], strided view into qkv
         k = k.view(num_tokens, hk, d)  # [T, Hk, D]
@@ -132,16 +131,16 @@ class LlamaForCausalLM:
         o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
         o = o.reshape(num_tokens, hq * d)  # [T, Hq * D]
         if self.tp_size == 1:
-            return kernels.linear(o, layer.o_proj, layer.o_bias)  # [T, hidden]
-        out = kernels.linear(o, layer.o_proj)  # [T, hidden], partial sum of this rank's heads
+            return F.linear(o, layer.o_proj, layer.o_bias)  # [T, hidden]
+        out = F.linear(o, layer.o_proj)  # [T, hidden], partial sum of this rank's heads
         dist.all_reduce(out, group=self.tp_group)
         if layer.o_bias is not None:  # once, after the reduction, not once per rank
             out += layer.o_bias
         return out
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate_up = kernels.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
-        out = kernels.linear(kernels.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
+        out = F.linear(kernels.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -159,10 +158,10 @@ class LlamaForCausalLM:
         return out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_onednn is not None and x.shape[0] > kernels.SMALL_M_MAX:
+        if self.lm_head_onednn is not None:
             logits = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.lm_head_onednn, None).to_dense()
         else:
-            logits = kernels.linear(x, self.weights.lm_head)  # [B, V] (tp > 1: [B, Vp])
+            logits = F.linear(x, self.weights.lm_head)  # [B, V] (tp > 1: [B, Vp])
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits, group=self.tp_group)

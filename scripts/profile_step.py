@@ -85,6 +85,7 @@ def main() -> None:
         sched.finish_step(record)
         times = defaultdict(list)
         op_time = defaultdict(float)
+        ungrouped = defaultdict(float)  # aten ops outside GROUPS, to spot what else costs
         from transformers import AutoTokenizer
         from lightserve.detokenizer.incremental import IncrementalDecoder
         tok = AutoTokenizer.from_pretrained(model_dir)
@@ -102,7 +103,10 @@ def main() -> None:
                     logits = runner.forward(plan)
                 for evt in prof.key_averages():
                     group = next((g for k, g in GROUPS.items() if k in evt.key), None)
-                    if group and evt.key.startswith("aten::"):
+                    if group is None and evt.key.startswith("aten::"):
+                        ungrouped[evt.key] += evt.self_cpu_time_total / 1e6
+                    # aten ops, plus our C kernels' record_function ranges (their time is self time)
+                    if group and (evt.key.startswith("aten::") or evt.key == "decode_attention_cpu"):
                         op_time[group] += evt.self_cpu_time_total / 1e6
             else:
                 logits = runner.forward(plan)
@@ -130,6 +134,8 @@ def main() -> None:
             print("  forward by op group (last step, torch.profiler self CPU time):")
             for g, v in sorted(op_time.items(), key=lambda kv: -kv[1]):
                 print(f"    {g:30s} {1e3 * v:8.2f} ms")
+            for name, v in sorted(ungrouped.items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {'(other) ' + name:30s} {1e3 * v:8.2f} ms")
     finally:
         pool.close()
         pool.segment.unlink()

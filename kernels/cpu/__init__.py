@@ -26,7 +26,7 @@ from lightserve.log import get_logger
 
 logger = get_logger(__name__)
 
-_SOURCES = ("decode_attention.c", "linear.c")
+_SOURCES = ("decode_attention.c",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 
 
@@ -90,6 +90,4 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                                      i64, i64, i64, ctypes.c_float, i32]
-    lib.small_m_linear.restype = None
-    lib.small_m_linear.argtypes = [ptr, ptr, ptr, i32, i32, i64, i32]
     return lib

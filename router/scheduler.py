@@ -167,10 +167,16 @@ class Scheduler:
         group = self.groups.get(req.group_id) if req.group_id else None
         return group is not None and group.leader is not req and not group.ready
 
-    def _share_prompt(self, req: Req, group: Group) -> None:
-        """The leader's prompt is computed: put its KV (all but the last prompt token, which is what
-        a sibling matches) into the radix cache now, while it still runs, and let the siblings in."""
+    def _cache_prompt(self, req: Req) -> None:
+        """The request's prompt is computed: put its KV (all but the last prompt token, which is what
+        a later request with the same prompt matches) into the radix cache now, while it still runs.
+        Requests admitted from now on that share the prefix (a burst of chat turns or few-shot
+        prompts, the n samples of a group) compute only the rest, instead of each computing the
+        shared prefix because none of them had finished yet."""
+        req.prompt_cached = True
         n = req.prompt_len - 1
+        if req.cached_len >= n:
+            return  # the whole prefix came from the cache
         ids = self.pool.token_ids[req.shm_index, :n]
         present = self.cache.insert(ids, req.kv_locs[:n])
         if present > req.cached_len:
@@ -183,7 +189,6 @@ class Scheduler:
         self.cache.unlock(req.prefix_node)
         req.prefix_node = node
         req.cached_len = n  # rows [0, n) are the tree's now
-        group.ready = True
 
     def _reserve_decode_rows(self, decodes: list[Req]) -> bool:
         """Make room for one new row per decode: evict the cache, then pause the newest requests."""
@@ -312,10 +317,12 @@ class Scheduler:
             if finish[i] != FinishReason.NONE and req.status is ReqStatus.RUNNING:
                 self.running.remove(req)
                 self._retire(req)
-            elif req.group_id and req.computed_len >= req.prompt_len - 1:
-                group = self.groups[req.group_id]
-                if group.leader is req and not group.ready and req.status is ReqStatus.RUNNING:
-                    self._share_prompt(req, group)
+            elif (req.use_cache and not req.prompt_cached and req.computed_len >= req.prompt_len - 1
+                  and req.status is ReqStatus.RUNNING):
+                self._cache_prompt(req)
+                group = self.groups.get(req.group_id) if req.group_id else None
+                if group is not None and group.leader is req:
+                    group.ready = True
         self.admission.on_step()
 
     # ---- state changes ------------------------------------------------------------------------------

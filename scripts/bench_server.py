@@ -5,7 +5,7 @@ against it (a warm-up, then --runs measured runs), read /metrics after each, sto
 One JSON line per measured run goes to stdout (and --out): the server flags, the start time, the
 client's aggregates and the router's counters (pauses, resumes, prompt tokens computed/cached).
 
-    python scripts/bench_server.py --server "--max_total_token_num 4096" -- \\
+    python scripts/bench_server.py --server="--max_total_token_num 4096" -- \\
         --dataset random --num-prompts 64 --input-len 256 --output-len 128 --max-concurrency 64
 
 Used for the figures in docs/benchmarks.md (prefix cache on/off, KV pressure, tp 1 vs 2).

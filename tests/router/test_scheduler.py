@@ -230,3 +230,18 @@ def test_prompt_logprobs_requests_compute_their_whole_prompt_in_chunks(pool):
     assert positions[1] == list(range(len(prompt) - 1)) and positions[2] == []
     assert pool.cached_len[1] == 0 and pool.cached_len[2] == len(prompt) - 1
     assert_kv_accounted(sched)
+
+
+def test_a_running_requests_prompt_is_matched_by_later_requests(pool):
+    """A burst sharing a long prefix: once the first request's prompt is computed it is in the cache
+    while it still decodes, so the requests admitted after it compute only their own tokens."""
+    sched = make_scheduler(pool, batch_max=62, chunk=62)  # the first prompt fills the first step
+    shared = list(range(1, 61))
+    for slot in range(4):
+        add(sched, pool, slot, shared + [100 + slot, 200 + slot], max_new=16)
+    run_until_idle(sched, pool)
+    # slot 0 computed the prefix; the others were admitted after its prompt step and matched it
+    assert pool.cached_len[0] == 0
+    assert all(pool.cached_len[s] == len(shared) for s in (1, 2, 3)), pool.cached_len[:4]
+    assert sched.counters["prompt_tokens_cached_total"] == 3 * len(shared)
+    assert_kv_accounted(sched)

@@ -3,8 +3,9 @@ comparison that tolerates only a genuine near-tie (batch composition changes flo
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
+
+from tests.e2e.server import wait_until  # noqa: F401 - re-exported for the pipeline tests
 
 SETTINGS = {"data_type": "float32", "max_total_token_num": 16384}
 NEAR_TIE = 1e-4
@@ -12,15 +13,6 @@ NEAR_TIE = 1e-4
 
 def instance_files(instance_id: str) -> list[str]:
     return sorted(str(p) for d in (Path("/dev/shm"), Path("/tmp")) for p in d.glob(f"lightserve-{instance_id}*"))
-
-
-def wait_until(cond, timeout: float, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
 
 
 @functools.lru_cache(maxsize=1)

@@ -183,7 +183,7 @@ def decode_attention_cpu(
     """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather.
     None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference.
     `lib`: a loaded kernel library other than the default build (tests of the portable C path)."""
-    from lightserve.kernels.cpu import library
+    from lightserve.kernels.cpu import library, profiled
 
     lib = lib or library()
     if lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.stride(-1) != 1 \
@@ -195,7 +195,7 @@ def decode_attention_cpu(
     rows = req_rows.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
-    with torch.profiler.record_function("decode_attention_cpu"):  # visible in scripts/profile_step.py
+    with profiled("decode_attention_cpu"):  # visible in scripts/profile_step.py
         rc = lib.decode_attention(
             qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
             req_to_token.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),

@@ -43,10 +43,9 @@ class LlamaForCausalLM:
         self.device = weights.embed.device
         self.sm_scale = config.head_dim ** -0.5
         self.cos_sin = build_cos_sin_cache(config, device=self.device)  # [max_pos, D] float32
-        # float32 lm_head on CPU through oneDNN with the weight reordered once: the [B, hidden] x
-        # [hidden, vocab] GEMM is skinny, where MKL's sgemm (F.linear) is 1.5-2x slower (measured
-        # for B = 1, 8, 64, 256 on AVX2 and AVX-512 CPUs). Other linears stay on F.linear: for
-        # their shapes oneDNN and MKL are within noise of each other.
+        # float32 lm_head on CPU for more than SKINNY_MAX_M rows: oneDNN with the weight reordered
+        # once. The [B, hidden] x [hidden, vocab] GEMM is skinny, where MKL's sgemm is 1.5-2x slower
+        # (measured for B = 64 .. 256 on AVX2 and AVX-512 CPUs); fewer rows take the C kernel.
         self.lm_head_onednn = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.lm_head_onednn = weights.lm_head.to_mkldnn()  # [V(p), hidden], oneDNN's blocked layout
@@ -105,7 +104,7 @@ class LlamaForCausalLM:
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
+        qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.view(num_tokens, hq, d)  # [T, Hq, D], strided view into qkv
         k = k.view(num_tokens, hk, d)  # [T, Hk, D]
@@ -131,16 +130,16 @@ class LlamaForCausalLM:
         o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
         o = o.reshape(num_tokens, hq * d)  # [T, Hq * D]
         if self.tp_size == 1:
-            return F.linear(o, layer.o_proj, layer.o_bias)  # [T, hidden]
-        out = F.linear(o, layer.o_proj)  # [T, hidden], partial sum of this rank's heads
+            return kernels.linear(o, layer.o_proj, layer.o_bias)  # [T, hidden]
+        out = kernels.linear(o, layer.o_proj)  # [T, hidden], partial sum of this rank's heads
         dist.all_reduce(out, group=self.tp_group)
         if layer.o_bias is not None:  # once, after the reduction, not once per rank
             out += layer.o_bias
         return out
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
-        out = F.linear(kernels.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        gate_up = kernels.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
+        out = kernels.linear(kernels.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -158,10 +157,10 @@ class LlamaForCausalLM:
         return out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_onednn is not None:
+        if self.lm_head_onednn is not None and x.shape[0] > kernels.SKINNY_MAX_M:
             logits = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.lm_head_onednn, None).to_dense()
         else:
-            logits = F.linear(x, self.weights.lm_head)  # [B, V] (tp > 1: [B, Vp])
+            logits = kernels.linear(x, self.weights.lm_head)  # [B, V] (tp > 1: [B, Vp])
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits, group=self.tp_group)

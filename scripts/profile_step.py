@@ -36,7 +36,7 @@ from lightserve.shm.req_pool import ReqPool
 
 GROUPS = {  # aten op name fragment -> op group
     "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)", "mkldnn_linear": "linear (GEMM)",
-    "decode_attention_cpu": "attention",
+    "decode_attention_cpu": "attention", "linear_cpu": "linear (GEMM)",
     "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
     "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
     "embedding": "embedding", "index_put": "KV write / tables", "copy_": "copies", "cat": "copies",
@@ -106,7 +106,7 @@ def main() -> None:
                     if group is None and evt.key.startswith("aten::"):
                         ungrouped[evt.key] += evt.self_cpu_time_total / 1e6
                     # aten ops, plus our C kernels' record_function ranges (their time is self time)
-                    if group and (evt.key.startswith("aten::") or evt.key == "decode_attention_cpu"):
+                    if group and (evt.key.startswith("aten::") or evt.key in ("decode_attention_cpu", "linear_cpu")):
                         op_time[group] += evt.self_cpu_time_total / 1e6
             else:
                 logits = runner.forward(plan)

@@ -12,6 +12,7 @@ reference path, with one warning.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -21,13 +22,21 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from lightserve import envs
 from lightserve.log import get_logger
 
 logger = get_logger(__name__)
 
-_SOURCES = ("decode_attention.c",)
+_SOURCES = ("decode_attention.c", "linear.c")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager:
+    """A profiler label for a C call (scripts/profile_step.py attributes C kernels by it), only while
+    a profiler runs: record_function costs about 12 us, and a step makes over a hundred C calls."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _cache_dir() -> Path:
@@ -90,4 +99,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                                      i64, i64, i64, ctypes.c_float, i32]
+    lib.linear_skinny.restype = ctypes.c_int
+    lib.linear_skinny.argtypes = [ptr, i64, i32, i32, ptr, i32, i32, ptr, ptr, i64, i32]
     return lib

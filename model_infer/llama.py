@@ -6,6 +6,7 @@ ModelConfig fields (biases, q/k norm, rope scaling), never subclasses. All math 
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from lightserve.model_infer.rope import build_cos_sin_cache
 from lightserve.model_infer.weights import LayerWeights, ModelWeights, load_weights
 
 from lightserve import kernels
+from lightserve.kernels.cpu import library as cpu_kernels
 
 if TYPE_CHECKING:
     from lightserve.model_infer.forward_batch import ForwardBatch
@@ -43,12 +45,13 @@ class LlamaForCausalLM:
         self.device = weights.embed.device
         self.sm_scale = config.head_dim ** -0.5
         self.cos_sin = build_cos_sin_cache(config, device=self.device)  # [max_pos, D] float32
-        # float32 lm_head on CPU for more than SKINNY_MAX_M rows: oneDNN with the weight reordered
-        # once. The [B, hidden] x [hidden, vocab] GEMM is skinny, where MKL's sgemm is 1.5-2x slower
-        # (measured for B = 64 .. 256 on AVX2 and AVX-512 CPUs); fewer rows take the C kernel.
-        self.lm_head_onednn = None
-        if self.device.type == "cpu" and self.dtype == torch.float32 and torch.backends.mkldnn.is_available():
-            self.lm_head_onednn = weights.lm_head.to_mkldnn()  # [V(p), hidden], oneDNN's blocked layout
+        self.lm_head = weights.lm_head  # [Vp, hidden]
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
+            # float32 on CPU: every linear runs the C kernel on weights packed once here (see
+            # kernels/linear.py); the packed copies replace the row-major projections. The
+            # lm_head gets its own copy: the embedding lookup needs the row-major table.
+            self.weights = weights = dataclasses.replace(weights, layers=[_pack_layer(layer) for layer in weights.layers])
+            self.lm_head = kernels.pack_linear_weight(weights.lm_head)
 
     @classmethod
     def load(
@@ -157,15 +160,20 @@ class LlamaForCausalLM:
         return out
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_onednn is not None and x.shape[0] > kernels.SKINNY_MAX_M:
-            logits = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.lm_head_onednn, None).to_dense()
-        else:
-            logits = kernels.linear(x, self.weights.lm_head)  # [B, V] (tp > 1: [B, Vp])
+        logits = kernels.linear(x, self.lm_head)  # [B, V] (tp > 1: [B, Vp])
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits, group=self.tp_group)
             logits = torch.cat(parts, dim=-1)[:, : self.config.vocab_size]  # [B, V], padding dropped
         return logits.float()
+
+
+def _pack_layer(layer: LayerWeights) -> LayerWeights:
+    return dataclasses.replace(
+        layer, qkv_proj=kernels.pack_linear_weight(layer.qkv_proj), o_proj=kernels.pack_linear_weight(layer.o_proj),
+        gate_up_proj=kernels.pack_linear_weight(layer.gate_up_proj),
+        down_proj=kernels.pack_linear_weight(layer.down_proj),
+    )
 
 
 class _AttentionInputs:

@@ -99,6 +99,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                                      i64, i64, i64, ctypes.c_float, i32]
-    lib.linear_skinny.restype = ctypes.c_int
-    lib.linear_skinny.argtypes = [ptr, i64, i32, i32, ptr, i32, i32, ptr, ptr, i64, i32]
+    lib.linear_packed.restype = ctypes.c_int
+    lib.linear_packed.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
     return lib

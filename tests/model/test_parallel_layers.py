@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from lightserve.kernels import linear  # plain or packed (CPU float32) weights
 from lightserve.model_infer.llama import LlamaForCausalLM
 
 from .tiny_models import make_tiny_model
@@ -31,9 +31,9 @@ def _rank_main(rank: int, port: int, model_dir: str) -> None:
         lf, lp = full.weights.layers[0], part.weights.layers[0]
 
         # Column-parallel q/k/v: this rank's output rows are its heads' rows of the full output.
-        qkv = F.linear(x, lf.qkv_proj, lf.qkv_bias)  # [T, (Hq + 2 Hk) D]
+        qkv = linear(x, lf.qkv_proj, lf.qkv_bias)  # [T, (Hq + 2 Hk) D]
         q, k, v = qkv.split([cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d], dim=1)
-        lq, lk, lv = F.linear(x, lp.qkv_proj, lp.qkv_bias).split(
+        lq, lk, lv = linear(x, lp.qkv_proj, lp.qkv_bias).split(
             [sh.num_heads * d, sh.num_kv_heads * d, sh.num_kv_heads * d], dim=1)
         torch.testing.assert_close(lq, q[:, sh.q_head_start * d:(sh.q_head_start + sh.num_heads) * d], **tol)
         kv_cols = slice(sh.kv_head_start * d, (sh.kv_head_start + sh.num_kv_heads) * d)
@@ -43,9 +43,9 @@ def _rank_main(rank: int, port: int, model_dir: str) -> None:
         # Row-parallel o_proj: partial sums over this rank's heads, all-reduced, bias once.
         o = torch.randn(5, cfg.num_heads * d, generator=gen)  # [T, Hq D]
         o_local = o[:, sh.q_head_start * d:(sh.q_head_start + sh.num_heads) * d]
-        out = F.linear(o_local, lp.o_proj)
+        out = linear(o_local, lp.o_proj)
         dist.all_reduce(out)
-        torch.testing.assert_close(out + lp.o_bias, F.linear(o, lf.o_proj, lf.o_bias), **tol)
+        torch.testing.assert_close(out + lp.o_bias, linear(o, lf.o_proj, lf.o_bias), **tol)
 
         # Column-parallel gate/up then row-parallel down, through the model's own MLP.
         torch.testing.assert_close(part._mlp(lp, x), full._mlp(lf, x), **tol)

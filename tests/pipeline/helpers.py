@@ -16,7 +16,7 @@ def instance_files(instance_id: str) -> list[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def _hf_model(model_dir: str):
+def hf_model(model_dir: str):
     import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -31,7 +31,7 @@ def assert_same_greedy(got: list[int], ref: list[int], prompt_ids: list[int], mo
     k = next((i for i in range(min(len(got), len(ref))) if got[i] != ref[i]), None)
     assert k is not None, f"{what}: {len(got)} tokens vs {len(ref)} (dropped or extra tokens)"
     with torch.no_grad():
-        logits = _hf_model(model_dir)(torch.tensor([prompt_ids + ref[:k]])).logits[0, -1]
+        logits = hf_model(model_dir)(torch.tensor([prompt_ids + ref[:k]])).logits[0, -1]
     top2 = torch.topk(logits, 2)
     gap = float(top2.values[0] - top2.values[1])
     assert gap < NEAR_TIE and got[k] in top2.indices.tolist(), f"{what}: differs at token {k} (gap {gap:.3g})"

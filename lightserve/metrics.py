@@ -23,6 +23,20 @@ PREFIX = "lightserve_"
 COUNTER_STATS = frozenset({"pauses_total", "resumes_total", "prompt_tokens_total",
                            "prompt_tokens_cached_total", "generation_tokens_total", "steps_total"})
 
+def idle_problems(samples: dict[str, float]) -> list[str]:
+    """Why a server whose clients are all done is not back to its idle state: requests still held,
+    KV or request slots leaked. `samples`: the unlabelled /metrics samples without the prefix.
+    Used by the reliability tests and scripts/soak.py."""
+    problems = [f"{k} = {samples[k]:g}" for k in ("requests_running", "requests_waiting", "requests_paused",
+                                                   "requests_in_front", "requests_queued") if samples[k] != 0]
+    if samples["kv_tokens_free"] + samples["kv_tokens_cached"] != samples["kv_tokens_total"]:
+        problems.append(f"KV leaked: free {samples['kv_tokens_free']:g} + cached {samples['kv_tokens_cached']:g} "
+                        f"!= total {samples['kv_tokens_total']:g}")
+    if samples["req_slots_free"] != samples["req_slots_total"]:
+        problems.append(f"request slots leaked: {samples['req_slots_free']:g} of {samples['req_slots_total']:g} free")
+    return problems
+
+
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,

@@ -8,6 +8,7 @@ the worker's forward (split by op group with torch.profiler), sampling and the s
 share of the step.
 
     python scripts/profile_step.py --batch 64 --context 384 --dtype float32
+    python scripts/profile_step.py --batch 1 --context 256 --prefill   # the prefill step instead
 """
 from __future__ import annotations
 
@@ -43,6 +44,28 @@ GROUPS = {  # aten op name fragment -> op group
 }
 
 
+def _profiled_forward(runner: ModelRunner, plan, op_time: dict, ungrouped: dict) -> torch.Tensor:
+    """runner.forward(plan) under torch.profiler; adds each op group's self CPU time to op_time."""
+    with torch.profiler.profile() as prof:
+        logits = runner.forward(plan)
+    for evt in prof.key_averages():
+        group = next((g for k, g in GROUPS.items() if k in evt.key), None)
+        if group is None and evt.key.startswith("aten::"):
+            ungrouped[evt.key] += evt.self_cpu_time_total / 1e6
+        # aten ops, plus our C kernels' record_function ranges (their time is self time)
+        if group and (evt.key.startswith("aten::") or evt.key in ("decode_attention_cpu", "linear_cpu")):
+            op_time[group] += evt.self_cpu_time_total / 1e6
+    return logits
+
+
+def _print_op_groups(op_time: dict, ungrouped: dict, what: str) -> None:
+    print(f"  forward by op group ({what}, torch.profiler self CPU time):")
+    for g, v in sorted(op_time.items(), key=lambda kv: -kv[1]):
+        print(f"    {g:30s} {1e3 * v:8.2f} ms")
+    for name, v in sorted(ungrouped.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {'(other) ' + name:30s} {1e3 * v:8.2f} ms")
+
+
 class _NoSocket:
     def send(self, *_args, **_kw) -> None:
         pass
@@ -58,6 +81,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--prefill", action="store_true",
+                    help="profile the prefill step (batch x context prompt tokens) and stop")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(ensure_default_model())
@@ -79,8 +104,20 @@ def main() -> None:
                                SamplingParams(max_new_tokens=max_len - ctx, ignore_eos=True), 0)
             sched.add_req(i, i + 1)
         writer = OutputWriter(pool, mc, model_dir, _NoSocket(), _NoSocket())
-        # The prefill step (not measured), then decode steps.
+        # The prefill step (measured with --prefill, after one unmeasured run of the same plan),
+        # then decode steps.
         record = sched.plan_step()
+        if args.prefill:
+            runner.forward(record.plan)  # warm-up; rewrites the same KV rows
+            op_time, ungrouped = defaultdict(float), defaultdict(float)
+            t = time.perf_counter()
+            runner.forward(record.plan)
+            took = time.perf_counter() - t
+            _profiled_forward(runner, record.plan, op_time, ungrouped)
+            print(f"prefill step, {b} x {ctx} prompt tokens, {args.dtype}, {args.threads} threads: "
+                  f"forward {1e3 * took:.1f} ms ({b * ctx / took:.0f} tokens/s)")
+            _print_op_groups(op_time, ungrouped, "a second run")
+            return
         writer.write(record.plan, runner.forward(record.plan), 0.0)
         sched.finish_step(record)
         times = defaultdict(list)
@@ -99,15 +136,7 @@ def main() -> None:
             times["IPC: plan encode+decode"].append(time.perf_counter() - t)
             t = time.perf_counter()
             if step == args.steps - 1:
-                with torch.profiler.profile() as prof:
-                    logits = runner.forward(plan)
-                for evt in prof.key_averages():
-                    group = next((g for k, g in GROUPS.items() if k in evt.key), None)
-                    if group is None and evt.key.startswith("aten::"):
-                        ungrouped[evt.key] += evt.self_cpu_time_total / 1e6
-                    # aten ops, plus our C kernels' record_function ranges (their time is self time)
-                    if group and (evt.key.startswith("aten::") or evt.key in ("decode_attention_cpu", "linear_cpu")):
-                        op_time[group] += evt.self_cpu_time_total / 1e6
+                logits = _profiled_forward(runner, plan, op_time, ungrouped)
             else:
                 logits = runner.forward(plan)
             times["worker: forward"].append(time.perf_counter() - t)
@@ -131,11 +160,7 @@ def main() -> None:
         overhead = total - med["worker: forward"]
         print(f"  outside the model forward: {1e3 * overhead:.2f} ms ({100 * overhead / total:.1f}% of the step)")
         if op_time:
-            print("  forward by op group (last step, torch.profiler self CPU time):")
-            for g, v in sorted(op_time.items(), key=lambda kv: -kv[1]):
-                print(f"    {g:30s} {1e3 * v:8.2f} ms")
-            for name, v in sorted(ungrouped.items(), key=lambda kv: -kv[1])[:8]:
-                print(f"    {'(other) ' + name:30s} {1e3 * v:8.2f} ms")
+            _print_op_groups(op_time, ungrouped, "last step")
     finally:
         pool.close()
         pool.segment.unlink()

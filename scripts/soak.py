@@ -28,6 +28,8 @@ from typing import Any
 
 import aiohttp
 
+from lightserve.metrics import idle_problems
+
 # Small enough to be overloaded (16 slots, 16 queued) and to pause now and then (1024 KV tokens).
 OWN_SERVER_ARGS = ["--data_type", "float32", "--max_total_token_num", "1024", "--req_pool_size", "16",
                    "--max_queue_size", "16", "--max_req_total_len", "512", "--max_body_bytes", "65536"]
@@ -214,17 +216,6 @@ class Soak:
             await asyncio.sleep(0.5)
 
 
-def leak_problems(m: dict[str, float]) -> list[str]:
-    problems = [f"{k} = {m[k]:g} at idle" for k in ("requests_running", "requests_waiting", "requests_paused",
-                                                     "requests_in_front", "requests_queued") if m[k]]
-    if m["kv_tokens_free"] + m["kv_tokens_cached"] != m["kv_tokens_total"]:
-        problems.append(f"KV leaked: free {m['kv_tokens_free']:g} + cached {m['kv_tokens_cached']:g} != "
-                        f"total {m['kv_tokens_total']:g}")
-    if m["req_slots_free"] != m["req_slots_total"]:
-        problems.append(f"request slots leaked: {m['req_slots_free']:g} of {m['req_slots_total']:g} free")
-    return problems
-
-
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, check=False).stdout
     return sorted(int(p) for p in out.split())
@@ -317,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
 
-    problems = list(soak.failures) + leak_problems(m)
+    problems = list(soak.failures) + idle_problems(m)
     if launcher and before != after:
         problems.append(f"launcher children changed: {before} -> {after}")
     if proc is not None and proc.returncode != 0:

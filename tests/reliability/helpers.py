@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from lightserve.metrics import idle_problems
 from tests.e2e.server import ServerProc, wait_until
 
 # The launcher logs "started <name> pid <pid>" for each child (engine_procs.EngineProcs._spawn):
@@ -60,18 +61,6 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name.removeprefix("lightserve_")] = float(value)
     return out
-
-
-def idle_problems(m: dict[str, float]) -> list[str]:
-    """Why the server is not back to its idle state: requests still held, KV or request slots leaked."""
-    problems = [f"{k} = {m[k]:g}" for k in ("requests_running", "requests_waiting", "requests_paused",
-                                             "requests_in_front", "requests_queued") if m[k] != 0]
-    if m["kv_tokens_free"] + m["kv_tokens_cached"] != m["kv_tokens_total"]:
-        problems.append(f"KV leaked: free {m['kv_tokens_free']:g} + cached {m['kv_tokens_cached']:g} "
-                        f"!= total {m['kv_tokens_total']:g}")
-    if m["req_slots_free"] != m["req_slots_total"]:
-        problems.append(f"request slots leaked: {m['req_slots_free']:g} of {m['req_slots_total']:g} free")
-    return problems
 
 
 def assert_idle(url: str, headers: dict[str, str] | None = None, timeout: float = IDLE_TIMEOUT_S) -> dict[str, float]:

@@ -17,11 +17,11 @@ IDLE = {"requests_running": 0, "requests_waiting": 0, "requests_paused": 0, "req
 
 
 def test_idle_server_has_no_problems():
-    assert soak.leak_problems(IDLE) == []
+    assert soak.idle_problems(IDLE) == []
 
 
 def test_each_leak_is_named():
-    problems = soak.leak_problems(IDLE | {"requests_in_front": 1, "kv_tokens_free": 899, "req_slots_free": 15})
+    problems = soak.idle_problems(IDLE | {"requests_in_front": 1, "kv_tokens_free": 899, "req_slots_free": 15})
     assert len(problems) == 3
     assert "requests_in_front" in problems[0] and "KV leaked" in problems[1] and "slots leaked" in problems[2]
 

@@ -1,6 +1,7 @@
 """Kernels of the model's forward pass: a torch reference (the spec and the CPU path) and a Triton kernel per op.
 
-Each dispatch function runs Triton when its input is on CUDA and the reference otherwise."""
+Each dispatch function runs Triton when its input is on CUDA and, otherwise, a C kernel where one exists
+(kernels/cpu/: decode attention, the float32 linear) or the reference."""
 from lightserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from lightserve.kernels.decode_attention import decode_attention, decode_attention_ref
 from lightserve.kernels.kv_store import store_kv, store_kv_ref

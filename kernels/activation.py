@@ -43,4 +43,22 @@ def silu_and_mul_triton(x: Tensor) -> Tensor:
 
 def silu_and_mul(x: Tensor) -> Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x.dtype."""
-    return silu_and_mul_triton(x) if x.is_cuda else silu_and_mul_ref(x)
+    if x.is_cuda:
+        return silu_and_mul_triton(x)
+    out = silu_and_mul_cpu(x)
+    return silu_and_mul_ref(x) if out is None else out
+
+
+def silu_and_mul_cpu(x: Tensor, lib=None) -> Tensor | None:
+    """The C kernel (kernels/cpu/elementwise.c) for float32 x [T, 2I] with unit column stride; None
+    when it cannot run here. `lib`: a kernel library other than the default build (tests)."""
+    from lightserve.kernels.cpu import library, profiled
+
+    lib = lib or library()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
+        return None
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=torch.float32)  # [T, I]
+    with profiled("silu_and_mul_cpu"):  # visible in scripts/profile_step.py
+        lib.silu_and_mul(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,6 +1,7 @@
 """RMSNorm and fused residual-add + RMSNorm (LlamaRMSNorm). Called by the model before attention and MLP.
 
-The reference is the spec and the CPU serving path; the Triton kernel runs one program per row."""
+The reference is the spec; on GPU the Triton kernel runs one program per row, on CPU a C kernel
+(kernels/cpu/elementwise.c) does for float32, the reference for other dtypes."""
 from __future__ import annotations
 
 import torch
@@ -59,14 +60,38 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [T, H], weight [H] -> [T, H] in the promoted dtype of weight and x (as HF)."""
-    return rmsnorm_triton(x, weight, eps) if x.is_cuda else rmsnorm_ref(x, weight, eps)
+    if x.is_cuda:
+        return rmsnorm_triton(x, weight, eps)
+    out = rmsnorm_cpu(x, None, weight, eps)
+    return rmsnorm_ref(x, weight, eps) if out is None else out
 
 
 def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
     """residual [T, H] becomes residual + x in place; returns rmsnorm(residual, weight, eps)."""
     if x.is_cuda:
         return add_rmsnorm_triton(x, residual, weight, eps)
-    return add_rmsnorm_ref(x, residual, weight, eps)
+    out = rmsnorm_cpu(x, residual, weight, eps)
+    return add_rmsnorm_ref(x, residual, weight, eps) if out is None else out
+
+
+def rmsnorm_cpu(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, lib=None) -> Tensor | None:
+    """The C kernel (kernels/cpu/elementwise.c), float32 only: [T, H] -> [T, H]; with `residual`
+    (contiguous [T, H]) it first adds x into it in place. None when it cannot run here (then nothing
+    was modified). `lib`: a kernel library other than the default build (tests)."""
+    from lightserve.kernels.cpu import library, profiled
+
+    lib = lib or library()
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 \
+            or any(t.dtype != torch.float32 for t in (x, weight)) or not weight.is_contiguous() \
+            or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+                                          or residual.shape != x.shape)):
+        return None
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=torch.float32)  # [T, H]
+    with profiled("rmsnorm_cpu"):  # visible in scripts/profile_step.py
+        lib.rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                    rows, hidden, eps, out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> Tensor:

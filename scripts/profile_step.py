@@ -37,7 +37,8 @@ from lightserve.shm.req_pool import ReqPool
 
 GROUPS = {  # aten op name fragment -> op group
     "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)", "mkldnn_linear": "linear (GEMM)",
-    "decode_attention_cpu": "attention", "linear_cpu": "linear (GEMM)",
+    "decode_attention_cpu": "attention", "linear_cpu": "linear (GEMM)", "rmsnorm_cpu": "norms",
+    "silu_and_mul_cpu": "activation",
     "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
     "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
     "embedding": "embedding", "index_put": "KV write / tables", "copy_": "copies", "cat": "copies",
@@ -53,7 +54,7 @@ def _profiled_forward(runner: ModelRunner, plan, op_time: dict, ungrouped: dict)
         if group is None and evt.key.startswith("aten::"):
             ungrouped[evt.key] += evt.self_cpu_time_total / 1e6
         # aten ops, plus our C kernels' record_function ranges (their time is self time)
-        if group and (evt.key.startswith("aten::") or evt.key in ("decode_attention_cpu", "linear_cpu")):
+        if group and (evt.key.startswith("aten::") or evt.key.endswith("_cpu")):
             op_time[group] += evt.self_cpu_time_total / 1e6
     return logits
 

@@ -66,3 +66,26 @@ def test_add_rmsnorm_triton_matches_reference(num_tokens, hidden, dtype):
     else:
         assert torch.equal(res_triton, res_ref)  # one rounded add
     torch.testing.assert_close(out_triton, out_ref, **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 100), (200, 576)])  # 100: a tail past 16 lanes; 200 x 576: parallel
+def test_rmsnorm_c_kernel_matches_reference(num_tokens, hidden):
+    from lightserve.kernels.cpu import build, library, load
+    from lightserve.kernels.rmsnorm import rmsnorm_cpu
+
+    if library() is None:
+        pytest.skip("no C compiler")
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(num_tokens, hidden + 8, generator=g)[:, :hidden]  # strided rows
+    res = torch.randn(num_tokens, hidden, generator=g)
+    w = torch.randn(hidden, generator=g)
+    for lib in (None, load(build(("-mno-avx2", "-mno-fma")))):  # the native and the portable build
+        torch.testing.assert_close(rmsnorm_cpu(x, None, w, EPS, lib=lib), rmsnorm_ref(x, w, EPS), rtol=1e-5, atol=1e-5)
+        got_res = res.clone()
+        want_res = res.clone()
+        got = rmsnorm_cpu(x, got_res, w, EPS, lib=lib)
+        want = add_rmsnorm_ref(x, want_res, w, EPS)
+        torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # the in-place add is exact
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert rmsnorm_cpu(x.double(), None, w.double(), EPS) is None  # float64: the reference's

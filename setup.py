@@ -11,7 +11,7 @@ setup(
     packages=["lightserve"] + [f"lightserve.{c}" for c in COMPONENTS] + ["lightserve.kernels.cpu"],
     package_dir={"lightserve": "lightserve", **{f"lightserve.{c}": c for c in COMPONENTS},
                  "lightserve.kernels.cpu": "kernels/cpu"},
-    package_data={"lightserve.kernels.cpu": ["*.c"]},  # built on first use (kernels/cpu/__init__.py)
+    package_data={"lightserve.kernels.cpu": ["*.c", "*.h"]},  # built on first use (kernels/cpu/__init__.py)
     install_requires=[
         "torch>=2.4,<2.15",
         "triton>=3.0",

@@ -67,9 +67,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
         raise OSError("no C compiler (gcc or cc) on PATH")
     flags = (*_FLAGS, *extra_flags)
     sources = [Path(__file__).parent / name for name in _SOURCES]
+    headers = sorted(Path(__file__).parent.glob("*.h"))  # in the cache key, not on the command line
     key = hashlib.sha256()
     # -march=native: a cache shared by machines with other CPUs must not hand them this build.
-    for part in [cc, *flags, _cpu_flags(), *(p.read_bytes() for p in sources)]:
+    for part in [cc, *flags, _cpu_flags(), *(p.read_bytes() for p in [*sources, *headers])]:
         key.update(part if isinstance(part, bytes) else part.encode())
     target = _cache_dir() / f"lightserve_cpu_{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -23,30 +23,15 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fastmath.h"
+
 #define BLOCK 32
 #define MAX_GROUP 16
 #define MAX_DIM 128
 #define LANES 16  // head_dim must be a multiple (64, 128, 256 are)
 
-// exp(x) for x <= 0 (scores minus their running max), vectorizable: 2^(x log2 e) as 2^n * 2^f with
-// f in [-0.5, 0.5] and a degree-6 polynomial for 2^f (relative error ~2e-7, like expf's last bits).
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float t = x * 1.44269504088896341f;
-    float n = __builtin_roundf(t);
-    float f = t - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+// exp(x) for x <= 0 (scores minus their running max).
+static inline float exp_neg(float x) { return exp_in_range(x < -87.0f ? -87.0f : x); }
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;

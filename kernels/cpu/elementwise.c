@@ -15,25 +15,13 @@
 #include <stdint.h>
 #include <string.h>
 
-// exp(x) for any float x, vectorizable: 2^(x log2 e) as 2^n * 2^f, f in [-0.5, 0.5], degree-6
-// polynomial (relative error ~2e-7). Clamped to [-87, 88] (exp underflows / overflows there).
+#include "fastmath.h"
+
+// exp(x) for any float x: clamped to [-87, 88], where expf underflows / overflows anyway.
 static inline float exp_any(float x) {
-    x = x < -87.0f ? -87.0f : x;  // selects; they vectorize under -fno-trapping-math (kernels/cpu/__init__.py)
+    x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
-    float t = x * 1.44269504088896341f;
-    float n = __builtin_rintf(t);  // rint, not round: it vectorizes (vroundps)
-    float f = t - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return exp_in_range(x);
 }
 
 // Parallel only when the op is big enough to pay for waking the second thread (decode rows are few).

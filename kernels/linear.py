@@ -5,7 +5,7 @@ On GPU it is F.linear (cuBLAS). On CPU, for float32 models, the weights are pack
 (kernels/cpu/linear.c, one 6x16 AVX2 register tile) runs every M, decode and prefill alike.
 Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2-135M's shapes, weights streamed from DRAM as in
 the forward; GFLOP/s, medians, MKL's sgemm (F.linear) in the same run:
-  gate_up [3072 x 576]  M=1: MKL 2.4, C 5.0 (memory-bound: 12 GB/s)   M=16: 25 / 70
+  gate_up [3072 x 576]  M=1: MKL 2.4, C 5.0 (memory-bound: 10 GB/s)   M=16: 25 / 70
                         M=256: 73 / 106-121   M=2048: 68 / 125
   down    [576 x 1536]  M=1: 5.9 / 6.1   M=64: 80 / 100   M=1024: 113 / 135
   qkv     [960 x 576]   M=4: 7.1 / 26   M=512: 101 / 134

@@ -137,9 +137,44 @@ def prefill_attention(
     prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
 ) -> Tensor:
     """q [Tq, Hq, D] -> out [Tq, Hq, D]: new token i of request b attends to its tokens 0 .. prefix_lens[b] + i."""
-    fn = prefill_attention_triton if q.is_cuda else prefill_attention_ref
-    return fn(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
-              max_extend_len, sm_scale)
+    if q.is_cuda:
+        return prefill_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
+                                        extend_lens, max_extend_len, sm_scale)
+    out = prefill_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
+                                sm_scale)
+    if out is None:
+        out = prefill_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
+                                    extend_lens, max_extend_len, sm_scale)
+    return out
+
+
+def prefill_attention_cpu(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
+    prefix_lens: Tensor, extend_lens: Tensor, sm_scale: float, lib=None,
+) -> Tensor | None:
+    """The C kernel (kernels/cpu/prefill_attention.c): every request of the step in one parallel loop,
+    K/V read in place. None when it cannot run here (no compiler, an unsupported dtype or shape): use
+    the reference. `lib`: a loaded kernel library other than the default build (tests of the portable path)."""
+    from lightserve.kernels.cpu import library, profiled
+
+    lib = lib or library()
+    if lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.stride(-1) != 1 \
+            or k_cache.stride(-2) != k_cache.shape[-1] or v_cache.stride() != k_cache.stride():
+        return None
+    num_tokens, num_heads, head_dim = q.shape
+    qf = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.to(torch.float32).contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)  # [Tq, Hq, D]
+    meta = [t.to(torch.int32).contiguous() for t in (req_rows, q_start_locs, prefix_lens, extend_lens)]
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
+    with profiled("prefill_attention_cpu"):  # visible in scripts/profile_step.py
+        rc = lib.prefill_attention(
+            qf.data_ptr(), qf.stride(0), qf.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_to_token.stride(0),
+            *(t.data_ptr() for t in meta), out.data_ptr(), meta[0].shape[0], num_heads, k_cache.shape[1], head_dim,
+            k_cache.stride(0), v_cache.stride(0), sm_scale, torch.get_num_threads())
+    if rc != 0:
+        return None
+    return out.to(q.dtype)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

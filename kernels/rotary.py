@@ -78,5 +78,25 @@ def rotary_emb(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None
     """q [T, Hq, D], k [T, Hk, D] rotated in place at positions [T]; cos_sin [max_pos, D] float32 (cos | sin)."""
     if q.is_cuda:
         rotary_emb_triton(q, k, positions, cos_sin)
-    else:
+    elif not rotary_emb_cpu(q, k, positions, cos_sin):
         rotary_emb_ref(q, k, positions, cos_sin)
+
+
+def rotary_emb_cpu(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, lib=None) -> bool:
+    """The C kernel (kernels/cpu/elementwise.c), float32: the reference's exact roundings, with no
+    temporaries (the torch ops made eight [T, H, D/2] ones per call). False when it cannot run here
+    (then nothing was modified). `lib`: a kernel library other than the default build (tests)."""
+    from lightserve.kernels.cpu import library, profiled
+
+    lib = lib or library()
+    if lib is None or q.dtype != torch.float32 or k.dtype != torch.float32 or cos_sin.dtype != torch.float32 \
+            or q.stride(2) != 1 or k.stride(2) != 1 or cos_sin.stride(1) != 1 or q.shape[2] % 2:
+        return False
+    pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
+        else positions.to(torch.int64).contiguous()
+    threads = torch.get_num_threads()
+    with profiled("rotary_cpu"):  # visible in scripts/profile_step.py
+        for x in (q, k):
+            lib.rotary(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2], pos.data_ptr(),
+                       cos_sin.data_ptr(), cos_sin.stride(0), threads)
+    return True

@@ -54,7 +54,7 @@ class ServerConfig:
     max_total_token_num: int | None = field(default=None, metadata={"help": "KV cache size in tokens; default: sized from free memory"})
     max_req_total_len: int | None = field(default=None, metadata={"help": "max prompt + output tokens of one request; default: the model's context length"})
     running_max_req_size: int = field(default=256, metadata={"help": "max requests running at once"})
-    batch_max_tokens: int | None = field(default=None, metadata={"help": "max new tokens computed in one step; default 2048 on CPU, 8192 on GPU"})
+    batch_max_tokens: int | None = field(default=None, metadata={"help": "max new tokens computed in one step; default 512 on CPU, 8192 on GPU"})
     chunked_prefill_size: int | None = field(default=None, metadata={"help": "max prompt tokens of one request per step; default batch_max_tokens"})
     req_pool_size: int = field(default=512, metadata={"help": "shared-memory request slots (requests admitted to the engine at once)"})
     max_queue_size: int = field(default=1024, metadata={"help": "requests waiting for a request slot before 503"})

@@ -78,6 +78,14 @@ def ban_tokens(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, used
     logits[rows] = logits[rows].masked_fill(banned[:, :vocab], NEG_INF)
 
 
+def needs_processing(params: np.ndarray, num_out: np.ndarray) -> bool:
+    """Whether process_logits would change any row (params [S] PARAMS_DTYPE records, num_out [S]):
+    when not, the caller samples from the model's logits as they are, with no copy."""
+    return bool((num_out < params["min_new_tokens"]).any() or (params["num_logit_bias"] > 0).any()
+                or (params["num_allowed_token_ids"] > 0).any() or (params["repetition_penalty"] != 1.0).any()
+                or (params["presence_penalty"] != 0.0).any() or (params["frequency_penalty"] != 0.0).any())
+
+
 def process_logits(logits: torch.Tensor, slots: np.ndarray, params: np.ndarray, num_out: np.ndarray,
                    prompt_lens: np.ndarray, token_ids: np.ndarray, eos_ids: np.ndarray) -> torch.Tensor:
     """Everything above for one batch, each step only on the rows that ask for it.

@@ -24,7 +24,7 @@ from lightserve.shm.req_pool import ReqPool
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.grammar import GrammarSet
-from lightserve.model_infer.logits_process import process_logits
+from lightserve.model_infer.logits_process import needs_processing, process_logits
 from lightserve.model_infer.sampler import sample
 
 logger = get_logger(__name__)
@@ -179,12 +179,14 @@ class OutputWriter:
         params = pool.params[idx]                                # [S] structured copy
         num_out = pool.num_output[idx].astype(np.int64)          # [S]
         prompt_lens = pool.prompt_len[idx].astype(np.int64)      # [S]
-        # Logprobs (chosen and top-N) are of the model's own distribution, before any processing.
+        # Logprobs (chosen and top-N) are of the model's own distribution, before any processing:
+        # processing works on a copy (and most steps, with no row to process, need none).
         raw = logits
-        logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, pool.token_ids, self.eos_ids)
         grammar_rows = np.flatnonzero(params["grammar_kind"] != 0)
-        if grammar_rows.size:
-            self.grammars.mask(logits, idx, grammar_rows, params["grammar_kind"], pool)
+        if grammar_rows.size or needs_processing(params, num_out):
+            logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, pool.token_ids, self.eos_ids)
+            if grammar_rows.size:
+                self.grammars.mask(logits, idx, grammar_rows, params["grammar_kind"], pool)
         next_ids, logprobs = sample(
             logits,
             torch.from_numpy(params["temperature"].copy()),
@@ -193,7 +195,7 @@ class OutputWriter:
             torch.from_numpy(params["seed"].copy()),
             torch.from_numpy(num_out),
             min_ps=torch.from_numpy(params["min_p"].copy()),
-            raw_logits=raw,
+            raw_logits=None if logits is raw else raw,
         )
         ids = next_ids.cpu().numpy().astype(np.int32)
         lps = logprobs.cpu().numpy().astype(np.float32)

@@ -53,18 +53,43 @@ def sample(
     top_ks = top_ks.to(dev, torch.int64)
     seeds = seeds.to(torch.int64).to(dev)  # via int64 on the host: uint64 tensors support few ops
     steps = steps.to(dev, torch.int64)
-    greedy_ids = logits.argmax(dim=-1)  # [B]
     greedy = (temperatures <= 0) | (top_ks == 1)  # [B] bool
+    raw = logits if raw_logits is None else raw_logits
+    if raw is logits and bool(greedy.all()):
+        fused = greedy_cpu(logits)  # argmax and logsumexp in one C call on CPU
+        if fused is not None:
+            next_ids, lse = fused
+            return next_ids, logits.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
+    greedy_ids = logits.argmax(dim=-1)  # [B]
     min_ps = torch.zeros_like(temperatures) if min_ps is None else min_ps.to(dev, logits.dtype)
     if bool(greedy.all()):
         next_ids = greedy_ids
     else:
         next_ids = torch.where(greedy, greedy_ids,
                                _sample_random(logits, temperatures, top_ps, top_ks, min_ps, seeds, steps, greedy))
-    raw = logits if raw_logits is None else raw_logits
     chosen = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
     logprobs = chosen - torch.logsumexp(raw, dim=-1)  # [B]
     return next_ids, logprobs
+
+
+def greedy_cpu(logits: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """logits [B, V] float32 on CPU -> (argmax [B] int64, logsumexp [B] float32) from the C kernel
+    (kernels/cpu/sampling.c), or None when it cannot run here or a row is not finite (NaN, all -inf):
+    then the caller uses torch's ops, which define those cases."""
+    from lightserve.kernels.cpu import library, profiled
+
+    lib = lib or library()
+    if lib is None or logits.is_cuda or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
+    rows, vocab = logits.shape
+    ids = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    with profiled("argmax_logsumexp_cpu"):
+        lib.argmax_logsumexp(logits.data_ptr(), logits.stride(0), rows, vocab, ids.data_ptr(), lse.data_ptr(),
+                             torch.get_num_threads())
+    if not bool(torch.isfinite(lse).all()):
+        return None
+    return ids, lse
 
 
 def uniform_from_seed(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:

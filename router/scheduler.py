@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
+# A waiting request that shares this many not-yet-cached prompt tokens with a prompt being computed
+# waits for that prompt to reach the cache (Scheduler._prefix_in_flight) rather than compute them too.
+SHARED_PREFIX_HOLD = 32
+
+
 @dataclass
 class StepRecord:
     """What the router remembers of a step in flight."""
@@ -143,10 +148,10 @@ class Scheduler:
         # no step would ever run again.
         unallocated = sum(r.extend_len for r in self.running) - len(decodes) - sum(n for _, n in chunks)
         reserved = self.admission.running_need(self.running) + unallocated
-        held: list[Req] = []  # group siblings waiting for their leader's prompt, kept in queue order
+        held: list[Req] = []  # requests waiting for a prefix another one is computing, in queue order
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
-            if self._must_wait(req):
+            if self._must_wait(req) or self._prefix_in_flight(req):
                 held.append(self.waiting.popleft())
                 continue
             n = self._admit(req, budget, reserved)
@@ -166,6 +171,27 @@ class Scheduler:
     def _must_wait(self, req: Req) -> bool:
         group = self.groups.get(req.group_id) if req.group_id else None
         return group is not None and group.leader is not req and not group.ready
+
+    def _prefix_in_flight(self, req: Req) -> bool:
+        """True when a running request is computing a prompt that shares at least SHARED_PREFIX_HOLD
+        uncached tokens with `req`'s. Admitted now, `req` would compute that prefix a second time in
+        parallel (a burst of prompts over one long system prompt or document would compute it once
+        per request of the first step); held until the prompt is cached (_cache_prompt, at the end
+        of its prefill), it matches the prefix and computes only its own tokens."""
+        if not req.use_cache or req.prompt_logprobs:
+            return False
+        ids = self.pool.token_ids[req.shm_index]
+        for other in self.running:
+            if not other.use_cache or other.prompt_cached or other.prompt_logprobs:
+                continue
+            n = min(req.prompt_len, other.prompt_len) - 1
+            if n - other.cached_len < SHARED_PREFIX_HOLD:
+                continue
+            differ = np.flatnonzero(ids[:n] != self.pool.token_ids[other.shm_index, :n])
+            shared = int(differ[0]) if differ.size else n
+            if shared - other.cached_len >= SHARED_PREFIX_HOLD:
+                return True
+        return False
 
     def _cache_prompt(self, req: Req) -> None:
         """The request's prompt is computed: put its KV (all but the last prompt token, which is what

@@ -9,6 +9,7 @@ share of the step.
 
     python scripts/profile_step.py --batch 64 --context 384 --dtype float32
     python scripts/profile_step.py --batch 1 --context 256 --prefill   # the prefill step instead
+    python scripts/profile_step.py --batch 15 --context 48 --prefix 1024 --prefill  # W3's suffix prefill
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ from lightserve.shm.req_pool import ReqPool
 
 GROUPS = {  # aten op name fragment -> op group
     "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)", "mkldnn_linear": "linear (GEMM)",
-    "decode_attention_cpu": "attention", "linear_cpu": "linear (GEMM)", "rmsnorm_cpu": "norms",
-    "silu_and_mul_cpu": "activation",
+    "decode_attention_cpu": "attention", "prefill_attention_cpu": "attention", "linear_cpu": "linear (GEMM)", "rmsnorm_cpu": "norms",
+    "silu_and_mul_cpu": "activation", "rotary_cpu": "rotary", "argmax_logsumexp_cpu": "sampling",
     "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
     "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
     "embedding": "embedding", "index_put": "KV write / tables", "copy_": "copies", "cat": "copies",
@@ -84,27 +85,43 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill step (batch x context prompt tokens) and stop")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="with --prefill: every prompt starts with the same PREFIX tokens, already in the "
+                         "radix cache (one extra request computed them), so the step computes only the suffixes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = str(ensure_default_model())
     mc = ModelConfig.from_dir(model_dir)
     b, ctx = args.batch, args.context
-    max_len = ctx + args.steps + 64
-    kv_size = b * max_len + 64
+    if args.prefix and not args.prefill:
+        ap.error("--prefix needs --prefill")
+    max_len = args.prefix + ctx + args.steps + 64
+    rows = b + (1 if args.prefix else 0)
+    kv_size = rows * max_len + 64
     runner = ModelRunner(model_dir, mc, getattr(torch, args.dtype), torch.device("cpu"), 0, 1, None,
-                         num_req_rows=b, max_req_total_len=max_len, kv_size=kv_size)
-    pool = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-prof", b, max_len)
+                         num_req_rows=rows, max_req_total_len=max_len, kv_size=kv_size)
+    pool = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-prof", rows, max_len)
     try:
         rng = np.random.default_rng(0)
         alloc = KVAllocator(kv_size)
         sched = Scheduler(pool, alloc, RadixCache(alloc), Admission(AdmissionPolicy.OPTIMISTIC),
-                          Limits(b, 1 << 20, 1 << 20, max_len))
-        for i in range(b):
-            pool.acquire(i, i + 1)
-            pool.write_request(i, rng.integers(100, mc.vocab_size, ctx).tolist(),
-                               SamplingParams(max_new_tokens=max_len - ctx, ignore_eos=True), 0)
-            sched.add_req(i, i + 1)
+                          Limits(rows, 1 << 20, 1 << 20, max_len))
+        prefix = rng.integers(100, mc.vocab_size, args.prefix).tolist()
         writer = OutputWriter(pool, mc, model_dir, _NoSocket(), _NoSocket())
+
+        def add(i: int) -> None:
+            prompt = prefix + rng.integers(100, mc.vocab_size, ctx).tolist()
+            pool.acquire(i, i + 1)
+            pool.write_request(i, prompt, SamplingParams(max_new_tokens=max_len - len(prompt), ignore_eos=True), 0)
+            sched.add_req(i, i + 1)
+
+        if args.prefix:  # request `b` computes the prefix; its step puts it in the radix cache
+            add(b)
+            record = sched.plan_step()
+            writer.write(record.plan, runner.forward(record.plan), 0.0)
+            sched.finish_step(record)
+        for i in range(b):
+            add(i)
         # The prefill step (measured with --prefill, after one unmeasured run of the same plan),
         # then decode steps.
         record = sched.plan_step()
@@ -115,7 +132,8 @@ def main() -> None:
             runner.forward(record.plan)
             took = time.perf_counter() - t
             _profiled_forward(runner, record.plan, op_time, ungrouped)
-            print(f"prefill step, {b} x {ctx} prompt tokens, {args.dtype}, {args.threads} threads: "
+            over = f" over a cached {args.prefix}-token prefix (+1 decode)" if args.prefix else ""
+            print(f"prefill step, {b} x {ctx} prompt tokens{over}, {args.dtype}, {args.threads} threads: "
                   f"forward {1e3 * took:.1f} ms ({b * ctx / took:.0f} tokens/s)")
             _print_op_groups(op_time, ungrouped, "a second run")
             return

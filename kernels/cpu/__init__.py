@@ -29,7 +29,7 @@ from lightserve.log import get_logger
 
 logger = get_logger(__name__)
 
-_SOURCES = ("decode_attention.c", "elementwise.c", "linear.c")
+_SOURCES = ("decode_attention.c", "elementwise.c", "linear.c", "prefill_attention.c", "sampling.c")
 # -fno-math-errno and -fno-trapping-math: no errno or FP-exception semantics to keep, so gcc may
 # vectorize loops with rint and compare-selects (exp in elementwise.c); results are unchanged.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
@@ -102,10 +102,17 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                                      i64, i64, i64, ctypes.c_float, i32]
+    lib.prefill_attention.restype = ctypes.c_int
+    lib.prefill_attention.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+                                      i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
     lib.linear_packed.restype = ctypes.c_int
     lib.linear_packed.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    lib.argmax_logsumexp.restype = None
+    lib.argmax_logsumexp.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
+    lib.rotary.restype = None
+    lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32]
     lib.rmsnorm.restype = None
     lib.rmsnorm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32]
     return lib

@@ -1,4 +1,4 @@
-// Row-wise elementwise ops of the forward on CPU, float32: SiLU-and-mul and (add +) RMSNorm.
+// Row-wise elementwise ops of the forward on CPU, float32: SiLU-and-mul, (add +) RMSNorm and rotary.
 //
 // Why C: in torch each is 4-6 ops with a temporary between each (F.silu, mul; pow, mean, rsqrt,
 // mul, mul, add_), and on 2 cores a 256-token prefill spent ~50 ms in them against ~550 ms of
@@ -11,6 +11,8 @@
 //   rmsnorm:      x [T, H], row stride x_row; weight [H]; out [T, H] contiguous;
 //                 residual [T, H] contiguous or NULL: when given, residual += x first (in place)
 //                 and the norm is of the updated residual.
+//   rotary:       x [T, H, D] in place, token stride x_tok, head stride x_head (q or k, views of qkv);
+//                 positions [T] int64; cos_sin [max_pos, D] (cos | sin halves), row stride cs_row.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -59,5 +61,26 @@ void rmsnorm(const float *x, int64_t x_row, float *residual, const float *weight
         float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
         float *o = out + r * hidden;
         for (int64_t k = 0; k < hidden; k++) o[k] = weight[k] * (xr[k] * inv);
+    }
+}
+
+// HF's rotate-half rotary, to its exact roundings: x1*c - x2*s and x2*c + x1*s, each product rounded
+// before the add (fp-contract off: an FMA would round once and differ from the reference in the last bit).
+__attribute__((optimize("fp-contract=off")))
+void rotary(float *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t heads, int64_t dim,
+            const int64_t *positions, const float *cos_sin, int64_t cs_row, int num_threads) {
+    const int64_t half = dim / 2;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMS)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_sin + positions[t] * cs_row, *s = c + half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * x_tok + h * x_head, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                float p = a * c[i], q = b * s[i], u = b * c[i], v = a * s[i];
+                x1[i] = p - q;
+                x2[i] = u + v;
+            }
+        }
     }
 }

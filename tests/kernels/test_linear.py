@@ -1,5 +1,5 @@
 """linear: the CPU C kernel on packed weights (AVX2 and portable builds) against F.linear, over the
-row counts its tiles split into (6-row tiles, 48-row blocks), output features that leave the last
+row counts its tiles split into (6-row tiles, row blocks of a large x), output features that leave the last
 16-wide panel partial, bias and strided input rows; what it declines falls back to F.linear."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ from lightserve.kernels.linear import linear, linear_cpu, linear_ref, pack_linea
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the CPU path is F.linear")
 
-ROWS = [1, 2, 5, 6, 7, 47, 48, 49, 100]  # partial and whole 6-row tiles, one and three 48-row blocks
+ROWS = [1, 2, 5, 6, 7, 47, 48, 49, 100]  # partial and whole 6-row tiles
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
@@ -33,6 +33,13 @@ def test_c_linear_matches_f_linear(m, n):
     packed = pack_linear_weight(w)
     torch.testing.assert_close(linear_cpu(x, packed, b), F.linear(x, w, b), **TOL)
     torch.testing.assert_close(linear(x, packed), F.linear(x, w), **TOL)
+
+
+def test_row_blocks_of_a_large_x():
+    """x over the kernel's 4 MiB block (K 65536: 16 rows a block) is cut into equal row blocks, each
+    a multiple of 6 rows, the last one partial: 100 rows -> 5 blocks of 18 and one of 10."""
+    x, w, b = _case(100, 20, 65536)
+    torch.testing.assert_close(linear_cpu(x, pack_linear_weight(w), b), F.linear(x, w, b), rtol=1e-4, atol=1e-3)
 
 
 def test_strided_rows_and_model_shapes():

@@ -1,8 +1,11 @@
-"""prefill_attention: the reference against naive attention and HF's sdpa path, the Triton kernel against the
-reference, over ragged requests with cached prefixes and GQA."""
+"""prefill_attention: the reference against naive attention and HF's sdpa path, the Triton and C kernels against
+the reference, over ragged requests with cached prefixes and GQA."""
 import pytest
 import torch
+from lightserve.kernels.cpu import library
 from lightserve.kernels.prefill_attention import (
+    prefill_attention,
+    prefill_attention_cpu,
     prefill_attention_ref,
     prefill_attention_triton,
 )
@@ -84,3 +87,47 @@ def test_prefill_triton_strided_q_and_default_blocks():
     out = prefill_attention_triton(q_view, batch.k_cache, batch.v_cache, **meta)
     torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta),
                                **TOL[torch.float16])
+
+
+# The C kernel's cases: every query-block and key-block edge (16-token query blocks at G=3, 64-key blocks),
+# a 1-token extend after a long prefix, and a prefix ending inside a key block.
+C_REQS = [(0, 130), (100, 40), (64, 1), (0, 1), (5, 17), (63, 66)]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [
+    (9, 3, 64, torch.float32), (2, 2, 64, torch.float32), (8, 1, 128, torch.float32), (64, 1, 16, torch.float32),
+    (9, 3, 64, torch.bfloat16), (4, 1, 128, torch.bfloat16),
+])
+def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
+    batch, q, meta = _prefill_case(C_REQS, num_heads, num_kv_heads, head_dim, dtype)
+    # q as the model passes it: a strided view into the fused qkv projection
+    qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 2 * num_kv_heads * head_dim, dtype=dtype)], dim=1)
+    q_view = qkv[:, :num_heads * head_dim].view(q.shape)
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
+    out = prefill_attention_cpu(q_view, batch.k_cache, batch.v_cache, **meta_cpu)
+    assert out is not None and out.dtype == dtype
+    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_c_path_matches_reference(dtype):
+    """The plain-C tiles (what a CPU without AVX2 runs), built here with AVX2 switched off."""
+    from lightserve.kernels.cpu import build, load
+
+    portable = load(build(("-mno-avx2", "-mno-fma")))
+    batch, q, meta = _prefill_case(C_REQS, 9, 3, 64, dtype)
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
+    out = prefill_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=portable)
+    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+def test_cpu_kernel_declines_what_it_does_not_support():
+    batch, q, meta = _prefill_case([(3, 5)], 4, 1, 24, torch.float32)  # head_dim 24: not a multiple of 16
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
+    assert prefill_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu) is None
+    # and the dispatch falls back to the reference
+    torch.testing.assert_close(prefill_attention(q, batch.k_cache, batch.v_cache, **meta),
+                               prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta))

@@ -1,8 +1,9 @@
-"""rotary_emb: the reference against HF's apply_rotary_pos_emb written out, the Triton kernel against the
+"""rotary_emb: the reference against HF's apply_rotary_pos_emb written out, the Triton and C kernels against the
 reference, on strided q/k views of a fused qkv output."""
 import pytest
 import torch
-from lightserve.kernels.rotary import rotary_emb_ref, rotary_emb_triton
+from lightserve.kernels.cpu import library
+from lightserve.kernels.rotary import rotary_emb, rotary_emb_cpu, rotary_emb_ref, rotary_emb_triton
 
 from tests.kernels.kernel_cases import DEVICE, TOL
 
@@ -59,3 +60,33 @@ def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dt
     rotary_emb_ref(q_ref, k_ref, positions, cos_sin)
     # The kernel rounds once from fp32 where HF rounds per op, so bf16/fp16 differ by about one ulp.
     torch.testing.assert_close(qkv, qkv_ref, **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("num_tokens", [1, 300])  # 300 x 12 heads x 64: past the threshold for both threads
+def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, portable):
+    from lightserve.kernels.cpu import build, load
+
+    lib = load(build(("-mno-avx2", "-mno-fma"))) if portable else None
+    cos_sin, _ = _cos_sin(64, 4096)
+    qkv, q, k = _qkv_views(torch.float32, num_tokens, 9, 3, 64)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    qkv_ref = qkv.clone()
+    q_ref = qkv_ref[:, :9 * 64].view(q.shape)
+    k_ref = qkv_ref[:, 9 * 64:12 * 64].view(k.shape)
+    assert rotary_emb_cpu(q, k, positions.to(torch.int32), cos_sin, lib=lib)
+    rotary_emb_ref(q_ref, k_ref, positions, cos_sin)
+    assert torch.equal(qkv, qkv_ref)  # exact: the same roundings, and v untouched
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+def test_cpu_kernel_declines_bf16_and_the_dispatch_falls_back():
+    cos_sin, _ = _cos_sin(64, 100)
+    qkv, q, k = _qkv_views(torch.bfloat16, 4, 3, 1, 64)
+    positions = torch.tensor([0, 5, 50, 99])
+    assert not rotary_emb_cpu(q, k, positions, cos_sin)
+    qkv_ref = qkv.clone()
+    rotary_emb(q, k, positions, cos_sin)
+    rotary_emb_ref(qkv_ref[:, :3 * 64].view(q.shape), qkv_ref[:, 3 * 64:4 * 64].view(k.shape), positions, cos_sin)
+    assert torch.equal(qkv, qkv_ref)

@@ -2,9 +2,12 @@
 distribution, top-k / top-p filtering, and returned logprobs."""
 from __future__ import annotations
 
+import pytest
 import torch
+from lightserve.kernels.cpu import library
 from lightserve.model_infer.sampler import (
     _filter_top_k_top_p,
+    greedy_cpu,
     sample,
     uniform_from_seed,
 )
@@ -130,3 +133,26 @@ def test_candidate_filter_equals_full_sort_on_a_large_vocabulary():
         assert int((got_kept ^ kept).sum()) <= 1, r
         assert torch.equal(got[r][got_kept], scaled[r][got_kept])
     assert abs(int((~torch.isinf(got[3])).sum()) - vocab // 2) < 100  # nearly flat: about half
+
+
+@pytest.mark.skipif(library() is None, reason="no C compiler: greedy sampling runs torch ops")
+@pytest.mark.parametrize("portable", [False, True])
+def test_fused_greedy_kernel_matches_torch(portable):
+    """The C argmax + logsumexp (the all-greedy CPU path) against torch's ops, on rows with ties,
+    -inf entries (banned tokens), a vocabulary off the kernel's 16 lanes and a batch over the
+    threading threshold; a NaN row declines it, so sample() gives torch's answer there."""
+    from lightserve.kernels.cpu import build, load
+
+    lib = load(build(("-mno-avx2", "-mno-fma"))) if portable else None
+    logits = torch.randn(70, 49157, generator=torch.Generator().manual_seed(5)) * 4
+    logits[3, [10, 20000]] = 50.0  # a tie: the first index wins, as in torch.argmax
+    logits[4, :40000] = float("-inf")
+    ids, lse = greedy_cpu(logits, lib=lib)
+    assert torch.equal(ids, logits.argmax(-1)) and int(ids[3]) == 10
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
+    ids, logprobs = sample(logits, **_params(70, temperature=0.0))
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1),
+                               rtol=1e-5, atol=1e-5)
+    logits[7, 5] = float("nan")
+    assert greedy_cpu(logits, lib=lib) is None
+    assert torch.equal(sample(logits, **_params(70, temperature=0.0))[0], logits.argmax(-1))

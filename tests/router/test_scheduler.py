@@ -245,3 +245,34 @@ def test_a_running_requests_prompt_is_matched_by_later_requests(pool):
     assert all(pool.cached_len[s] == len(shared) for s in (1, 2, 3)), pool.cached_len[:4]
     assert sched.counters["prompt_tokens_cached_total"] == 3 * len(shared)
     assert_kv_accounted(sched)
+
+
+def test_requests_wait_for_a_shared_prefix_being_computed(pool):
+    """A burst over one long prefix, all fitting one step: only the first computes the prefix; the
+    others wait for its prompt to reach the cache instead of computing the prefix again beside it.
+    Prompts that share less than SHARED_PREFIX_HOLD tokens, or nothing, are not held."""
+    from lightserve.router.scheduler import SHARED_PREFIX_HOLD
+
+    sched = make_scheduler(pool, batch_max=1024)
+    reset_slots(pool, 64)
+    shared = list(range(1, 101))
+    for slot in range(4):
+        add(sched, pool, slot, shared + [300 + slot, 400 + slot], max_new=4)
+    other = list(range(1000, 1050))
+    add(sched, pool, 4, other, max_new=4)  # unrelated: runs in the first step
+    short = shared[:SHARED_PREFIX_HOLD - 2] + list(range(2000, 2040))
+    add(sched, pool, 5, short, max_new=4)  # shares too little to wait for
+    first = sched.plan_step()
+    assert first.plan.shm_indices.tolist() == [0, 4, 5]
+    fake_rank0(pool, first)
+    sched.finish_step(first)
+    second = sched.plan_step()
+    # slot 0's prompt is cached now: the held requests match all of the shared prefix (+ nothing more)
+    assert second.plan.shm_indices.tolist()[3:] == [1, 2, 3]
+    assert second.plan.extend_lens.tolist()[3:] == [2, 2, 2]
+    fake_rank0(pool, second)
+    sched.finish_step(second)
+    run_until_idle(sched, pool)
+    assert [int(pool.cached_len[s]) for s in range(6)] == [0, 100, 100, 100, 0, 0]
+    assert all(pool.num_output[s] == 4 for s in range(6))
+    assert_kv_accounted(sched)

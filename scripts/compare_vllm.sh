@@ -195,11 +195,13 @@ run_vllm() {
     "$py" -c "import vllm" || die "vllm does not import after the install"
   fi
   local tcmalloc iomp
-  tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+  # awk reads to the end: exiting at the first match would leave ldconfig to die of SIGPIPE, which
+  # pipefail turns into a silent exit of this script (it happened once).
+  tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 / && !found {print $NF; found = 1}')
   if [[ -z "$tcmalloc" ]]; then
     log "installing libtcmalloc-minimal4"
     apt-get install -y libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update >/dev/null && apt-get install -y libtcmalloc-minimal4 >/dev/null; }
-    tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 /{print $NF; exit}')
+    tcmalloc=$(ldconfig -p | awk '/libtcmalloc_minimal\.so\.4 / && !found {print $NF; found = 1}')
   fi
   [[ -n "$tcmalloc" ]] || die "libtcmalloc_minimal.so.4 not found"
   iomp=$(find "$VLLM_VENV" -name 'libiomp5.so' -print -quit)

@@ -25,9 +25,7 @@
 // read the weights once per 48 rows, ran 95-114 GFLOP/s at M = 64..576; one block 120-142.
 #include <stdint.h>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "tile.h"
 
 #define NR 16
 #define MR 6
@@ -47,13 +45,13 @@ static void tile(const float *x, int64_t x_row, int mr, const float *b, int K, f
     const float *x0 = ROW(0), *x1 = ROW(1), *x2 = ROW(2), *x3 = ROW(3), *x4 = ROW(4), *x5 = ROW(5);
 #undef ROW
     for (int k = 0; k < K; k++, b += NR) {
-        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8), a;
-        a = _mm256_broadcast_ss(x0 + k); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-        a = _mm256_broadcast_ss(x1 + k); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-        a = _mm256_broadcast_ss(x2 + k); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-        a = _mm256_broadcast_ss(x3 + k); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-        a = _mm256_broadcast_ss(x4 + k); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-        a = _mm256_broadcast_ss(x5 + k); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+        TILE_ROW_FMA(x0 + k, b0, b1, c00, c01);
+        TILE_ROW_FMA(x1 + k, b0, b1, c10, c11);
+        TILE_ROW_FMA(x2 + k, b0, b1, c20, c21);
+        TILE_ROW_FMA(x3 + k, b0, b1, c30, c31);
+        TILE_ROW_FMA(x4 + k, b0, b1, c40, c41);
+        TILE_ROW_FMA(x5 + k, b0, b1, c50, c51);
     }
     float acc[MR][NR];
     _mm256_storeu_ps(acc[0], c00); _mm256_storeu_ps(acc[0] + 8, c01);

@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "tile.h"
 
 #define BN 64         // keys per block
 #define MAXR 64       // query rows per task (BQ * G)
@@ -44,7 +45,6 @@ static inline float bf16_to_f32(uint16_t x) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 
 // St[j][r0 .. r0+16) = k_j . Qt[:, r0 .. r0+16) for the 6 keys k_0..k_5 (row pointers).
 static void score_tile(const float *const *k, const float *qt, int64_t qt_row, int dim, float *st,
@@ -53,13 +53,13 @@ static void score_tile(const float *const *k, const float *qt, int64_t qt_row, i
            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5];
     for (int d = 0; d < dim; d++, qt += qt_row) {
-        __m256 b0 = _mm256_loadu_ps(qt), b1 = _mm256_loadu_ps(qt + 8), a;
-        a = _mm256_broadcast_ss(k0 + d); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-        a = _mm256_broadcast_ss(k1 + d); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-        a = _mm256_broadcast_ss(k2 + d); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-        a = _mm256_broadcast_ss(k3 + d); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-        a = _mm256_broadcast_ss(k4 + d); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-        a = _mm256_broadcast_ss(k5 + d); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+        __m256 b0 = _mm256_loadu_ps(qt), b1 = _mm256_loadu_ps(qt + 8);
+        TILE_ROW_FMA(k0 + d, b0, b1, c00, c01);
+        TILE_ROW_FMA(k1 + d, b0, b1, c10, c11);
+        TILE_ROW_FMA(k2 + d, b0, b1, c20, c21);
+        TILE_ROW_FMA(k3 + d, b0, b1, c30, c31);
+        TILE_ROW_FMA(k4 + d, b0, b1, c40, c41);
+        TILE_ROW_FMA(k5 + d, b0, b1, c50, c51);
     }
     _mm256_storeu_ps(st, c00); _mm256_storeu_ps(st + 8, c01); st += st_row;
     _mm256_storeu_ps(st, c10); _mm256_storeu_ps(st + 8, c11); st += st_row;
@@ -82,13 +82,13 @@ static void pv_tile(const float *pt, int64_t pt_row, int mr, const float *const 
     __m256 c50 = _mm256_loadu_ps(o + i5 * o_row), c51 = _mm256_loadu_ps(o + i5 * o_row + 8);
     for (int j = 0; j < nkeys; j++, pt += pt_row) {
         const float *vj = v[j] + d0;
-        __m256 b0 = _mm256_loadu_ps(vj), b1 = _mm256_loadu_ps(vj + 8), a;
-        a = _mm256_broadcast_ss(pt); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-        a = _mm256_broadcast_ss(pt + i1); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-        a = _mm256_broadcast_ss(pt + i2); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-        a = _mm256_broadcast_ss(pt + i3); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-        a = _mm256_broadcast_ss(pt + i4); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-        a = _mm256_broadcast_ss(pt + i5); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+        __m256 b0 = _mm256_loadu_ps(vj), b1 = _mm256_loadu_ps(vj + 8);
+        TILE_ROW_FMA(pt, b0, b1, c00, c01);
+        TILE_ROW_FMA(pt + i1, b0, b1, c10, c11);
+        TILE_ROW_FMA(pt + i2, b0, b1, c20, c21);
+        TILE_ROW_FMA(pt + i3, b0, b1, c30, c31);
+        TILE_ROW_FMA(pt + i4, b0, b1, c40, c41);
+        TILE_ROW_FMA(pt + i5, b0, b1, c50, c51);
     }
     // Stores in reverse, so the real row's value is the last written when rows repeat.
     _mm256_storeu_ps(o + i5 * o_row, c50); _mm256_storeu_ps(o + i5 * o_row + 8, c51);

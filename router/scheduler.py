@@ -149,14 +149,17 @@ class Scheduler:
         unallocated = sum(r.extend_len for r in self.running) - len(decodes) - sum(n for _, n in chunks)
         reserved = self.admission.running_need(self.running) + unallocated
         held: list[Req] = []  # requests waiting for a prefix another one is computing, in queue order
+        computing = [r for r in self.running if self._computes_cacheable_prompt(r)]  # usually 0-2 requests
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
-            if self._must_wait(req) or self._prefix_in_flight(req):
+            if self._must_wait(req) or self._prefix_in_flight(req, computing):
                 held.append(self.waiting.popleft())
                 continue
             n = self._admit(req, budget, reserved)
             if n == 0:
                 break
+            if self._computes_cacheable_prompt(req):
+                computing.append(req)
             self.waiting.popleft()
             if req.cached_len > 0:
                 fills.append(req)
@@ -172,18 +175,22 @@ class Scheduler:
         group = self.groups.get(req.group_id) if req.group_id else None
         return group is not None and group.leader is not req and not group.ready
 
-    def _prefix_in_flight(self, req: Req) -> bool:
-        """True when a running request is computing a prompt that shares at least SHARED_PREFIX_HOLD
-        uncached tokens with `req`'s. Admitted now, `req` would compute that prefix a second time in
-        parallel (a burst of prompts over one long system prompt or document would compute it once
-        per request of the first step); held until the prompt is cached (_cache_prompt, at the end
-        of its prefill), it matches the prefix and computes only its own tokens."""
+    @staticmethod
+    def _computes_cacheable_prompt(req: Req) -> bool:
+        """A running request whose prompt is being computed and will go into the radix cache."""
+        return req.use_cache and not req.prompt_cached and not req.prompt_logprobs
+
+    def _prefix_in_flight(self, req: Req, computing: list[Req]) -> bool:
+        """True when one of `computing` (running requests computing a prompt for the cache) shares at
+        least SHARED_PREFIX_HOLD uncached tokens with `req`'s prompt. Admitted now, `req` would compute
+        that prefix a second time in parallel (a burst of prompts over one long system prompt or
+        document would compute it once per request of the first step); held until the prompt is
+        cached (_cache_prompt, at the end of its prefill), it matches the prefix and computes only
+        its own tokens."""
         if not req.use_cache or req.prompt_logprobs:
             return False
         ids = self.pool.token_ids[req.shm_index]
-        for other in self.running:
-            if not other.use_cache or other.prompt_cached or other.prompt_logprobs:
-                continue
+        for other in computing:
             n = min(req.prompt_len, other.prompt_len) - 1
             if n - other.cached_len < SHARED_PREFIX_HOLD:
                 continue

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from lightserve.kernels.prefill_attention import dot_precision
+from lightserve.kernels.prefill_attention import c_kv_layout, dot_precision
 from torch import Tensor
 
 _LOG2E = 1.4426950408889634
@@ -186,8 +186,7 @@ def decode_attention_cpu(
     from lightserve.kernels.cpu import library, profiled
 
     lib = lib or library()
-    if lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.stride(-1) != 1 \
-            or k_cache.stride(-2) != k_cache.shape[-1] or v_cache.stride() != k_cache.stride():
+    if lib is None or not c_kv_layout(k_cache, v_cache):
         return None
     batch, num_heads, head_dim = q.shape
     qf = q.to(torch.float32).contiguous()                                     # [B, Hq, D]

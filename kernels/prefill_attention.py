@@ -158,8 +158,7 @@ def prefill_attention_cpu(
     from lightserve.kernels.cpu import library, profiled
 
     lib = lib or library()
-    if lib is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or k_cache.stride(-1) != 1 \
-            or k_cache.stride(-2) != k_cache.shape[-1] or v_cache.stride() != k_cache.stride():
+    if lib is None or not c_kv_layout(k_cache, v_cache):
         return None
     num_tokens, num_heads, head_dim = q.shape
     qf = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.to(torch.float32).contiguous()
@@ -175,6 +174,13 @@ def prefill_attention_cpu(
     if rc != 0:
         return None
     return out.to(q.dtype)
+
+
+def c_kv_layout(k_cache: Tensor, v_cache: Tensor) -> bool:
+    """Whether the CPU C attention kernels (decode and prefill) take this KV cache: float32 or
+    bfloat16 [rows, Hk, D] with packed heads and the same strides for K and V. Shared with decode_attention."""
+    return k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.stride(-1) == 1 \
+        and k_cache.stride(-2) == k_cache.shape[-1] and v_cache.stride() == k_cache.stride()
 
 
 def dot_precision(dtype: torch.dtype) -> str:

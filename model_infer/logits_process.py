@@ -78,12 +78,18 @@ def ban_tokens(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, used
     logits[rows] = logits[rows].masked_fill(banned[:, :vocab], NEG_INF)
 
 
+def _rows_asking(params: np.ndarray, num_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """[S] bool masks of the rows each processing asks for, in process_logits' order: the eos/stop ban
+    below min_new_tokens, logit_bias, allowed_token_ids, the penalties."""
+    return (num_out < params["min_new_tokens"], params["num_logit_bias"] > 0, params["num_allowed_token_ids"] > 0,
+            (params["repetition_penalty"] != 1.0) | (params["presence_penalty"] != 0.0)
+            | (params["frequency_penalty"] != 0.0))
+
+
 def needs_processing(params: np.ndarray, num_out: np.ndarray) -> bool:
     """Whether process_logits would change any row (params [S] PARAMS_DTYPE records, num_out [S]):
     when not, the caller samples from the model's logits as they are, with no copy."""
-    return bool((num_out < params["min_new_tokens"]).any() or (params["num_logit_bias"] > 0).any()
-                or (params["num_allowed_token_ids"] > 0).any() or (params["repetition_penalty"] != 1.0).any()
-                or (params["presence_penalty"] != 0.0).any() or (params["frequency_penalty"] != 0.0).any())
+    return any(bool(mask.any()) for mask in _rows_asking(params, num_out))
 
 
 def process_logits(logits: torch.Tensor, slots: np.ndarray, params: np.ndarray, num_out: np.ndarray,
@@ -103,24 +109,24 @@ def process_logits(logits: torch.Tensor, slots: np.ndarray, params: np.ndarray, 
     def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
 
+    ban, bias, allowed, penalized = _rows_asking(params, num_out)
     # Below min_new_tokens, eos and the stop ids cannot be sampled (not merely ignored).
-    sel, rows = rows_of(num_out < params["min_new_tokens"])
+    sel, rows = rows_of(ban)
     if sel.size:
         stop_ids = params["stop_token_ids"][sel]                                     # [R, 16]
         stop_used = np.arange(stop_ids.shape[1]) < params["num_stop_token_ids"][sel, None]
         ids = np.concatenate([np.broadcast_to(eos_ids, (sel.size, eos_ids.size)), stop_ids], axis=1)
         used = np.concatenate([np.broadcast_to(eos_ids >= 0, (sel.size, eos_ids.size)), stop_used], axis=1)
         ban_tokens(logits, rows, t(np.maximum(ids, 0), torch.int64), t(used, torch.bool))
-    sel, rows = rows_of(params["num_logit_bias"] > 0)
+    sel, rows = rows_of(bias)
     if sel.size:
         apply_logit_bias(logits, rows, t(params["logit_bias_ids"][sel], torch.int64),
                          t(params["logit_bias_values"][sel], torch.float32), t(params["num_logit_bias"][sel], torch.int64))
-    sel, rows = rows_of(params["num_allowed_token_ids"] > 0)
+    sel, rows = rows_of(allowed)
     if sel.size:
         mask_to_allowed(logits, rows, t(params["allowed_token_ids"][sel], torch.int64),
                         t(params["num_allowed_token_ids"][sel], torch.int64))
-    sel, rows = rows_of((params["repetition_penalty"] != 1.0) | (params["presence_penalty"] != 0.0)
-                        | (params["frequency_penalty"] != 0.0))
+    sel, rows = rows_of(penalized)
     if sel.size:
         seq_lens = prompt_lens[sel] + num_out[sel]                                   # [R]
         history = token_ids[slots[sel], : int(seq_lens.max())]                        # [R, L] a copy

@@ -30,16 +30,6 @@
 #define MAX_DIM 128
 #define LANES 16  // head_dim must be a multiple (64, 128, 256 are)
 
-// exp(x) for x <= 0 (scores minus their running max).
-static inline float exp_neg(float x) { return exp_in_range(x < -87.0f ? -87.0f : x); }
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 // One (request, KV head) task, for KV elements of type T loaded through LOAD.
 // DIM is a compile-time constant: with it gcc drops the runtime trip counts and vector epilogues
 // (measured 1.5x faster than a runtime head_dim).

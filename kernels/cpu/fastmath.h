@@ -1,4 +1,4 @@
-// Shared by the C kernels: a vectorizable expf.
+// Shared by the C kernels: a vectorizable expf and the bfloat16 -> float32 widening.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -21,4 +21,15 @@ static inline float exp_in_range(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+// exp(x) for x <= 0 (scores minus their running max); below -87 it is expf's underflow, clamped.
+static inline float exp_neg(float x) { return exp_in_range(x < -87.0f ? -87.0f : x); }
+
+// A bfloat16 (its bits) as float32: the top half of the float's bits.
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }

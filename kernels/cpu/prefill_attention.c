@@ -37,13 +37,6 @@
 #define TARGET_R 48   // rows a task aims for: 8 PV tiles of 6
 #define MAX_DIM 256
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 
 // St[j][r0 .. r0+16) = k_j . Qt[:, r0 .. r0+16) for the 6 keys k_0..k_5 (row pointers).
@@ -130,7 +123,7 @@ typedef struct {
     int kv_bf16;
     const int32_t *req_to_token, *req_rows, *q_start, *prefix_lens, *extend_lens;
     float *out;
-    int num_heads, num_kv_heads, dim, group, bq;
+    int num_heads, dim, group, bq;
     int64_t q_tok, q_head, kc_row, vc_row, r2t_row;
     float scale;
 } Args;
@@ -194,8 +187,7 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
         for (int j = 0; j < nb; j++)
             for (int r = 0; r < RP; r++) mx[r] = s->st[j * MAXR + r] > mx[r] ? s->st[j * MAXR + r] : mx[r];
         for (int r = 0; r < RP; r++) {
-            float x = m[r] - mx[r];  // -inf on the first block
-            alpha[r] = exp_in_range(x < -87.0f ? -87.0f : x);
+            alpha[r] = exp_neg(m[r] - mx[r]);  // m is -inf on the first block: alpha ~0, O and l are 0
             m[r] = mx[r];
         }
         float sum[MAXR];
@@ -204,8 +196,7 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
             float *p = s->st + j * MAXR;
             for (int r = 0; r < RP; r++) {
                 float x = p[r] - mx[r];
-                float e = exp_in_range(x < -87.0f ? -87.0f : x);
-                p[r] = x < -87.0f ? 0.0f : e;  // hidden keys (-inf) give exactly 0
+                p[r] = x < -87.0f ? 0.0f : exp_neg(x);  // hidden keys (-inf) give exactly 0
                 sum[r] += p[r];
             }
         }
@@ -249,7 +240,7 @@ int prefill_attention(const float *q, int64_t q_tok, int64_t q_head, const void 
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;
     Args a = {q, k_cache, v_cache, kv_bf16, req_to_token, req_rows, q_start, prefix_lens, extend_lens, out,
-              num_heads, num_kv_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, r2t_row, scale};
+              num_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, r2t_row, scale};
     // Tasks, the longest first (the last token block of each request sees the most keys), so the
     // dynamic schedule does not end with one long task on one thread.
     int64_t ntasks = 0;

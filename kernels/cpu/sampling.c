@@ -34,7 +34,7 @@ void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vo
         for (; v + LANES <= vocab; v += LANES)
             for (int i = 0; i < LANES; i++) {
                 float d = x[v + i] - m;
-                part[i] += exp_in_range(d < -87.0f ? -87.0f : d) * (d >= -87.0f);
+                part[i] += exp_neg(d) * (d >= -87.0f);
             }
         float sum = 0.0f;
         for (; v < vocab; v++) {

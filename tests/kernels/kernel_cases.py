@@ -59,3 +59,11 @@ def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[i
     visible = torch.arange(len(locs), device=q.device)[None, :] <= torch.tensor(positions, device=q.device)[:, None]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)  # [n, Hq, D]
+
+
+def portable_library():
+    """The C kernels built with AVX2 and FMA off (cached like any build): the plain-C paths that a CPU
+    without AVX2 runs, tested here on one that has it."""
+    from lightserve.kernels.cpu import build, load
+
+    return load(build(("-mno-avx2", "-mno-fma")))

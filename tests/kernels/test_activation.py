@@ -3,7 +3,7 @@ import pytest
 import torch
 from lightserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 
-from tests.kernels.kernel_cases import DEVICE, TOL
+from tests.kernels.kernel_cases import DEVICE, TOL, portable_library
 
 
 @pytest.mark.parametrize("dtype", TOL)
@@ -31,13 +31,13 @@ def test_silu_and_mul_triton_strided_rows_and_no_tokens():
 @pytest.mark.parametrize("num_tokens, inter", [(1, 64), (5, 100), (64, 1536)])  # 64 x 1536: parallel
 def test_silu_and_mul_c_kernel_matches_reference(num_tokens, inter):
     from lightserve.kernels.activation import silu_and_mul_cpu
-    from lightserve.kernels.cpu import build, library, load
+    from lightserve.kernels.cpu import library
 
     if library() is None:
         pytest.skip("no C compiler")
     g = torch.Generator().manual_seed(inter)
     x = torch.randn(num_tokens, 2 * inter + 4, generator=g)[:, : 2 * inter] * 6  # strided rows; large |x| too
     x[0, 0], x[0, 1] = -120.0, 120.0  # exp's clamps
-    for lib in (None, load(build(("-mno-avx2", "-mno-fma")))):
+    for lib in (None, portable_library()):
         torch.testing.assert_close(silu_and_mul_cpu(x, lib=lib), silu_and_mul_ref(x), rtol=1e-5, atol=1e-5)
     assert silu_and_mul_cpu(x.double()) is None

@@ -16,6 +16,7 @@ from tests.kernels.kernel_cases import (
     TOL,
     make_kv_batch,
     naive_attention,
+    portable_library,
 )
 
 SEQ_LENS = [1, 23, 70, 16]  # a single token, lengths off the 16-token tiles, one exactly on a tile
@@ -89,9 +90,7 @@ def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_portable_c_path_matches_reference(dtype):
     """The plain-C task (what a CPU without AVX2 runs), built here with AVX2 switched off."""
-    from lightserve.kernels.cpu import build, load
-
-    portable = load(build(("-mno-avx2", "-mno-fma")))
+    portable = portable_library()
     seq_lens = [1, 31, 33, 100]
     batch, q, meta = _decode_case(seq_lens, 9, 3, 64, dtype)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}

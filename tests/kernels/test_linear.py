@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from lightserve.kernels.cpu import library
 from lightserve.kernels.linear import linear, linear_cpu, linear_ref, pack_linear_weight, unpack_linear_weight
 
+from tests.kernels.kernel_cases import portable_library
+
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the CPU path is F.linear")
 
 ROWS = [1, 2, 5, 6, 7, 47, 48, 49, 100]  # partial and whole 6-row tiles
@@ -54,9 +56,7 @@ def test_strided_rows_and_model_shapes():
 
 def test_portable_c_path_matches_f_linear():
     """The plain-C tile (what a CPU without AVX2 runs), built here with AVX2 switched off."""
-    from lightserve.kernels.cpu import build, load
-
-    portable = load(build(("-mno-avx2", "-mno-fma")))
+    portable = portable_library()
     for m in (1, 7):
         x, w, b = _case(m, 21, 40, seed=m)
         torch.testing.assert_close(linear_cpu(x, pack_linear_weight(w), b, lib=portable), F.linear(x, w, b), **TOL)

@@ -17,6 +17,7 @@ from tests.kernels.kernel_cases import (
     TOL,
     make_kv_batch,
     naive_attention,
+    portable_library,
 )
 
 # (prefix_len, extend_len) per request: no prefix, long prefix, a 1-token extend, lengths off the 16-token tiles.
@@ -114,9 +115,7 @@ def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_portable_c_path_matches_reference(dtype):
     """The plain-C tiles (what a CPU without AVX2 runs), built here with AVX2 switched off."""
-    from lightserve.kernels.cpu import build, load
-
-    portable = load(build(("-mno-avx2", "-mno-fma")))
+    portable = portable_library()
     batch, q, meta = _prefill_case(C_REQS, 9, 3, 64, dtype)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
     out = prefill_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=portable)

@@ -8,7 +8,7 @@ from lightserve.kernels.rmsnorm import (
     rmsnorm_triton,
 )
 
-from tests.kernels.kernel_cases import DEVICE, TOL
+from tests.kernels.kernel_cases import DEVICE, TOL, portable_library
 
 EPS = 1e-6
 
@@ -71,7 +71,7 @@ def test_add_rmsnorm_triton_matches_reference(num_tokens, hidden, dtype):
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 100), (200, 576)])  # 100: a tail past 16 lanes; 200 x 576: parallel
 def test_rmsnorm_c_kernel_matches_reference(num_tokens, hidden):
-    from lightserve.kernels.cpu import build, library, load
+    from lightserve.kernels.cpu import library
     from lightserve.kernels.rmsnorm import rmsnorm_cpu
 
     if library() is None:
@@ -80,7 +80,7 @@ def test_rmsnorm_c_kernel_matches_reference(num_tokens, hidden):
     x = torch.randn(num_tokens, hidden + 8, generator=g)[:, :hidden]  # strided rows
     res = torch.randn(num_tokens, hidden, generator=g)
     w = torch.randn(hidden, generator=g)
-    for lib in (None, load(build(("-mno-avx2", "-mno-fma")))):  # the native and the portable build
+    for lib in (None, portable_library()):  # the native and the portable build
         torch.testing.assert_close(rmsnorm_cpu(x, None, w, EPS, lib=lib), rmsnorm_ref(x, w, EPS), rtol=1e-5, atol=1e-5)
         got_res = res.clone()
         want_res = res.clone()

@@ -5,7 +5,7 @@ import torch
 from lightserve.kernels.cpu import library
 from lightserve.kernels.rotary import rotary_emb, rotary_emb_cpu, rotary_emb_ref, rotary_emb_triton
 
-from tests.kernels.kernel_cases import DEVICE, TOL
+from tests.kernels.kernel_cases import DEVICE, TOL, portable_library
 
 BASE = 100000.0  # SmolLM2's rope_theta
 
@@ -66,9 +66,7 @@ def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dt
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 300])  # 300 x 12 heads x 64: past the threshold for both threads
 def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, portable):
-    from lightserve.kernels.cpu import build, load
-
-    lib = load(build(("-mno-avx2", "-mno-fma"))) if portable else None
+    lib = portable_library() if portable else None
     cos_sin, _ = _cos_sin(64, 4096)
     qkv, q, k = _qkv_views(torch.float32, num_tokens, 9, 3, 64)
     positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(0))

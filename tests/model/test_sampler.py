@@ -12,6 +12,8 @@ from lightserve.model_infer.sampler import (
     uniform_from_seed,
 )
 
+from tests.kernels.kernel_cases import portable_library
+
 
 def _params(batch: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed0: int = 0):
     return {
@@ -141,9 +143,7 @@ def test_fused_greedy_kernel_matches_torch(portable):
     """The C argmax + logsumexp (the all-greedy CPU path) against torch's ops, on rows with ties,
     -inf entries (banned tokens), a vocabulary off the kernel's 16 lanes and a batch over the
     threading threshold; a NaN row declines it, so sample() gives torch's answer there."""
-    from lightserve.kernels.cpu import build, load
-
-    lib = load(build(("-mno-avx2", "-mno-fma"))) if portable else None
+    lib = portable_library() if portable else None
     logits = torch.randn(70, 49157, generator=torch.Generator().manual_seed(5)) * 4
     logits[3, [10, 20000]] = 50.0  # a tie: the first index wins, as in torch.argmax
     logits[4, :40000] = float("-inf")

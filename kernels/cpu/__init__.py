@@ -35,6 +35,29 @@ _SOURCES = ("decode_attention.c", "elementwise.c", "linear.c", "prefill_attentio
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
 
 
+# The builds the same sources make: `native` is what serving uses (-march=native: AVX-512 where the CPU has
+# it); the others switch wide instructions off, so a machine that has them can test what narrower CPUs run.
+# Each needs the CPU flags listed (a build for a CPU without them would not run here).
+BUILD_VARIANTS = {
+    "native": ((), ()),
+    "avx2": (("-mno-avx512f",), ("avx2", "fma")),
+    "portable": (("-mno-avx2", "-mno-fma"), ()),
+}
+
+
+def variant_library(name: str) -> ctypes.CDLL | None:
+    """The kernel library built as BUILD_VARIANTS[name], or None when this CPU cannot run that build's
+    instructions (or nothing can be built here)."""
+    flags, needs = BUILD_VARIANTS[name]
+    have = set(_cpu_flags().split())
+    if not all(f in have for f in needs):
+        return None
+    try:
+        return load(build(flags))
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def profiled(name: str) -> contextlib.AbstractContextManager:
     """A profiler label for a C call (scripts/profile_step.py attributes C kernels by it), only while
     a profiler runs: record_function costs about 12 us, and a step makes over a hundred C calls."""

@@ -2,12 +2,12 @@
 //
 // Why C: the torch path (kernels/decode_attention.py, decode_attention_ref) first gathers every
 // request's K/V rows into a padded [B, L, Hk, D] copy, then runs SDPA over it. At batch 64 and 384
-// tokens of context that copy alone is 1.1 GB of writes per step over 30 layers, and it dominates
-// the decode step. Here each (request, KV head) task streams its rows once, in place: the step
-// reads the KV it needs and nothing more (memory-bound, as decode attention is).
+// tokens of context that copy alone is 1.1 GB of writes per step over 30 layers. Here each task
+// streams its rows once, in place: the step reads the KV it needs and nothing more, and it is
+// written to run at the machine's read bandwidth (scripts/bench_cpu_kernels.py measures both).
 //
 // Shapes (row-major, strides in elements):
-//   q            [B, Hq, D]            float32 (the query; always float32 here, see the Python side)
+//   q            [B, Hq, D]            float32
 //   k_cache      [rows, Hk, D]         float32 or bfloat16, row stride kc_row
 //   v_cache      [rows, Hk, D]         same dtype as k_cache, row stride vc_row
 //   req_to_token [num_rows, max_len]   int32, KV row of token t of a request, row stride r2t_row
@@ -16,202 +16,233 @@
 //   out          [B, Hq, D]            float32
 // Query heads h*G .. h*G+G-1 share KV head h (G = Hq / Hk, grouped-query attention).
 //
-// One task per (request, KV head): its G query heads share every K/V row it loads. Online
-// softmax over blocks of BLOCK tokens: scores for the block, one rescale of the accumulator per
-// block rather than per token.
+// Work: a task is one request's tokens [lo, hi), all heads. Requests are split into chunks when
+// there are few of them (batch 1 at 2,000 tokens is 8 tasks on 2 threads, not 1), so every thread
+// streams about the same number of KV bytes; a second pass merges a request's chunks (log-sum-exp).
+// A task walks its tokens in blocks of BLOCK. For each KV head it computes the block's scores for all
+// G query heads from one load of each K row, updates the online softmax once per block, and adds the
+// block's V rows into the G output rows, which stay in registers (gc heads at a time). Software
+// prefetch of the next block's rows was measured and dropped: no gain, the hardware prefetchers already
+// follow a request's rows, and the kernel is bound by its per-row work (scripts/bench_cpu_kernels.py).
+// Vectors are vec.h's `vf`: 16 lanes on AVX-512 CPUs, 8 on AVX2 ones, from this one source.
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fastmath.h"
+#include "vec.h"
 
-#define BLOCK 32
+#define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
 #define MAX_GROUP 16
 #define MAX_DIM 128
-#define LANES 16  // head_dim must be a multiple (64, 128, 256 are)
+#define MAX_HEADS 128
+#define MIN_CHUNK 128   // tokens: a shorter chunk costs more in its merge than it balances
+#define REG_BUDGET (VL == 16 ? 24 : 12)  // output vectors kept in registers during the V pass
 
-// One (request, KV head) task, for KV elements of type T loaded through LOAD.
-// DIM is a compile-time constant: with it gcc drops the runtime trip counts and vector epilogues
-// (measured 1.5x faster than a runtime head_dim).
-#define DEFINE_TASK(NAME, T, LOAD, DIM)                                                            \
-static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *locs, int len,  \
-                 float *out, int group, int64_t kc_row, int64_t vc_row, int64_t head_off,          \
-                 float scale) {                                                                    \
-    const int dim = DIM;                                                                           \
-    float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][BLOCK];                                         \
-    float acc[MAX_GROUP][MAX_DIM];                                                                 \
-    float kv[MAX_DIM];                                                                             \
-    for (int g = 0; g < group; g++) {                                                              \
-        m[g] = -INFINITY;                                                                          \
-        l[g] = 0.0f;                                                                               \
-        for (int d = 0; d < dim; d++) acc[g][d] = 0.0f;                                            \
-    }                                                                                              \
-    for (int t0 = 0; t0 < len; t0 += BLOCK) {                                                      \
-        int n = len - t0 < BLOCK ? len - t0 : BLOCK;                                               \
-        for (int j = 0; j < n; j++) {                                                              \
-            const T *k = k_cache + (int64_t)locs[t0 + j] * kc_row + head_off;                      \
-            for (int d = 0; d < dim; d++) kv[d] = LOAD(k[d]);                                      \
-            for (int g = 0; g < group; g++) {                                                      \
-                /* LANES independent partial sums: vectorizes without reassociating the sum */    \
-                const float *qg = q + (int64_t)g * dim;                                            \
-                float part[LANES] = {0};                                                           \
-                for (int d = 0; d < dim; d += LANES)                                               \
-                    for (int i = 0; i < LANES; i++) part[i] += qg[d + i] * kv[d + i];              \
-                /* a tree, not a chain of LANES dependent adds (that chain was the kernel's cost) */ \
-                for (int w = LANES / 2; w > 0; w /= 2)                                             \
-                    for (int i = 0; i < w; i++) part[i] += part[i + w];                            \
-                s[g][j] = part[0] * scale;                                                         \
-            }                                                                                      \
-        }                                                                                          \
-        for (int g = 0; g < group; g++) {                                                          \
-            float mx = m[g];                                                                       \
-            for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;                          \
-            float alpha = expf(m[g] - mx); /* 0 on the first block: m is -inf */                  \
-            l[g] *= alpha;                                                                         \
-            for (int d = 0; d < dim; d++) acc[g][d] *= alpha;                                      \
-            for (int j = 0; j < n; j++) {                                                          \
-                s[g][j] = exp_neg(s[g][j] - mx);                                                   \
-            }                                                                                      \
-            for (int j = 0; j < n; j++) l[g] += s[g][j];                                           \
-            m[g] = mx;                                                                             \
-        }                                                                                          \
-        for (int j = 0; j < n; j++) {                                                              \
-            const T *v = v_cache + (int64_t)locs[t0 + j] * vc_row + head_off;                      \
-            for (int d = 0; d < dim; d++) kv[d] = LOAD(v[d]);                                      \
-            for (int g = 0; g < group; g++) {                                                      \
-                float p = s[g][j];                                                                 \
-                for (int d = 0; d < dim; d++) acc[g][d] += p * kv[d];                              \
-            }                                                                                      \
-        }                                                                                          \
-    }                                                                                              \
-    for (int g = 0; g < group; g++) {                                                              \
-        float inv = 1.0f / l[g];                                                                   \
-        for (int d = 0; d < dim; d++) out[(int64_t)g * dim + d] = acc[g][d] * inv;                 \
-    }                                                                                              \
+typedef struct {
+    int req, lo, hi;
+} Task;
+
+// One K or V row of one head (dim elements) as dim / VL vectors; bf16 rows in vec.h's even/odd order.
+static inline __attribute__((always_inline)) void load_row(const void *p, int bf16, int dim, vf *r) {
+    if (bf16) {
+        for (int c = 0; c < dim / (2 * VL); c++) vload_bf16_pairs((const uint16_t *)p + 2 * VL * c, &r[2 * c], &r[2 * c + 1]);
+    } else {
+        for (int i = 0; i < dim / VL; i++) r[i] = vload((const float *)p + i * VL);
+    }
 }
 
-#define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_f32(x)
+// One task. qp: [Hq, dim], the request's query in load_row's element order; scores are scaled by `scale`.
+// state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi).
+// bf16, dim and group are compile-time constants in the instances below (a runtime group works too).
+static inline __attribute__((always_inline)) void attend(
+    const float *qp, const void *k_cache, const void *v_cache, const int32_t *locs, int lo, int hi,
+    int num_kv_heads, int64_t kc_row, int64_t vc_row, float scale, float *state, const int bf16, const int dim,
+    const int group) {
+    enum { NV_MAX = MAX_DIM / VL };
+    const int nv = dim / VL, esize = bf16 ? 2 : 4;
+    const int gc = REG_BUDGET / nv < 1 ? 1 : REG_BUDGET / nv;  // heads per V pass
+    const int num_heads = num_kv_heads * group;
+    float *m = state, *l = state + num_heads, *acc = state + 2 * num_heads;
+    vf lsum[MAX_HEADS];  // per-lane partial sums of l: no horizontal sum per block
+    for (int hg = 0; hg < num_heads; hg++) {
+        m[hg] = -INFINITY;
+        lsum[hg] = (vf){0};
+    }
+    memset(acc, 0, sizeof(float) * (size_t)num_heads * dim);
+    const char *kc = k_cache, *vc = v_cache;
+    const int64_t k_step = kc_row * esize, v_step = vc_row * esize;
 
-#ifdef __AVX2__
-#include <immintrin.h>
-
-// AVX2 version of the task. The portable one above computes each score as a dot product ending
-// in a horizontal sum, which costs more than the dot itself; here 8 tokens' dot products are
-// reduced together (hsum8: 6 hadds and a lane swap for 8 sums), and each query head's output
-// row stays in registers while the block's V rows stream past.
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    for (int t0 = lo; t0 < hi; t0 += BLOCK) {
+        const int n = hi - t0 < BLOCK ? hi - t0 : BLOCK;
+        const char *kr[BLOCK], *vr[BLOCK];
+        for (int j = 0; j < BLOCK; j++) {  // rows past n repeat the last one: scored, then masked
+            int64_t loc = locs[t0 + (j < n ? j : n - 1)];
+            kr[j] = kc + loc * k_step;
+            vr[j] = vc + loc * v_step;
+        }
+        for (int h = 0; h < num_kv_heads; h++) {
+            const int64_t head_off = (int64_t)h * dim * esize;
+            const float *qh = qp + (int64_t)h * group * dim;
+            // Scores: each K row is loaded once for the group's G query heads. part[g][j] holds the
+            // per-lane products of head g and token j; one fold per VL tokens sums them.
+            vf part[MAX_GROUP][BLOCK];
+            for (int j = 0; j < BLOCK; j++) {
+                vf kv[NV_MAX];
+                load_row(kr[j] + head_off, bf16, dim, kv);
+                for (int g = 0; g < group; g++) {
+                    const float *qg = qh + g * dim;
+                    vf a = vload(qg) * kv[0];
+                    for (int i = 1; i < nv; i++) a += vload(qg + i * VL) * kv[i];
+                    part[g][j] = a;
+                }
+            }
+            float p[MAX_GROUP][BLOCK] __attribute__((aligned(64)));
+            float alpha[MAX_GROUP];
+            for (int g = 0; g < group; g++) {
+                const int hg = h * group + g;
+                for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vreduce_lanes(&part[g][j0]) * scale);
+                float mx = m[hg];
+                for (int j = 0; j < n; j++) mx = p[g][j] > mx ? p[g][j] : mx;
+                alpha[g] = expf(m[hg] - mx);  // 0 on the first block: m is -inf
+                m[hg] = mx;
+                for (int j = 0; j < BLOCK; j++) {
+                    float e = exp_neg(p[g][j] - mx);
+                    p[g][j] = j < n ? e : 0.0f;
+                }
+                vf s = vload(p[g]);
+                for (int j0 = VL; j0 < BLOCK; j0 += VL) s += vload(&p[g][j0]);
+                lsum[hg] = lsum[hg] * alpha[g] + s;
+            }
+            // V: gc output rows in registers while the block's V rows stream past.
+            for (int g0 = 0; g0 < group; g0 += gc) {
+                const int ng = group - g0 < gc ? group - g0 : gc;
+                float *ag = acc + (int64_t)(h * group + g0) * dim;
+                vf o[MAX_GROUP][NV_MAX];
+                for (int g = 0; g < ng; g++)
+                    for (int i = 0; i < nv; i++) o[g][i] = vload(ag + g * dim + i * VL) * alpha[g0 + g];
+                for (int j = 0; j < n; j++) {
+                    vf vv[NV_MAX];
+                    load_row(vr[j] + head_off, bf16, dim, vv);
+                    for (int g = 0; g < ng; g++) {
+                        vf pj = vbroadcast(p[g0 + g][j]);
+                        for (int i = 0; i < nv; i++) o[g][i] += pj * vv[i];
+                    }
+                }
+                for (int g = 0; g < ng; g++)
+                    for (int i = 0; i < nv; i++) vstore(ag + g * dim + i * VL, o[g][i]);
+            }
+        }
+    }
+    for (int hg = 0; hg < num_heads; hg++) {
+        float t[VL];
+        vstore(t, lsum[hg]);
+        float sum = 0.0f;
+        for (int i = 0; i < VL; i++) sum += t[i];
+        l[hg] = sum;
+    }
 }
 
-// [sum(a0), sum(a1), ..., sum(a7)]
-static inline __m256 hsum8(const __m256 a[8]) {
-    __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20), _mm256_permute2f128_ps(h0123, h4567, 0x31));
+typedef void (*task_fn)(const float *, const void *, const void *, const int32_t *, int, int, int, int64_t,
+                        int64_t, float, float *, int);
+
+#define TASK(BF, DIM, G)                                                                                  \
+    static void task_##BF##_##DIM##_##G(const float *qp, const void *kc, const void *vc, const int32_t *locs, \
+                                        int lo, int hi, int hk, int64_t kc_row, int64_t vc_row, float scale,  \
+                                        float *state, int group) {                                        \
+        attend(qp, kc, vc, locs, lo, hi, hk, kc_row, vc_row, scale, state, BF, DIM, G ? G : group);      \
+    }
+// Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
+#define TASKS(BF, DIM) TASK(BF, DIM, 0) TASK(BF, DIM, 1) TASK(BF, DIM, 2) TASK(BF, DIM, 3) TASK(BF, DIM, 4) \
+    TASK(BF, DIM, 5) TASK(BF, DIM, 6) TASK(BF, DIM, 7) TASK(BF, DIM, 8)
+TASKS(0, 64)
+TASKS(0, 128)
+TASKS(1, 64)
+TASKS(1, 128)
+#define ROW(BF, DIM) {task_##BF##_##DIM##_0, task_##BF##_##DIM##_1, task_##BF##_##DIM##_2, task_##BF##_##DIM##_3, \
+    task_##BF##_##DIM##_4, task_##BF##_##DIM##_5, task_##BF##_##DIM##_6, task_##BF##_##DIM##_7, task_##BF##_##DIM##_8}
+static const task_fn TASK_TABLE[2][2][9] = {{ROW(0, 64), ROW(0, 128)}, {ROW(1, 64), ROW(1, 128)}};
+
+static int longest_first(const void *a, const void *b) {
+    const Task *x = a, *y = b;
+    return (y->hi - y->lo) - (x->hi - x->lo);
 }
 
-#define DEFINE_TASK_AVX2(NAME, T, LOAD8, DIM)                                                      \
-static void NAME(const float *q, const T *k_cache, const T *v_cache, const int32_t *locs, int len,  \
-                 float *out, int group, int64_t kc_row, int64_t vc_row, int64_t head_off,          \
-                 float scale) {                                                                    \
-    enum { DV = DIM / 8 };                                                                         \
-    float m[MAX_GROUP], l[MAX_GROUP], alpha[MAX_GROUP];                                            \
-    float s[MAX_GROUP][BLOCK] __attribute__((aligned(32)));                                        \
-    float acc[MAX_GROUP][DIM] __attribute__((aligned(32)));                                        \
-    const T *kr[BLOCK], *vr[BLOCK];                                                                \
-    for (int g = 0; g < group; g++) {                                                              \
-        m[g] = -INFINITY;                                                                          \
-        l[g] = 0.0f;                                                                               \
-        for (int d = 0; d < DIM; d++) acc[g][d] = 0.0f;                                            \
-    }                                                                                              \
-    const __m256 sc = _mm256_set1_ps(scale);                                                       \
-    for (int t0 = 0; t0 < len; t0 += BLOCK) {                                                      \
-        int n = len - t0 < BLOCK ? len - t0 : BLOCK;                                               \
-        int n8 = (n + 7) & ~7; /* rows past n repeat the last one: scored, never used */           \
-        for (int j = 0; j < n8; j++) {                                                             \
-            int64_t loc = locs[t0 + (j < n ? j : n - 1)];                                          \
-            kr[j] = k_cache + loc * kc_row + head_off;                                             \
-            vr[j] = v_cache + loc * vc_row + head_off;                                             \
-        }                                                                                          \
-        for (int g = 0; g < group; g++) {                                                          \
-            const float *qg = q + (int64_t)g * DIM;                                                \
-            for (int j0 = 0; j0 < n8; j0 += 8) {                                                   \
-                __m256 a[8];                                                                       \
-                for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();                            \
-                for (int i = 0; i < DV; i++) {                                                     \
-                    __m256 qi = _mm256_loadu_ps(qg + 8 * i);                                       \
-                    for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qi, LOAD8(kr[j0 + u] + 8 * i), a[u]); \
-                }                                                                                  \
-                _mm256_store_ps(&s[g][j0], _mm256_mul_ps(hsum8(a), sc));                           \
-            }                                                                                      \
-            float mx = m[g];                                                                       \
-            for (int j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;                          \
-            alpha[g] = expf(m[g] - mx); /* 0 on the first block: m is -inf */                     \
-            float sum = 0.0f;                                                                      \
-            for (int j = 0; j < n; j++) {                                                          \
-                s[g][j] = exp_neg(s[g][j] - mx);                                                   \
-                sum += s[g][j];                                                                    \
-            }                                                                                      \
-            l[g] = l[g] * alpha[g] + sum;                                                          \
-            m[g] = mx;                                                                             \
-        }                                                                                          \
-        for (int g = 0; g < group; g++) {                                                          \
-            __m256 o[DV];                                                                          \
-            __m256 al = _mm256_set1_ps(alpha[g]);                                                  \
-            for (int i = 0; i < DV; i++) o[i] = _mm256_mul_ps(_mm256_load_ps(&acc[g][8 * i]), al); \
-            for (int j = 0; j < n; j++) {                                                          \
-                __m256 p = _mm256_set1_ps(s[g][j]);                                                \
-                for (int i = 0; i < DV; i++) o[i] = _mm256_fmadd_ps(p, LOAD8(vr[j] + 8 * i), o[i]); \
-            }                                                                                      \
-            for (int i = 0; i < DV; i++) _mm256_store_ps(&acc[g][8 * i], o[i]);                    \
-        }                                                                                          \
-    }                                                                                              \
-    for (int g = 0; g < group; g++) {                                                              \
-        float inv = 1.0f / l[g];                                                                   \
-        for (int d = 0; d < DIM; d++) out[(int64_t)g * DIM + d] = acc[g][d] * inv;                 \
-    }                                                                                              \
-}
-
-DEFINE_TASK_AVX2(task_f32_64, float, load8_f32, 64)
-DEFINE_TASK_AVX2(task_f32_128, float, load8_f32, 128)
-DEFINE_TASK_AVX2(task_bf16_64, uint16_t, load8_bf16, 64)
-DEFINE_TASK_AVX2(task_bf16_128, uint16_t, load8_bf16, 128)
-#else
-DEFINE_TASK(task_f32_64, float, LOAD_F32, 64)
-DEFINE_TASK(task_f32_128, float, LOAD_F32, 128)
-DEFINE_TASK(task_bf16_64, uint16_t, LOAD_BF16, 64)
-DEFINE_TASK(task_bf16_128, uint16_t, LOAD_BF16, 128)
-#endif
-
-// Returns 0, or -1 when the shape exceeds the fixed per-task buffers (the caller falls back).
+// Returns 0, or -1 when the shape is not compiled in or memory runs out (the caller falls back).
 int decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_is_bf16,
                      const int32_t *req_to_token, const int32_t *req_rows, const int32_t *seq_lens,
                      float *out, int batch, int num_heads, int num_kv_heads, int dim,
                      int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int num_threads) {
     int group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || (dim != 64 && dim != 128)) return -1;
-    int tasks = batch * num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int task = 0; task < tasks; task++) {
-        int b = task / num_kv_heads, h = task % num_kv_heads;
-        const int32_t *locs = req_to_token + (int64_t)req_rows[b] * r2t_row;
-        const float *qb = q + ((int64_t)b * num_heads + (int64_t)h * group) * dim;
-        float *ob = out + ((int64_t)b * num_heads + (int64_t)h * group) * dim;
-        int64_t head_off = (int64_t)h * dim;
-        int len = seq_lens[b];
-        const void *kc = k_cache, *vc = v_cache;
-        if (kv_is_bf16 && dim == 64)
-            task_bf16_64(qb, kc, vc, locs, len, ob, group, kc_row, vc_row, head_off, scale);
-        else if (kv_is_bf16)
-            task_bf16_128(qb, kc, vc, locs, len, ob, group, kc_row, vc_row, head_off, scale);
-        else if (dim == 64)
-            task_f32_64(qb, kc, vc, locs, len, ob, group, kc_row, vc_row, head_off, scale);
-        else
-            task_f32_128(qb, kc, vc, locs, len, ob, group, kc_row, vc_row, head_off, scale);
+    if (group > MAX_GROUP || num_heads > MAX_HEADS || (dim != 64 && dim != 128)) return -1;
+    // Chunk so that there are ~4 tasks per thread when requests are few, never under MIN_CHUNK tokens.
+    int64_t total = 0;
+    for (int b = 0; b < batch; b++) total += seq_lens[b];
+    int64_t chunk = (total + 4 * num_threads - 1) / (4 * num_threads);
+    chunk = chunk < MIN_CHUNK ? MIN_CHUNK : (chunk + BLOCK - 1) / BLOCK * BLOCK;
+    int num_tasks = 0;
+    for (int b = 0; b < batch; b++) num_tasks += (int)((seq_lens[b] + chunk - 1) / chunk);
+    const int64_t state_len = (int64_t)num_heads * (dim + 2);
+    Task *tasks = malloc(sizeof(Task) * (size_t)num_tasks);
+    int *first = malloc(sizeof(int) * (size_t)(batch + 1));  // request b's tasks: [first[b], first[b+1])
+    float *state = malloc(sizeof(float) * (size_t)(num_tasks * state_len));
+    Task *order = malloc(sizeof(Task) * (size_t)num_tasks);
+    if (!tasks || !first || !state || !order) {
+        free(tasks), free(first), free(state), free(order);
+        return -1;
     }
+    for (int b = 0, t = 0; b < batch; b++) {
+        first[b] = t;
+        for (int lo = 0; lo < seq_lens[b]; lo += (int)chunk, t++)
+            tasks[t] = (Task){b, lo, lo + (int)chunk < seq_lens[b] ? lo + (int)chunk : seq_lens[b]};
+    }
+    first[batch] = num_tasks;
+    memcpy(order, tasks, sizeof(Task) * (size_t)num_tasks);
+    qsort(order, (size_t)num_tasks, sizeof(Task), longest_first);  // long tasks first: even finish
+    const task_fn fn = TASK_TABLE[kv_is_bf16 != 0][dim == 128][group <= 8 ? group : 0];
+
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < num_tasks; i++) {
+            const Task tk = order[i];
+            const int b = tk.req;
+            // The request's query in load_row's element order.
+            float qp[MAX_HEADS * MAX_DIM] __attribute__((aligned(64)));
+            const float *qb = q + (int64_t)b * num_heads * dim;
+            if (kv_is_bf16)
+                for (int hg = 0; hg < num_heads; hg++) bf16_order(qb + hg * dim, qp + hg * dim, dim);
+            else
+                memcpy(qp, qb, sizeof(float) * num_heads * dim);
+            // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
+            int slot = first[b] + (int)(tk.lo / chunk);
+            fn(qp, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi, num_kv_heads,
+               kc_row, vc_row, scale, state + slot * state_len, group);
+        }
+        // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).
+#pragma omp for schedule(static)
+        for (int b = 0; b < batch; b++) {
+            for (int hg = 0; hg < num_heads; hg++) {
+                float mx = -INFINITY;
+                for (int t = first[b]; t < first[b + 1]; t++) mx = fmaxf(mx, state[t * state_len + hg]);
+                float o[MAX_DIM] = {0}, lsum = 0.0f;
+                for (int t = first[b]; t < first[b + 1]; t++) {
+                    const float *st = state + t * state_len;
+                    float w = expf(st[hg] - mx);
+                    lsum += st[num_heads + hg] * w;
+                    const float *a = st + 2 * num_heads + (int64_t)hg * dim;
+                    for (int d = 0; d < dim; d++) o[d] += a[d] * w;
+                }
+                float inv = 1.0f / lsum, *ob = out + ((int64_t)b * num_heads + hg) * dim;
+                for (int d = 0; d < dim; d++) o[d] *= inv;
+                if (kv_is_bf16)
+                    bf16_unorder(o, ob, dim);
+                else
+                    memcpy(ob, o, sizeof(float) * dim);
+            }
+        }
+    }
+    free(tasks), free(first), free(state), free(order);
     return 0;
 }

@@ -64,6 +64,16 @@ def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[i
 def portable_library():
     """The C kernels built with AVX2 and FMA off (cached like any build): the plain-C paths that a CPU
     without AVX2 runs, tested here on one that has it."""
-    from lightserve.kernels.cpu import build, load
+    from lightserve.kernels.cpu import variant_library
 
-    return load(build(("-mno-avx2", "-mno-fma")))
+    return variant_library("portable")
+
+
+def c_library_variants() -> list[str]:
+    """The C kernel builds this CPU can run (native, and narrower vector widths where it has wider ones):
+    the kernels are one source that each build compiles to its own instructions, so each is tested."""
+    from lightserve.kernels.cpu import BUILD_VARIANTS, library, variant_library
+
+    if library() is None:
+        return []
+    return [name for name in BUILD_VARIANTS if variant_library(name) is not None]

@@ -2,7 +2,7 @@
 over ragged sequence lengths, GQA and split counts that leave some splits empty."""
 import pytest
 import torch
-from lightserve.kernels.cpu import library
+from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.decode_attention import (
     decode_attention_cpu,
     decode_attention_ref,
@@ -15,8 +15,8 @@ from tests.kernels.kernel_cases import (
     KERNEL_CASES,
     TOL,
     make_kv_batch,
+    c_library_variants,
     naive_attention,
-    portable_library,
 )
 
 SEQ_LENS = [1, 23, 70, 16]  # a single token, lengths off the 16-token tiles, one exactly on a tile
@@ -70,32 +70,40 @@ def test_decode_triton_strided_q_and_default_splits():
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (4, 1), (2, 2), (32, 8)])
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (9, 3), (32, 8), (5, 1), (8, 1), (12, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
-    """Ragged lengths (1 token, off and on the kernel's 32-token blocks, several blocks) over rows
-    scattered through the cache; a strided q (a view into the fused qkv projection)."""
-    seq_lens = [1, 31, 32, 33, 100, 7]
+def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim, dtype):
+    """Every build this CPU runs (AVX-512, AVX2, plain C), GQA groups 1, 3, 4, 5 and 8 (compiled in) and 12
+    (a run-time group); ragged lengths: 1 token, off and on the 32-token blocks, and a 300-token request
+    that is split into chunks and merged; rows scattered through the cache; a strided q (a view into the
+    fused qkv projection)."""
+    lib = variant_library(variant)
+    seq_lens = [1, 31, 32, 33, 300, 7]
     batch, q, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype)
     qkv = torch.cat([q.flatten(1), torch.zeros(len(seq_lens), 2 * num_kv_heads * head_dim, dtype=dtype)], dim=1)
     q_view = qkv[:, :num_heads * head_dim].view(q.shape)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
-    out = decode_attention_cpu(q_view, batch.k_cache, batch.v_cache, **meta_cpu)
+    out = decode_attention_cpu(q_view, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
     assert out is not None and out.dtype == dtype
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_portable_c_path_matches_reference(dtype):
-    """The plain-C task (what a CPU without AVX2 runs), built here with AVX2 switched off."""
-    portable = portable_library()
-    seq_lens = [1, 31, 33, 100]
-    batch, q, meta = _decode_case(seq_lens, 9, 3, 64, dtype)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_cpu_kernel_split_merge_is_thread_count_independent(threads):
+    """One long request: the kernel splits its tokens into chunks by thread count and merges them; the
+    result must not depend on how many threads shared the work (beyond float rounding)."""
+    batch, q, meta = _decode_case([2000], 9, 3, 64, torch.float32)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
-    out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=portable)
-    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[torch.float32])
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")

@@ -1,0 +1,89 @@
+// One portable SIMD vector for the C kernels, as wide as the CPU the build targets (-march=native):
+// 16 floats where AVX-512 is there, 8 elsewhere. Written with GCC vector extensions, so the same
+// source is the AVX-512, the AVX2 and the plain-SSE kernel: the compiler picks the instructions, and
+// the code CI tests on one CPU is the code that runs on another (built for it).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+// Element-aligned twins, for loads and stores at any float / bf16-pair address.
+typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));
+typedef uint32_t vu_u __attribute__((vector_size(VL * 4), aligned(2)));
+
+static inline vf vload(const float *p) { return *(const vf_u *)p; }
+static inline void vstore(float *p, vf x) { *(vf_u *)p = x; }
+static inline vf vbroadcast(float x) { return (vf){0} + x; }
+
+// 2*VL bfloat16 values as two float vectors, de-interleaved: *even gets elements 0, 2, 4, ..., *odd
+// gets 1, 3, 5, .... A bf16 is the top half of a float, so each is one shift or one mask of the
+// loaded pairs: no widening shuffle. Callers keep their float operands in the same even/odd order
+// (bf16_order below); a dot product does not care about the order, and an output row is put back
+// in order once at the end.
+static inline void vload_bf16_pairs(const uint16_t *p, vf *even, vf *odd) {
+    vu bits = *(const vu_u *)p;
+    *even = (vf)(bits << 16);
+    *odd = (vf)(bits & 0xffff0000u);
+}
+
+// dst = src in the order vload_bf16_pairs gives, chunk by chunk of 2*VL (n a multiple of 2*VL).
+static inline void bf16_order(const float *src, float *dst, int n) {
+    for (int c = 0; c < n; c += 2 * VL)
+        for (int i = 0; i < VL; i++) {
+            dst[c + i] = src[c + 2 * i];
+            dst[c + VL + i] = src[c + 2 * i + 1];
+        }
+}
+
+// The inverse of bf16_order.
+static inline void bf16_unorder(const float *src, float *dst, int n) {
+    for (int c = 0; c < n; c += 2 * VL)
+        for (int i = 0; i < VL; i++) {
+            dst[c + 2 * i] = src[c + i];
+            dst[c + 2 * i + 1] = src[c + VL + i];
+        }
+}
+
+// Lane j of the result = the sum of a[j]'s lanes, for VL vectors: log2(VL) levels, each folding pairs
+// of vectors with two two-source shuffles and one add (VL - 1 of each per level pair), instead of VL
+// separate horizontal sums. At each level every vector holds blocks of partial sums, one block per
+// source vector; LO/HI take the first/second half of each block from both inputs, interleaved.
+// LO and HI are index lists (macros, so that each is one macro argument).
+#define VFOLD(a, b, LO, HI) (__builtin_shufflevector(a, b, LO) + __builtin_shufflevector(a, b, HI))
+#if VL == 16
+#define B8_LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define B8_HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define B4_LO 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define B4_HI 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define B2_LO 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define B2_HI 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define B1_LO 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define B1_HI 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+static inline vf vreduce_lanes(const vf a[16]) {
+    vf b[8], c[4], d[2];
+    for (int k = 0; k < 8; k++) b[k] = VFOLD(a[k], a[k + 8], B8_LO, B8_HI);  // a[k] | a[k+8]
+    for (int k = 0; k < 4; k++) c[k] = VFOLD(b[k], b[k + 4], B4_LO, B4_HI);  // a[k] | a[k+4] | a[k+8] | a[k+12]
+    for (int k = 0; k < 2; k++) d[k] = VFOLD(c[k], c[k + 2], B2_LO, B2_HI);  // a[k] | a[k+2] | ... | a[k+14]
+    return VFOLD(d[0], d[1], B1_LO, B1_HI);                                   // a[0] | a[1] | ... | a[15]
+}
+#else
+#define B4_LO 0, 1, 2, 3, 8, 9, 10, 11
+#define B4_HI 4, 5, 6, 7, 12, 13, 14, 15
+#define B2_LO 0, 1, 8, 9, 4, 5, 12, 13
+#define B2_HI 2, 3, 10, 11, 6, 7, 14, 15
+#define B1_LO 0, 8, 2, 10, 4, 12, 6, 14
+#define B1_HI 1, 9, 3, 11, 5, 13, 7, 15
+static inline vf vreduce_lanes(const vf a[8]) {
+    vf b[4], c[2];
+    for (int k = 0; k < 4; k++) b[k] = VFOLD(a[k], a[k + 4], B4_LO, B4_HI);  // a[k] | a[k+4]
+    for (int k = 0; k < 2; k++) c[k] = VFOLD(b[k], b[k + 2], B2_LO, B2_HI);  // a[k] | a[k+2] | a[k+4] | a[k+6]
+    return VFOLD(c[0], c[1], B1_LO, B1_HI);                                   // a[0] | a[1] | ... | a[7]
+}
+#endif

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""CPU kernels against the machine's own memory bandwidth, measured in the same run.
+
+First it measures the streaming read bandwidth (torch.sum over a 256 MB buffer, all threads), then times
+the C decode attention over a KV cache spread across as many layers as the model has, so that every
+layer's K/V comes from memory as in a real step, not from the last-level cache. It prints each shape's
+time per layer, the KV bytes it read and its GB/s as a share of the measured bandwidth.
+
+    python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
+    python scripts/bench_cpu_kernels.py --heads 32 8 128 --layers 8 --dtypes bfloat16
+    python scripts/bench_cpu_kernels.py --variants native avx2 portable   # the same source, narrower builds
+    python scripts/bench_cpu_kernels.py --library /path/to/other.so      # an older build, for before/after
+
+The variants: `native` is the serving build (-march=native: AVX-512 where the CPU has it), `avx2` the
+same source with AVX-512 off (what an AVX2-only CPU runs), `portable` with AVX2 and FMA off too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from lightserve.kernels.cpu import build, load
+from lightserve.kernels.decode_attention import decode_attention_cpu
+
+VARIANT_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-fma")}
+# (batch, context): a full decode batch, a mid batch of long requests, one long request.
+DECODE_SHAPES = [(64, 384), (16, 1100), (1, 2000)]
+
+
+def cpu_caption() -> str:
+    """The CPU model and its vector flags (from lscpu), for every figure's caption."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    wide = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    return f"{fields.get('Model name', '?').strip()}, {torch.get_num_threads()} threads, flags: {' '.join(wide)}"
+
+
+def read_bandwidth(mb: int = 256, reps: int = 15) -> float:
+    """Streaming read GB/s: median torch.sum over a float32 buffer far larger than the caches."""
+    x = torch.ones(mb * 1024 * 1024 // 4)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, layers: int,
+                scatter: bool, seed: int = 0) -> dict:
+    """KV caches for `layers` layers, each request's tokens in its own run of rows (as a fresh server
+    allocates them) or scattered (--scatter); q and the request tables."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    rows = batch * context
+    k = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
+    order = torch.randperm(rows, generator=gen) if scatter else torch.arange(rows)
+    req_to_token = order.view(batch, context).to(torch.int32).contiguous()
+    return {
+        "k": k, "v": v, "req_to_token": req_to_token,
+        "req_rows": torch.arange(batch, dtype=torch.int32),
+        "seq_lens": torch.full((batch,), context, dtype=torch.int32),
+        "q": torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype),
+    }
+
+
+def time_decode(case: dict, lib, reps: int) -> float:
+    """Median seconds per layer: each rep runs every layer once, in order, like a forward."""
+    layers = case["k"].shape[0]
+    scale = case["q"].shape[-1] ** -0.5
+
+    def one_pass() -> None:
+        for i in range(layers):
+            out = decode_attention_cpu(case["q"], case["k"][i], case["v"][i], case["req_to_token"], case["req_rows"],
+                                       case["seq_lens"], scale, lib=lib)
+            assert out is not None, "the C kernel declined this shape"
+
+    one_pass()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        one_pass()
+        times.append((time.perf_counter() - t) / layers)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, nargs=3, default=(9, 3, 64), metavar=("HQ", "HK", "D"),
+                    help="query heads, KV heads, head dim (default SmolLM2's)")
+    ap.add_argument("--layers", type=int, default=30, help="layers of KV to cycle through (default SmolLM2's 30)")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in DECODE_SHAPES], help="BATCHxCONTEXT")
+    ap.add_argument("--variants", nargs="+", default=["native"], choices=list(VARIANT_FLAGS))
+    ap.add_argument("--library", help="time this built kernel library instead of the variants")
+    ap.add_argument("--scatter", action="store_true", help="scatter each request's tokens through the cache")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+
+    libs = {args.library: load(Path(args.library))} if args.library else \
+        {name: load(build(VARIANT_FLAGS[name])) for name in args.variants}
+    print(f"# {cpu_caption()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    bw = read_bandwidth()
+    print(f"streaming read bandwidth (torch.sum, 256 MB): {bw:.1f} GB/s")
+    results = []
+    for dtype_name in args.dtypes:
+        dtype = getattr(torch, dtype_name)
+        for shape in args.shapes:
+            batch, context = map(int, shape.split("x"))
+            case = decode_case(batch, context, tuple(args.heads), dtype, args.layers, args.scatter)
+            kv_bytes = 2 * batch * context * args.heads[1] * args.heads[2] * case["k"].element_size()
+            for name, lib in libs.items():
+                sec = time_decode(case, lib, args.reps)
+                gbps = kv_bytes / sec / 1e9
+                results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
+                                "context": context, "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
+                                "gbps": gbps, "share_of_bandwidth": gbps / bw})
+                print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {name:9s} "
+                      f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * gbps / bw:5.1f}%")
+            del case
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "read_gbps": bw, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

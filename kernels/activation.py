@@ -50,15 +50,16 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 
 def silu_and_mul_cpu(x: Tensor, lib=None) -> Tensor | None:
-    """The C kernel (kernels/cpu/elementwise.c) for float32 x [T, 2I] with unit column stride; None
-    when it cannot run here. `lib`: a kernel library other than the default build (tests)."""
-    from lightserve.kernels.cpu import library, profiled
+    """The C kernel (kernels/cpu/elementwise.c) for float32 or bfloat16 x [T, 2I] with unit column stride;
+    None when it cannot run here. `lib`: a kernel library other than the default build (tests)."""
+    from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
-    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
+    if lib is None or x.dtype not in C_DTYPES or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
         return None
     rows, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=torch.float32)  # [T, I]
+    out = torch.empty(rows, inter, dtype=x.dtype)  # [T, I]
     with profiled("silu_and_mul_cpu"):  # visible in scripts/profile_step.py
-        lib.silu_and_mul(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr(), torch.get_num_threads())
+        lib.silu_and_mul(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr(), int(x.dtype == torch.bfloat16),
+                         torch.get_num_threads())
     return out

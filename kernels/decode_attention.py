@@ -183,26 +183,28 @@ def decode_attention_cpu(
     """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather.
     None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference.
     `lib`: a loaded kernel library other than the default build (tests of the portable C path)."""
-    from lightserve.kernels.cpu import library, profiled
+    from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
     if lib is None or not c_kv_layout(k_cache, v_cache):
         return None
     batch, num_heads, head_dim = q.shape
-    qf = q.to(torch.float32).contiguous()                                     # [B, Hq, D]
-    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)        # [B, Hq, D]
+    # float32 and bfloat16 q are read in place (a view of qkv); the output comes back in q's dtype.
+    if q.dtype not in C_DTYPES or q.stride(-1) != 1:
+        q = q.to(torch.float32).contiguous()
+    out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)              # [B, Hq, D]
     rows = req_rows.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
     with profiled("decode_attention_cpu"):  # visible in scripts/profile_step.py
         rc = lib.decode_attention(
-            qf.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16),
-            req_to_token.data_ptr(), rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
-            batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0), v_cache.stride(0),
-            req_to_token.stride(0), sm_scale, torch.get_num_threads())
+            q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
+            v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), rows.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0),
+            v_cache.stride(0), req_to_token.stride(0), sm_scale, torch.get_num_threads())
     if rc != 0:
         return None
-    return out.to(q.dtype)
+    return out
 
 
 def _default_num_splits(device: torch.device, num_programs: int, num_tiles: int) -> int:

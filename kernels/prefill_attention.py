@@ -155,19 +155,21 @@ def prefill_attention_cpu(
     """The C kernel (kernels/cpu/prefill_attention.c): every request of the step in one parallel loop,
     K/V read in place. None when it cannot run here (no compiler, an unsupported dtype or shape): use
     the reference. `lib`: a loaded kernel library other than the default build (tests of the portable path)."""
-    from lightserve.kernels.cpu import library, profiled
+    from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
     if lib is None or not c_kv_layout(k_cache, v_cache):
         return None
     num_tokens, num_heads, head_dim = q.shape
-    qf = q if q.dtype == torch.float32 and q.stride(-1) == 1 else q.to(torch.float32).contiguous()
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32)  # [Tq, Hq, D]
+    # float32 and bfloat16 q are read in place (a view of qkv); the output comes back in q's dtype.
+    qf = q if q.dtype in C_DTYPES and q.stride(-1) == 1 else q.to(torch.float32).contiguous()
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=qf.dtype)  # [Tq, Hq, D]
     meta = [t.to(torch.int32).contiguous() for t in (req_rows, q_start_locs, prefix_lens, extend_lens)]
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
     with profiled("prefill_attention_cpu"):  # visible in scripts/profile_step.py
         rc = lib.prefill_attention(
-            qf.data_ptr(), qf.stride(0), qf.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+            qf.data_ptr(), qf.stride(0), qf.stride(1), int(qf.dtype == torch.bfloat16), k_cache.data_ptr(),
+            v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_to_token.stride(0),
             *(t.data_ptr() for t in meta), out.data_ptr(), meta[0].shape[0], num_heads, k_cache.shape[1], head_dim,
             k_cache.stride(0), v_cache.stride(0), sm_scale, torch.get_num_threads())

@@ -1,7 +1,7 @@
 """RMSNorm and fused residual-add + RMSNorm (LlamaRMSNorm). Called by the model before attention and MLP.
 
 The reference is the spec; on GPU the Triton kernel runs one program per row, on CPU a C kernel
-(kernels/cpu/elementwise.c) does for float32, the reference for other dtypes."""
+(kernels/cpu/elementwise.c) does for float32 and bfloat16, the reference for other dtypes."""
 from __future__ import annotations
 
 import torch
@@ -75,22 +75,22 @@ def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tens
 
 
 def rmsnorm_cpu(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, lib=None) -> Tensor | None:
-    """The C kernel (kernels/cpu/elementwise.c), float32 only: [T, H] -> [T, H]; with `residual`
-    (contiguous [T, H]) it first adds x into it in place. None when it cannot run here (then nothing
-    was modified). `lib`: a kernel library other than the default build (tests)."""
-    from lightserve.kernels.cpu import library, profiled
+    """The C kernel (kernels/cpu/elementwise.c), float32 or bfloat16 (x, weight and residual of one dtype):
+    [T, H] -> [T, H]; with `residual` (contiguous [T, H]) it first adds x into it in place. None when it
+    cannot run here (then nothing was modified). `lib`: a kernel library other than the default build (tests)."""
+    from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
-    if lib is None or x.dim() != 2 or x.stride(1) != 1 \
-            or any(t.dtype != torch.float32 for t in (x, weight)) or not weight.is_contiguous() \
-            or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or x.dtype not in C_DTYPES or weight.dtype != x.dtype \
+            or not weight.is_contiguous() \
+            or (residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous()
                                           or residual.shape != x.shape)):
         return None
     rows, hidden = x.shape
-    out = torch.empty(rows, hidden, dtype=torch.float32)  # [T, H]
+    out = torch.empty(rows, hidden, dtype=x.dtype)  # [T, H]
     with profiled("rmsnorm_cpu"):  # visible in scripts/profile_step.py
         lib.rmsnorm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                    rows, hidden, eps, out.data_ptr(), torch.get_num_threads())
+                    rows, hidden, eps, out.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 

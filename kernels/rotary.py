@@ -83,20 +83,20 @@ def rotary_emb(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None
 
 
 def rotary_emb_cpu(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, lib=None) -> bool:
-    """The C kernel (kernels/cpu/elementwise.c), float32: the reference's exact roundings, with no
-    temporaries (the torch ops made eight [T, H, D/2] ones per call). False when it cannot run here
+    """The C kernel (kernels/cpu/elementwise.c), float32 or bfloat16 q and k: the reference's exact roundings,
+    with no temporaries (the torch ops made eight [T, H, D/2] ones per call). False when it cannot run here
     (then nothing was modified). `lib`: a kernel library other than the default build (tests)."""
-    from lightserve.kernels.cpu import library, profiled
+    from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
-    if lib is None or q.dtype != torch.float32 or k.dtype != torch.float32 or cos_sin.dtype != torch.float32 \
+    if lib is None or q.dtype not in C_DTYPES or k.dtype != q.dtype or cos_sin.dtype != torch.float32 \
             or q.stride(2) != 1 or k.stride(2) != 1 or cos_sin.stride(1) != 1 or q.shape[2] % 2:
         return False
     pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
         else positions.to(torch.int64).contiguous()
-    threads = torch.get_num_threads()
+    threads, bf16 = torch.get_num_threads(), int(q.dtype == torch.bfloat16)
     with profiled("rotary_cpu"):  # visible in scripts/profile_step.py
         for x in (q, k):
             lib.rotary(x.data_ptr(), x.stride(0), x.stride(1), x.shape[0], x.shape[1], x.shape[2], pos.data_ptr(),
-                       cos_sin.data_ptr(), cos_sin.stride(0), threads)
+                       cos_sin.data_ptr(), cos_sin.stride(0), bf16, threads)
     return True

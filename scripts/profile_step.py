@@ -10,6 +10,11 @@ share of the step.
     python scripts/profile_step.py --batch 64 --context 384 --dtype float32
     python scripts/profile_step.py --batch 1 --context 256 --prefill   # the prefill step instead
     python scripts/profile_step.py --batch 15 --context 48 --prefix 1024 --prefill  # W3's suffix prefill
+
+It runs under tcmalloc, as the server's CPU workers do (engine_procs.preload_tcmalloc: with glibc malloc every
+large temporary is mmapped and faulted in again on each call). A decode profile ends with the step's physical
+floor: the bytes it must read (weights and KV) at this machine's streaming read bandwidth, and its FLOPs at this
+machine's GEMM rate, both measured in the same run.
 """
 from __future__ import annotations
 
@@ -17,13 +22,16 @@ import argparse
 import os
 import secrets
 import statistics
+import sys
 import time
 from collections import defaultdict
 
 import numpy as np
 import torch
 
+from bench_cpu_kernels import cpu_caption, read_bandwidth  # scripts/, beside this file
 from lightserve.config import AdmissionPolicy
+from lightserve.engine_procs import preload_tcmalloc
 from lightserve.messages import decode, encode
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
@@ -44,6 +52,48 @@ GROUPS = {  # aten op name fragment -> op group
     "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
     "embedding": "embedding", "index_put": "KV write / tables", "copy_": "copies", "cat": "copies",
 }
+
+
+def _rerun_under_tcmalloc() -> None:
+    """Re-exec this script with tcmalloc preloaded (read only at exec), unless it already is or is absent."""
+    before = os.environ.get("LD_PRELOAD", "").split(":")
+    path = preload_tcmalloc()
+    if path and path not in before:
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def gemm_rate(dtype: torch.dtype, rows: int, mc: ModelConfig) -> float:
+    """GFLOP/s of torch's linear on the model's widest layer (gate_up) at `rows` rows, median of 10."""
+    x = torch.randn(rows, mc.hidden_size).to(dtype)
+    w = torch.randn(2 * mc.intermediate_size, mc.hidden_size).to(dtype)
+    torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - t)
+    return 2 * rows * w.numel() / statistics.median(times) / 1e9
+
+
+def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> float:
+    """Print what one decode step must cost here at least: its bytes (all weights once, every request's KV)
+    at the measured read bandwidth, and its FLOPs at the measured GEMM rate; the floor is the larger."""
+    size = torch.empty((), dtype=dtype).element_size()
+    h, d = mc.hidden_size, mc.head_dim
+    layer_params = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
+    params = mc.num_layers * layer_params + mc.vocab_size * h  # + lm_head; the embedding reads only B rows
+    kv_bytes = batch * context * mc.num_layers * 2 * mc.num_kv_heads * d * size
+    flops = 2 * batch * params + 4 * batch * context * mc.num_layers * mc.num_heads * d
+    bw = read_bandwidth()
+    rate = gemm_rate(dtype, max(batch, 512), mc)  # the GEMM ceiling: large M
+    mem_ms, flop_ms = 1e3 * (params * size + kv_bytes) / (bw * 1e9), 1e3 * flops / (rate * 1e9)
+    print(f"  physical floor ({cpu_caption()}):")
+    print(f"    bytes: {params * size / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB KV at {bw:.1f} GB/s read "
+          f"-> {mem_ms:.1f} ms")
+    print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s ({dtype}, M={max(batch, 512)} linear) "
+          f"-> {flop_ms:.1f} ms")
+    print(f"    floor: {max(mem_ms, flop_ms):.1f} ms")
+    return max(mem_ms, flop_ms)
 
 
 def _profiled_forward(runner: ModelRunner, plan, op_time: dict, ungrouped: dict) -> torch.Tensor:
@@ -89,6 +139,7 @@ def main() -> None:
                     help="with --prefill: every prompt starts with the same PREFIX tokens, already in the "
                          "radix cache (one extra request computed them), so the step computes only the suffixes")
     args = ap.parse_args()
+    _rerun_under_tcmalloc()
     torch.set_num_threads(args.threads)
     model_dir = str(ensure_default_model())
     mc = ModelConfig.from_dir(model_dir)
@@ -180,6 +231,8 @@ def main() -> None:
         print(f"  outside the model forward: {1e3 * overhead:.2f} ms ({100 * overhead / total:.1f}% of the step)")
         if op_time:
             _print_op_groups(op_time, ungrouped, "last step")
+        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype))
+        print(f"    this step: {1e3 * total:.1f} ms = {1e3 * total / floor_ms:.2f}x the floor")
     finally:
         pool.close()
         pool.segment.unlink()

@@ -58,6 +58,9 @@ def variant_library(name: str) -> ctypes.CDLL | None:
         return None
 
 
+C_DTYPES = (torch.float32, torch.bfloat16)  # the activation dtypes the C kernels take
+
+
 def profiled(name: str) -> contextlib.AbstractContextManager:
     """A profiler label for a C call (scripts/profile_step.py attributes C kernels by it), only while
     a profiler runs: record_function costs about 12 us, and a step makes over a hundred C calls."""
@@ -123,19 +126,19 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.restype = ctypes.c_int
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
+    lib.decode_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
                                      i64, i64, i64, ctypes.c_float, i32]
     lib.prefill_attention.restype = ctypes.c_int
-    lib.prefill_attention.argtypes = [ptr, i64, i64, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+    lib.prefill_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr,
                                       i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
     lib.linear_packed.restype = ctypes.c_int
     lib.linear_packed.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
     lib.silu_and_mul.restype = None
-    lib.silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i32]
+    lib.silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i32, i32]
     lib.argmax_logsumexp.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
     lib.rotary.restype = None
-    lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32]
+    lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
     lib.rmsnorm.restype = None
-    lib.rmsnorm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32]
+    lib.rmsnorm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32, i32]
     return lib

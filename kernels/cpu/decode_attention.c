@@ -7,13 +7,13 @@
 // written to run at the machine's read bandwidth (scripts/bench_cpu_kernels.py measures both).
 //
 // Shapes (row-major, strides in elements):
-//   q            [B, Hq, D]            float32
+//   q            [B, Hq, D]            float32 or bfloat16 (act_bf16), token stride q_tok, head stride q_head
 //   k_cache      [rows, Hk, D]         float32 or bfloat16, row stride kc_row
 //   v_cache      [rows, Hk, D]         same dtype as k_cache, row stride vc_row
 //   req_to_token [num_rows, max_len]   int32, KV row of token t of a request, row stride r2t_row
 //   req_rows     [B]                   int32, each request's row in req_to_token
 //   seq_lens     [B]                   int32, tokens to attend to (>= 1)
-//   out          [B, Hq, D]            float32
+//   out          [B, Hq, D]            q's dtype, contiguous
 // Query heads h*G .. h*G+G-1 share KV head h (G = Hq / Hk, grouped-query attention).
 //
 // Work: a task is one request's tokens [lo, hi), all heads. Requests are split into chunks when
@@ -170,9 +170,9 @@ static int longest_first(const void *a, const void *b) {
 }
 
 // Returns 0, or -1 when the shape is not compiled in or memory runs out (the caller falls back).
-int decode_attention(const float *q, const void *k_cache, const void *v_cache, int kv_is_bf16,
-                     const int32_t *req_to_token, const int32_t *req_rows, const int32_t *seq_lens,
-                     float *out, int batch, int num_heads, int num_kv_heads, int dim,
+int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
+                     const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
+                     const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
                      int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int num_threads) {
     int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || num_heads > MAX_HEADS || (dim != 64 && dim != 128)) return -1;
@@ -210,11 +210,16 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache, i
             const int b = tk.req;
             // The request's query in load_row's element order.
             float qp[MAX_HEADS * MAX_DIM] __attribute__((aligned(64)));
-            const float *qb = q + (int64_t)b * num_heads * dim;
-            if (kv_is_bf16)
-                for (int hg = 0; hg < num_heads; hg++) bf16_order(qb + hg * dim, qp + hg * dim, dim);
-            else
-                memcpy(qp, qb, sizeof(float) * num_heads * dim);
+            for (int hg = 0; hg < num_heads; hg++) {
+                float qrow[MAX_DIM];
+                const int64_t off = (int64_t)b * q_tok + (int64_t)hg * q_head;
+                for (int d = 0; d < dim; d++)
+                    qrow[d] = act_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
+                if (kv_is_bf16)
+                    bf16_order(qrow, qp + hg * dim, dim);
+                else
+                    memcpy(qp + hg * dim, qrow, sizeof(float) * dim);
+            }
             // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
             int slot = first[b] + (int)(tk.lo / chunk);
             fn(qp, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi, num_kv_heads,
@@ -234,12 +239,17 @@ int decode_attention(const float *q, const void *k_cache, const void *v_cache, i
                     const float *a = st + 2 * num_heads + (int64_t)hg * dim;
                     for (int d = 0; d < dim; d++) o[d] += a[d] * w;
                 }
-                float inv = 1.0f / lsum, *ob = out + ((int64_t)b * num_heads + hg) * dim;
+                float inv = 1.0f / lsum, ordered[MAX_DIM];
                 for (int d = 0; d < dim; d++) o[d] *= inv;
-                if (kv_is_bf16)
-                    bf16_unorder(o, ob, dim);
-                else
-                    memcpy(ob, o, sizeof(float) * dim);
+                if (kv_is_bf16) bf16_unorder(o, ordered, dim);
+                const float *src = kv_is_bf16 ? ordered : o;
+                const int64_t off = ((int64_t)b * num_heads + hg) * dim;
+                for (int d = 0; d < dim; d++) {
+                    if (act_bf16)
+                        ((uint16_t *)out)[off + d] = f32_to_bf16(src[d]);
+                    else
+                        ((float *)out)[off + d] = src[d];
+                }
             }
         }
     }

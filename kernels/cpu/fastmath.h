@@ -33,3 +33,11 @@ static inline float bf16_to_f32(uint16_t x) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+
+// float32 -> bfloat16 bits, rounded to nearest even (as torch rounds); NaN stays NaN.
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);  // quiet NaN
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}

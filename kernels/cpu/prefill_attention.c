@@ -8,12 +8,13 @@
 // K/V rows where they lie.
 //
 // Shapes (strides in elements):
-//   q            [T, Hq, D]          float32, token stride q_tok, head stride q_head (a view of qkv)
+//   q            [T, Hq, D]          float32 or bfloat16 (act_bf16), token stride q_tok, head stride q_head
+//                                    (a view of qkv)
 //   k_cache      [rows, Hk, D]       float32 or bfloat16, row stride kc_row
 //   v_cache      [rows, Hk, D]       same dtype, row stride vc_row
 //   req_to_token [num_rows, max_len] int32, row stride r2t_row
 //   req_rows, q_start, prefix_lens, extend_lens  [B] int32
-//   out          [T, Hq, D]          float32, contiguous
+//   out          [T, Hq, D]          q's dtype, contiguous
 // New token i of request b (q row q_start[b] + i) attends to the request's tokens 0 .. prefix_lens[b] + i.
 // Query heads h*G .. h*G+G-1 share KV head h.
 //
@@ -118,11 +119,11 @@ static void pv_tile(const float *pt, int64_t pt_row, int mr, const float *const 
 #endif
 
 typedef struct {
-    const float *q;
+    const void *q;
     const void *k_cache, *v_cache;
-    int kv_bf16;
+    int kv_bf16, act_bf16;
     const int32_t *req_to_token, *req_rows, *q_start, *prefix_lens, *extend_lens;
-    float *out;
+    void *out;
     int num_heads, dim, group, bq;
     int64_t q_tok, q_head, kc_row, vc_row, r2t_row;
     float scale;
@@ -146,8 +147,14 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
     int pos[MAXR];  // the last key row r may see
     for (int r = 0; r < RP; r++) {
         int rr = r < R ? r : R - 1;  // padding rows copy the last real row: finite, never stored
-        const float *qr = a->q + (q0 + rr / G) * a->q_tok + (int64_t)(h * G + rr % G) * a->q_head;
-        for (int d = 0; d < dim; d++) s->qt[d * MAXR + r] = qr[d] * a->scale;
+        const int64_t qoff = (q0 + rr / G) * a->q_tok + (int64_t)(h * G + rr % G) * a->q_head;
+        if (a->act_bf16) {
+            const uint16_t *qr = (const uint16_t *)a->q + qoff;
+            for (int d = 0; d < dim; d++) s->qt[d * MAXR + r] = bf16_to_f32(qr[d]) * a->scale;
+        } else {
+            const float *qr = (const float *)a->q + qoff;
+            for (int d = 0; d < dim; d++) s->qt[d * MAXR + r] = qr[d] * a->scale;
+        }
         pos[r] = prefix + t0 + rr / G;
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -211,9 +218,12 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
     }
     for (int r = 0; r < R; r++) {
         float inv = 1.0f / l[r];
-        float *dst = a->out + ((q0 + r / G) * a->num_heads + h * G + r % G) * (int64_t)dim;
+        const int64_t off = ((q0 + r / G) * a->num_heads + h * G + r % G) * (int64_t)dim;
         const float *src = s->o + (int64_t)r * dim;
-        for (int d = 0; d < dim; d++) dst[d] = src[d] * inv;
+        if (a->act_bf16)
+            for (int d = 0; d < dim; d++) ((uint16_t *)a->out)[off + d] = f32_to_bf16(src[d] * inv);
+        else
+            for (int d = 0; d < dim; d++) ((float *)a->out)[off + d] = src[d] * inv;
     }
 }
 
@@ -228,9 +238,10 @@ static int by_cost_desc(const void *x, const void *y) {
 }
 
 // Returns 0, or -1 for shapes this kernel does not take (the caller falls back to the reference).
-int prefill_attention(const float *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
-                      int kv_bf16, const int32_t *req_to_token, int64_t r2t_row, const int32_t *req_rows,
-                      const int32_t *q_start, const int32_t *prefix_lens, const int32_t *extend_lens, float *out,
+int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
+                      const void *v_cache, int kv_bf16, const int32_t *req_to_token, int64_t r2t_row,
+                      const int32_t *req_rows, const int32_t *q_start, const int32_t *prefix_lens,
+                      const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
                       float scale, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || dim % 16 != 0 || dim > MAX_DIM)
@@ -239,7 +250,7 @@ int prefill_attention(const float *q, int64_t q_tok, int64_t q_head, const void 
     if (group > MAXR) return -1;
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;
-    Args a = {q, k_cache, v_cache, kv_bf16, req_to_token, req_rows, q_start, prefix_lens, extend_lens, out,
+    Args a = {q, k_cache, v_cache, kv_bf16, act_bf16, req_to_token, req_rows, q_start, prefix_lens, extend_lens, out,
               num_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, r2t_row, scale};
     // Tasks, the longest first (the last token block of each request sees the most keys), so the
     // dynamic schedule does not end with one long task on one thread.

@@ -2,8 +2,9 @@
 import pytest
 import torch
 from lightserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from lightserve.kernels.cpu import variant_library
 
-from tests.kernels.kernel_cases import DEVICE, TOL, portable_library
+from tests.kernels.kernel_cases import DEVICE, TOL, c_library_variants
 
 
 @pytest.mark.parametrize("dtype", TOL)
@@ -29,15 +30,18 @@ def test_silu_and_mul_triton_strided_rows_and_no_tokens():
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("num_tokens, inter", [(1, 64), (5, 100), (64, 1536)])  # 64 x 1536: parallel
-def test_silu_and_mul_c_kernel_matches_reference(num_tokens, inter):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_silu_and_mul_c_kernel_matches_reference(num_tokens, inter, dtype, variant):
+    """Every build this CPU runs; bfloat16 rounds silu before the product, as torch's two ops do."""
     from lightserve.kernels.activation import silu_and_mul_cpu
-    from lightserve.kernels.cpu import library
 
-    if library() is None:
-        pytest.skip("no C compiler")
+    lib = variant_library(variant)
     g = torch.Generator().manual_seed(inter)
-    x = torch.randn(num_tokens, 2 * inter + 4, generator=g)[:, : 2 * inter] * 6  # strided rows; large |x| too
+    x = (torch.randn(num_tokens, 2 * inter + 4, generator=g) * 6).to(dtype)[:, : 2 * inter]  # strided; large |x|
     x[0, 0], x[0, 1] = -120.0, 120.0  # exp's clamps
-    for lib in (None, portable_library()):
-        torch.testing.assert_close(silu_and_mul_cpu(x, lib=lib), silu_and_mul_ref(x), rtol=1e-5, atol=1e-5)
+    out = silu_and_mul_cpu(x, lib=lib)
+    assert out.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(out, silu_and_mul_ref(x), **tol)
     assert silu_and_mul_cpu(x.double()) is None

@@ -2,10 +2,10 @@
 reference, on strided q/k views of a fused qkv output."""
 import pytest
 import torch
-from lightserve.kernels.cpu import library
+from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.rotary import rotary_emb, rotary_emb_cpu, rotary_emb_ref, rotary_emb_triton
 
-from tests.kernels.kernel_cases import DEVICE, TOL, portable_library
+from tests.kernels.kernel_cases import DEVICE, TOL, c_library_variants
 
 BASE = 100000.0  # SmolLM2's rope_theta
 
@@ -63,12 +63,15 @@ def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dt
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 300])  # 300 x 12 heads x 64: past the threshold for both threads
-def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, portable):
-    lib = portable_library() if portable else None
+def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, dtype, variant):
+    """Every build this CPU runs, in both dtypes: bfloat16 rounds cos, sin, each product and each sum as
+    HF's bf16 ops do, so the result is exact there too."""
+    lib = variant_library(variant)
     cos_sin, _ = _cos_sin(64, 4096)
-    qkv, q, k = _qkv_views(torch.float32, num_tokens, 9, 3, 64)
+    qkv, q, k = _qkv_views(dtype, num_tokens, 9, 3, 64)
     positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(0))
     qkv_ref = qkv.clone()
     q_ref = qkv_ref[:, :9 * 64].view(q.shape)
@@ -79,9 +82,9 @@ def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, portable):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
-def test_cpu_kernel_declines_bf16_and_the_dispatch_falls_back():
+def test_cpu_kernel_declines_float16_and_the_dispatch_falls_back():
     cos_sin, _ = _cos_sin(64, 100)
-    qkv, q, k = _qkv_views(torch.bfloat16, 4, 3, 1, 64)
+    qkv, q, k = _qkv_views(torch.float16, 4, 3, 1, 64)
     positions = torch.tensor([0, 5, 50, 99])
     assert not rotary_emb_cpu(q, k, positions, cos_sin)
     qkv_ref = qkv.clone()

@@ -92,3 +92,31 @@ def test_config_reads_old_and_new_rope_forms():
 def test_config_refuses_other_architectures():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
         ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4})
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
+    """The bf16 CPU forward (C norms, rotary, activation and attention on bf16 activations and KV) against
+    transformers in bf16: a ragged prefill and decode steps. The two round in different places (attention
+    accumulates in float32 here), so logits agree to bf16 noise, not bit for bit; greedy tokens agree
+    wherever transformers' own top two are not a near tie."""
+    import transformers
+
+    model_dir = make_tiny_model(arch, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    ours = LlamaForCausalLM.load(model_dir, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, ours.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 40, 2)]
+    worker = FakeWorker(ours)
+    seqs = {row: list(p) for row, p in enumerate(prompts)}
+    logits = worker.step([(row, seqs[row]) for row in seqs], num_decode=0)
+    for _ in range(4):
+        expected = torch.stack([hf_logits(hf, seqs[row])[-1] for row in seqs])  # [B, V]
+        scale = expected.abs().max()
+        torch.testing.assert_close(logits, expected, atol=0.05 * float(scale), rtol=0.05)
+        top2 = expected.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.05 * scale
+        assert torch.equal(logits.argmax(-1)[clear], expected.argmax(-1)[clear])
+        for row, tok in zip(seqs, expected.argmax(-1).tolist()):  # teacher forcing: transformers' choice
+            seqs[row].append(tok)
+        logits = worker.step([(row, [seqs[row][-1]]) for row in seqs], num_decode=len(seqs))

@@ -2,6 +2,7 @@
 names its field, nothing refused disturbs the engine, and overload ends in 503 + Retry-After.
 
 One server for the module: API key on, 64 request slots, a 128-deep queue, a 64 KiB body limit.
+The chat-template test starts its own, on a tiny model whose template raises.
 """
 from __future__ import annotations
 

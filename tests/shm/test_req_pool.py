@@ -12,7 +12,7 @@ from lightserve.sampling import SamplingParams
 from lightserve.shm.req_pool import Owner, ReqPool
 from lightserve.shm.segment import SHM_DIR, remove_stale_segments
 
-NUM_TOKENS = 5000
+NUM_TOKENS = 2000
 VOCAB = 1200
 TOKEN_BASE = 100
 
@@ -75,7 +75,7 @@ def _token(i: int) -> int:
     return TOKEN_BASE + i % 1000
 
 
-def _writer(name: str, slot: int, req_id: int) -> None:
+def _writer(name: str, slot: int, req_id: int, ready) -> None:
     """Rank 0's real write path: model_infer's OutputWriter, one decode step per token, with logits
     that make token _token(i) the greedy choice at step i (its runner-up 1 logit below)."""
     from types import SimpleNamespace
@@ -88,6 +88,7 @@ def _writer(name: str, slot: int, req_id: int) -> None:
     pool = ReqPool.attach(name)
     writer = OutputWriter(pool, SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB), "", _NoSocket(), _NoSocket())
     prompt_len = int(pool.prompt_len[slot])
+    ready.set()  # imports done: the reader starts polling now rather than spin through them
     one = lambda v: np.array([v], np.int32)  # noqa: E731
     for i in range(NUM_TOKENS):
         logits = torch.zeros(1, VOCAB)
@@ -99,12 +100,13 @@ def _writer(name: str, slot: int, req_id: int) -> None:
     pool.close()
 
 
-def _reader(name: str, slot: int, want_logprob: float, result) -> None:
+def _reader(name: str, slot: int, want_logprob: float, ready, result) -> None:
     """The detokenizer's role: finish first, then the count; every counted token must be there,
     with its logprob and its top alternative."""
     pool = ReqPool.attach(name)
     seen_max, bad = 0, 0
     expected = np.array([_token(i) for i in range(NUM_TOKENS)], np.int32)
+    assert ready.wait(120), "the writer never started"
     while True:
         finish, n = pool.read_output(slot)
         if n:
@@ -132,9 +134,9 @@ def test_reader_never_sees_a_count_ahead_of_its_tokens(pool):
     logits = torch.tensor([2.0, 1.0] + [0.0] * (VOCAB - 2))
     want_logprob = float(torch.log_softmax(logits, -1)[0])
     ctx = mp.get_context("spawn")
-    result = ctx.Queue()
-    reader = ctx.Process(target=_reader, args=(pool.segment.name, 1, want_logprob, result))
-    writer = ctx.Process(target=_writer, args=(pool.segment.name, 1, 7))
+    result, ready = ctx.Queue(), ctx.Event()
+    reader = ctx.Process(target=_reader, args=(pool.segment.name, 1, want_logprob, ready, result))
+    writer = ctx.Process(target=_writer, args=(pool.segment.name, 1, 7, ready))
     reader.start()
     writer.start()
     writer.join(120)

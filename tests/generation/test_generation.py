@@ -71,7 +71,7 @@ def test_penalties_lower_repeats(server, penalty):
     assert sum(map(_repeats, penalized)) < sum(map(_repeats, plain)), (plain, penalized)
 
 
-def test_logit_bias_forces_and_allowed_ids_restrict(server):
+def test_logit_bias_forces_and_allowed_ids_restrict(server, tokenizer):
     forced = 7052
     ids = _ids(server, "Hello", max_new_tokens=4, ignore_eos=True, logit_bias={str(forced): 100})
     assert ids == [forced] * 4
@@ -84,6 +84,7 @@ def test_logit_bias_forces_and_allowed_ids_restrict(server):
                                              "logit_bias": {str(forced): 100}, "ignore_eos": True})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 3
+    assert resp.json()["choices"][0]["text"] == tokenizer.decode([forced] * 3)
 
 
 def test_seeded_request_is_reproducible_alone_and_in_a_batch(server):
@@ -175,10 +176,14 @@ def test_logprobs_match_transformers(server, tokenizer):
     content = data["choices"][0]["logprobs"]["content"]
     assert [c["logprob"] for c in content] == pytest.approx([t["logprob"] for t in out["tokens"]], abs=1e-4)
     assert all(len(c["top_logprobs"]) == 3 for c in content)
-    # completions: logprobs=N gives top_logprobs dicts
+    # completions: logprobs=N gives, per token, a dict of its N best alternatives by text; greedy,
+    # the best is the token itself
     comp = _post(server, "/v1/completions", {"prompt": "The sky is", "max_tokens": 2, "temperature": 0,
                                              "logprobs": 2}).json()
-    assert all(len(d) >= 1 for d in comp["choices"][0]["logprobs"]["top_logprobs"])
+    lp = comp["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == 2 and all(len(d) == 2 for d in lp["top_logprobs"]), lp
+    for text, logprob, alts in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert max(alts, key=alts.get) == text and alts[text] == pytest.approx(logprob, abs=1e-6), lp
 
 
 def test_echo_and_prompt_logprobs_match_transformers(server, tokenizer):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -12,12 +11,13 @@ import pytest
 from lightserve import model_prep
 
 
-def _stub_conversion(monkeypatch) -> list[Path]:
+def _stub_conversion(monkeypatch, during=lambda: None) -> list[Path]:
+    """Replace the GGUF lookup and the conversion; `during` runs inside the conversion (under the lock)."""
     calls = []
 
     def convert(gguf_path: Path, out_dir: Path) -> None:
         calls.append(out_dir)
-        time.sleep(0.3)  # long enough for the second caller to reach the lock
+        during()
         (out_dir / "config.json").write_text("{}")
 
     monkeypatch.setattr(model_prep, "_find_gguf", lambda: Path("/nonexistent/model.gguf"))
@@ -26,17 +26,42 @@ def _stub_conversion(monkeypatch) -> list[Path]:
 
 
 def test_concurrent_callers_convert_once(tmp_path, monkeypatch):
-    calls = _stub_conversion(monkeypatch)
-    results = []
-    threads = [threading.Thread(target=lambda: results.append(model_prep.ensure_default_model(tmp_path)))
-               for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
+    """The second caller is started while the first converts under the lock, and the conversion
+    goes on only once the second has found the folder incomplete and reached the lock: the two
+    overlap by construction, so only the lock (and the check after it) can keep this to one call."""
+    converting, second_at_lock = threading.Event(), threading.Event()
+    lock_arrivals = []
+    real_lock = model_prep._file_lock
+
+    def counting_lock(path):
+        lock_arrivals.append(path)
+        if len(lock_arrivals) == 2:
+            second_at_lock.set()
+        return real_lock(path)
+
+    def during() -> None:
+        converting.set()
+        assert second_at_lock.wait(30), "the second caller never reached the lock"
+
+    calls = _stub_conversion(monkeypatch, during)
+    monkeypatch.setattr(model_prep, "_file_lock", counting_lock)
+    results, errors = [], []
+
+    def call() -> None:
+        try:
+            results.append(model_prep.ensure_default_model(tmp_path))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    first, second = threading.Thread(target=call), threading.Thread(target=call)
+    first.start()
+    assert converting.wait(30), errors
+    second.start()
+    for t in (first, second):
+        t.join(timeout=60)
     target = tmp_path / model_prep.MODEL_NAME
-    assert results == [target, target]
-    assert len(calls) == 1
+    assert not errors and results == [target, target], (errors, results)
+    assert len(calls) == 1 and len(lock_arrivals) == 2
     assert (target / "config.json").is_file() and (target / model_prep.COMPLETE_MARKER).is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
     assert model_prep.ensure_default_model(tmp_path) == target and len(calls) == 1

@@ -10,7 +10,7 @@ import pytest
 from lightserve import GenerationConfig, pipeline
 from lightserve.sampling import ParamError, SamplingParams
 from tests.greedy_check import greedy_mismatch
-from tests.pipeline.helpers import SETTINGS, assert_same_greedy, hf_model, wait_until
+from tests.pipeline.helpers import SETTINGS, assert_greedy, hf_model, wait_until
 
 TOPICS = ["the ocean", "a red bicycle", "volcanoes", "chess openings", "the moon", "bread baking",
           "a lost key", "jazz music", "winter in Oslo", "prime numbers", "honey bees", "old maps"]
@@ -27,9 +27,8 @@ def pipe():
         yield p
 
 
-def _check_greedy(pipe, prompt, got_ids, ref, what):
-    ids = pipe.tokenizer.encode(prompt)
-    assert_same_greedy(got_ids, ref.token_ids, ids, pipe.model_dir, what)
+def _check_greedy(pipe, prompt: str, got_ids: list[int], what: str) -> None:
+    assert_greedy(pipe.model_dir, pipe.tokenizer.encode(prompt), got_ids, what)
 
 
 def _joined(chunks):
@@ -103,9 +102,9 @@ def test_stream_list_chunks_carry_their_index(pipe):
         assert chunks[-1].finish_reason in ("stop", "length") and chunks[-1].prompt_tokens == ref.prompt_tokens
         text, ids = _joined(chunks)
         assert chunks[-1].generated_tokens == len(ids)
-        _check_greedy(pipe, PROMPTS8[i], ids, ref, f"prompt {i}")
-        if ids == ref.token_ids:
-            assert text == ref.text and chunks[-1].finish_reason == ref.finish_reason
+        assert text == pipe.tokenizer.decode(ids, skip_special_tokens=True), f"prompt {i}"
+        _check_greedy(pipe, PROMPTS8[i], ids, f"stream of prompt {i}")
+        _check_greedy(pipe, PROMPTS8[i], ref.token_ids, f"infer of prompt {i}")
 
 
 def test_asyncio_and_threads_at_the_same_time(pipe):
@@ -134,10 +133,12 @@ def test_asyncio_and_threads_at_the_same_time(pipe):
 
     async_out = asyncio.run(main())
     assert len(thread_out) == 3
-    refs = pipe.infer(async_prompts + thread_prompts, cfg)
-    got = [ids for _, ids in async_out] + [r.token_ids for r in thread_out]
-    for prompt, ids, ref in zip(async_prompts + thread_prompts, got, refs):
-        _check_greedy(pipe, prompt, ids, ref, prompt)
+    for (text, ids), prompt in zip(async_out, async_prompts):
+        assert len(ids) == ASYNC_NEW_TOKENS and text == pipe.tokenizer.decode(ids, skip_special_tokens=True)
+        _check_greedy(pipe, prompt, ids, prompt)
+    for response, prompt in zip(thread_out, thread_prompts):
+        assert len(response.token_ids) == ASYNC_NEW_TOKENS
+        _check_greedy(pipe, prompt, response.token_ids, prompt)
 
 
 def _idle(pipe) -> bool:
@@ -165,14 +166,25 @@ def test_chat_prompts(pipe):
     chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
     chat2 = [{"role": "user", "content": "Say hello."}]
     rendered = pipe.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    rendered2 = pipe.tokenizer.apply_chat_template(chat2, tokenize=False, add_generation_prompt=True)
+    chat_ids = [pipe.tokenizer.encode(r, add_special_tokens=False) for r in (rendered, rendered2)]
     one = pipe.infer(chat, cfg)                    # a single chat -> one Response
     many = pipe.infer([chat, chat2, "Plain text"], cfg)  # a list of chats (and a str) -> a list
     assert not isinstance(one, list) and len(many) == 3
-    assert one.prompt_tokens == len(pipe.tokenizer.encode(rendered, add_special_tokens=False))
-    assert many[0].token_ids == one.token_ids and many[0].text == one.text
-    assert pipe.infer(rendered, cfg).token_ids == one.token_ids
+    # A chat is its rendered template: the prompt's length, and transformers' greedy answer to it.
+    assert one.prompt_tokens == many[0].prompt_tokens == len(chat_ids[0])
+    assert many[1].prompt_tokens == len(chat_ids[1])
+    assert_greedy(pipe.model_dir, chat_ids[0], one.token_ids, "a single chat")
+    assert_greedy(pipe.model_dir, chat_ids[0], many[0].token_ids, "chat 0 of a list")
+    assert_greedy(pipe.model_dir, chat_ids[1], many[1].token_ids, "chat 1 of a list")
+    _check_greedy(pipe, "Plain text", many[2].token_ids, "the plain text of a list")
+    as_text = pipe.infer(rendered, cfg)  # the rendered chat passed as a plain string
+    assert as_text.prompt_tokens == len(chat_ids[0])
+    assert_greedy(pipe.model_dir, chat_ids[0], as_text.token_ids, "a chat rendered by hand")
     streamed = list(pipe.stream_infer([chat2], cfg))
-    assert {c.index for c in streamed} == {0} and "".join(c.text for c in streamed) == many[1].text
+    text, ids = _joined(streamed)
+    assert {c.index for c in streamed} == {0} and text == pipe.tokenizer.decode(ids, skip_special_tokens=True)
+    assert_greedy(pipe.model_dir, chat_ids[1], ids, "a streamed chat")
     for bad in ([], [{"role": "user", "content": "x"}, "y"], [1, 2], {"role": "user", "content": "x"}):
         if bad == []:
             assert pipe.infer(bad) == []

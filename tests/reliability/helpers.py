@@ -63,6 +63,15 @@ def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     return out
 
 
+def finished_by_reason(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """The requests_finished counter per reason (stop, length, abort, disconnect, error)."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=60).text
+    return {m.group(1): float(m.group(2)) for m in _FINISHED_LINE.finditer(text)}
+
+
+_FINISHED_LINE = re.compile(r'^lightserve_requests_finished_total\{reason="(\w+)"\} (\S+)$', re.MULTILINE)
+
+
 def assert_idle(url: str, headers: dict[str, str] | None = None, timeout: float = IDLE_TIMEOUT_S) -> dict[str, float]:
     """Wait (the router frees an aborted request's KV between steps) until nothing is held; return
     the metrics. Fails naming what leaked."""

@@ -16,6 +16,7 @@ import pytest
 from tests.reliability.helpers import (
     RawRequest,
     assert_idle,
+    finished_by_reason,
     scrape,
     start_server,
     wait_metric,
@@ -103,18 +104,21 @@ def test_disconnect_while_waiting_behind_a_long_prefill_and_mid_prefill(server):
         return started, snap
 
     started, snap = asyncio.run(run())
-    # The snapshot (taken just before the disconnects) shows A mid-prefill, B waiting.
+    # The snapshot (taken just before the disconnects) shows A mid-prefill (running, no token yet:
+    # its first token comes with its last chunk) and B waiting.
     assert snap["requests_running"] == 1 and snap["requests_waiting"] == 1, snap
     assert snap["generation_tokens_total"] == before["generation_tokens_total"], snap
-    assert snap["steps_total"] - started["steps_total"] < 120 // CHUNK - 10, "A nearly finished its prefill"
     m = assert_idle(server.url)
     assert m["generation_tokens_total"] == before["generation_tokens_total"], "a token was produced"
     assert m["prompt_tokens_total"] - before["prompt_tokens_total"] == 120  # B was never admitted
 
 
 def test_disconnect_mid_decode(server):
+    """A stream left after its 3rd token ends by the disconnect: the router aborts it before it
+    reaches max_tokens (on a fast or a slow machine alike, whatever the tokens/s)."""
     max_tokens = 100
     before = scrape(server.url)
+    ended_before = finished_by_reason(server.url)
 
     async def run():
         req = await _stream(server.url, 8, max_tokens)
@@ -128,8 +132,11 @@ def test_disconnect_mid_decode(server):
 
     asyncio.run(run())
     m = assert_idle(server.url)
+    ended = finished_by_reason(server.url)
+    changed = {r: n - ended_before.get(r, 0) for r, n in ended.items() if n != ended_before.get(r, 0)}
+    assert changed == {"disconnect": 1}, (ended_before, ended)  # not "length": it never ran to its end
     produced = m["generation_tokens_total"] - before["generation_tokens_total"]
-    assert 3 <= produced < max_tokens // 2, produced  # it stopped soon after the disconnect
+    assert 3 <= produced < max_tokens, produced
 
 
 def test_disconnect_while_paused(server):

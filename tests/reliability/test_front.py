@@ -2,6 +2,7 @@
 names its field, nothing refused disturbs the engine, and overload ends in 503 + Retry-After.
 
 One server for the module: API key on, 64 request slots, a 128-deep queue, a 64 KiB body limit.
+The chat-template test starts its own, on a tiny model whose template raises.
 """
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ from collections import Counter
 
 import aiohttp
 import httpx
-import jinja2
 import pytest
 
-from tests.e2e.server import MODEL_DIR
 from tests.reliability.helpers import HTTP_TIMEOUT_S, assert_idle, scrape, start_server
+from tests.tp.helpers import make_tiny_llama
 
 API_KEY = "test-key-8f2c"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -139,15 +139,40 @@ def test_chat_messages_are_data_not_template_code(server):
     assert content in text and "49" not in text.replace(content, "")
 
 
-def test_chat_template_renders_in_a_sandbox():
-    """The front renders through tokenizer.apply_chat_template; a template that reaches for Python
-    internals is stopped by transformers' sandboxed Jinja environment (and the front maps the
-    jinja2.TemplateError it raises to a 400)."""
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
-    with pytest.raises(jinja2.exceptions.SecurityError):
-        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=evil, tokenize=False)
+# A model's own chat template that refuses system messages (transformers' raise_exception raises
+# jinja2.TemplateError) and, for one content, reaches for Python internals (the sandbox raises
+# SecurityError, a TemplateError too).
+RAISING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('this template takes no system message') }}{% endif %}"
+    "{% if m['content'] == 'escape' %}{{ ''.__class__.__mro__[1].__subclasses__() }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_chat_template_error_is_a_400_naming_messages(tmp_path):
+    """A real server whose model's chat template raises: the front answers 400 naming `messages`
+    with the template's reason, the engine never sees the request, and valid chats still run."""
+    model_dir = make_tiny_llama(tmp_path / "model")
+    (model_dir / "chat_template.jinja").write_text(RAISING_TEMPLATE)
+    srv = start_server(tmp_path / "server", "--model_dir", str(model_dir), "--max_total_token_num", "1024")
+    try:
+        cases = [([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                  "this template takes no system message"),
+                 ([{"role": "user", "content": "escape"}], "unsafe")]
+        for messages, reason in cases:
+            r = httpx.post(srv.url + CHAT, json={"messages": messages, "max_tokens": 2}, timeout=HTTP_TIMEOUT_S)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "messages" and reason in err["message"], err
+        r = httpx.post(srv.url + CHAT, timeout=HTTP_TIMEOUT_S, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        m = assert_idle(srv.url)
+        assert m["prompt_tokens_total"] == r.json()["usage"]["prompt_tokens"]  # the refused never ran
+    finally:
+        srv.stop()
 
 
 @pytest.mark.timeout(1800)  # ~7 min on a loaded 2-core machine; a hang still fails

@@ -43,13 +43,30 @@ def add(sched, pool, slot, prompt, max_new=8, **kw):
     sched.add_req(slot, 1000 + slot)
 
 
-def fake_rank0(pool, record, token_of=lambda slot, n: 100 + n):
-    """Publish one token per sampling request, in the pool's write order; finish at max_new_tokens."""
+def next_token(last: int, pos: int) -> int:
+    """The fake model: the next token depends on the last input token and its position, so a plan
+    that feeds a request a wrong, stale or other request's token changes what comes out after it."""
+    return (last * 31 + pos * 7) % 4999 + 1
+
+
+def expected_outputs(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq[-1], len(seq) - 1))
+    return seq[len(prompt):]
+
+
+def fake_rank0(pool, record):
+    """Publish one token per sampling request, computed from what the plan fed it (next_token of the
+    request's last input token and position), in the pool's write order; finish at max_new_tokens."""
     plan = record.plan
+    ends = np.cumsum(plan.extend_lens)
     for i in np.flatnonzero(plan.sample):
         slot = int(plan.shm_indices[i])
         n = int(pool.num_output[slot])
-        pool.token_ids[slot, pool.prompt_len[slot] + n] = token_of(slot, n)
+        pos = int(plan.prefix_lens[i] + plan.extend_lens[i] - 1)
+        assert pos == pool.prompt_len[slot] + n - 1, f"slot {slot} samples at position {pos} with {n} outputs"
+        pool.token_ids[slot, pos + 1] = next_token(int(plan.input_ids[ends[i] - 1]), pos)
         pool.num_output[slot] = n + 1
         if n + 1 >= pool.params[slot]["max_new_tokens"]:
             pool.finish[slot] = FinishReason.LENGTH
@@ -94,11 +111,13 @@ def test_new_requests_join_the_running_batch(pool):
     r2 = sched.plan_step()
     # The decode of request 0 and the prefill of request 1 share the step, decodes first.
     assert r2.plan.num_decode == 1 and r2.plan.shm_indices.tolist() == [0, 1]
-    assert r2.plan.input_ids[0] == 100  # request 0's first output token is the decode input
+    # request 0's first output token is the decode input
+    assert r2.plan.input_ids[0] == expected_outputs(list(range(1, 11)), 1)[0]
     fake_rank0(pool, r2)
     sched.finish_step(r2)
     run_until_idle(sched, pool)
-    assert pool.num_output[0] == 5 and pool.num_output[1] == 5
+    assert pool.output_ids(0, 0, 5).tolist() == expected_outputs(list(range(1, 11)), 5)
+    assert pool.output_ids(1, 0, 5).tolist() == expected_outputs(list(range(1, 6)), 5)
     assert pool.is_released(Owner.ROUTER, 0) and pool.is_released(Owner.ROUTER, 1)
     assert_kv_accounted(sched)
 
@@ -111,7 +130,7 @@ def test_limits_on_running_requests_and_tokens_per_step(pool):
     plans = run_until_idle(sched, pool)
     assert max(len(p.shm_indices) for p in plans) <= 4
     assert max(int(p.extend_lens.sum()) for p in plans) <= 64
-    assert all(pool.num_output[s] == 4 for s in range(10))
+    assert all(pool.output_ids(s, 0, 4).tolist() == expected_outputs(list(range(1, 31)), 4) for s in range(10))
     assert_kv_accounted(sched)
 
 
@@ -158,9 +177,10 @@ def test_pause_under_kv_pressure_then_resume_from_cache(pool):
     assert sched.counters["pauses_total"] > 0 and sched.counters["resumes_total"] > 0
     assert ReqStatus.PAUSED in statuses
     assert all(pool.num_output[s] == 40 for s in range(8))
-    # Each request's tokens are exactly what the fake rank 0 produced, pauses or not.
+    # Each request's tokens follow from its own prompt and outputs, pauses or not: a resume that
+    # recomputed a wrong or stale token would change every token after it.
     for s in range(8):
-        assert pool.output_ids(s, 0, 40).tolist() == [100 + n for n in range(40)]
+        assert pool.output_ids(s, 0, 40).tolist() == expected_outputs([s + 1] * 20, 40), f"slot {s}"
     assert_kv_accounted(sched)
 
 
@@ -171,7 +191,7 @@ def test_conservative_admission_never_pauses(pool):
         add(sched, pool, slot, [slot + 1] * 20, max_new=40)
     run_until_idle(sched, pool)
     assert sched.counters["pauses_total"] == 0
-    assert all(pool.num_output[s] == 40 for s in range(8))
+    assert all(pool.output_ids(s, 0, 40).tolist() == expected_outputs([s + 1] * 20, 40) for s in range(8))
 
 
 def test_abort_frees_kv_and_releases_the_slot(pool):

@@ -21,6 +21,9 @@ def test_killing_a_rank_stops_the_server(tiny_model_dir, tmp_path):
     srv, _ = start_server(log, "--model_dir", str(tiny_model_dir), "--tp", "2")
     try:
         children = srv.children()
+        # The request pool's segment exists while the server runs, so the check after the crash
+        # that none is left proves the launcher removed it (not that it was named otherwise).
+        assert srv.shm_segments(), "no /dev/shm/lightserve-<launcher pid>-* segment while the server runs"
         assert len(children) >= 4  # 2 ranks, router, detokenizer (+ uvicorn's helpers, if any)
         rank1 = child_pid(log.read_text(), 1)
         assert rank1 in children

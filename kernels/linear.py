@@ -1,8 +1,9 @@
 """Linear layer y = x . w^T (+ b) of the projections and the lm_head.
 
 On GPU it is F.linear (cuBLAS). On CPU, for float32 models, the weights are packed once at load
-(`pack_linear_weight`: panels of 16 output features, k-major) and a C kernel
-(kernels/cpu/linear.c, one 6x16 AVX2 register tile) runs every M, decode and prefill alike.
+(`pack_linear_weight`: panels of two vectors' worth of output features, k-major) and a C kernel
+(kernels/cpu/linear.c, one 6 x (2 vectors) register tile at the CPU's vector width) runs every M, decode
+and prefill alike.
 Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2-135M's shapes, weights streamed from DRAM as in
 the forward; GFLOP/s, medians, MKL's sgemm (F.linear) in the same run:
   gate_up [3072 x 576]  M=1: MKL 2.4, C 5.0 (memory-bound: 10 GB/s)   M=16: 25 / 70
@@ -19,24 +20,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-PANEL = 16  # output features per packed panel (NR in linear.c)
+DEFAULT_PANEL = 16  # without a C library: the AVX2 build's width (the torch path unpacks it anyway)
 
 
 @dataclass(frozen=True)
 class PackedLinear:
-    """A [N, K] float32 weight in the C kernel's layout: panels [ceil(N / 16), K, 16]."""
+    """A [N, K] float32 weight in the C kernel's layout: panels [ceil(N / P), K, P], P = the panel width of
+    the library it was packed for (NR in linear.c: 32 on AVX-512 CPUs, 16 on AVX2 ones)."""
 
-    panels: Tensor  # [Np / 16, K, 16], zero rows past N
+    panels: Tensor  # [Np / P, K, P], zero rows past N
     out_features: int  # N
     in_features: int  # K
 
+    @property
+    def panel(self) -> int:
+        return self.panels.shape[-1]
 
-def pack_linear_weight(weight: Tensor) -> PackedLinear:
-    """weight [N, K] float32 (CPU) -> PackedLinear; the row-major tensor is not kept."""
+
+def pack_linear_weight(weight: Tensor, lib=None) -> PackedLinear:
+    """weight [N, K] float32 (CPU) -> PackedLinear for `lib` (default: the serving build); the row-major
+    tensor is not kept."""
+    from lightserve.kernels.cpu import library
+
+    lib = lib or library()
+    panel = lib.linear_panel_width() if lib is not None else DEFAULT_PANEL
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded = torch.zeros(-(-n // panel) * panel, k, dtype=torch.float32)
     padded[:n] = weight
-    panels = padded.view(-1, PANEL, k).transpose(1, 2).contiguous()  # [Np / 16, K, 16]
+    panels = padded.view(-1, panel, k).transpose(1, 2).contiguous()  # [Np / P, K, P]
     return PackedLinear(panels, n, k)
 
 
@@ -70,7 +81,7 @@ def linear_cpu(x: Tensor, weight: PackedLinear, bias: Tensor | None = None, lib=
 
     lib = lib or library()
     if lib is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != torch.float32 or x.stride(1) != 1 \
-            or x.shape[1] != weight.in_features \
+            or x.shape[1] != weight.in_features or weight.panel != lib.linear_panel_width() \
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous())):
         return None
     m, n = x.shape[0], weight.out_features

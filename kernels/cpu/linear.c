@@ -7,16 +7,16 @@
 // at small M and near the FMA ceiling at large M (measured in kernels/linear.py's docstring).
 //
 // Weight layout: packed once at load time (kernels/linear.py, pack_linear_weight) into panels of
-// NR = 16 output features, k-major inside a panel:
-//   wp   [Np / 16, K, 16]  float32, Np = N rounded up to 16 (padding rows are zero)
-// so a panel is one contiguous stream, and each k gives the 16 weights one FMA pair needs.
+// NR output features (two vectors: 32 on AVX-512 CPUs, 16 on AVX2 ones), k-major inside a panel:
+//   wp   [Np / NR, K, NR]  float32, Np = N rounded up to NR (padding rows are zero)
+// so a panel is one contiguous stream, and each k gives the NR weights one FMA pair needs.
 // Other shapes (row-major, strides in elements):
 //   x    [M, K]  float32, row stride x_row
 //   bias [N]     float32 or NULL
 //   out  [M, N]  float32, row stride out_row
 //
-// Register tile: MR = 6 rows of x by the 16 features of one panel, 12 accumulators. Per k: two
-// loads of the panel, six broadcasts of x, twelve FMAs (the classic AVX2 6x16 shape).
+// Register tile: MR = 6 rows of x by the NR features of one panel, 12 vector accumulators (the
+// classic AVX2 6x16 shape, and 6x32 where vectors are twice as wide).
 // Work split: OpenMP splits the panels (static, so each thread streams one contiguous part of wp),
 // and each panel meets every row of x before the next is read: the weights, hundreds of MB per step
 // and never cache-resident, stream from memory once per call. x stays in cache (L2, or L3 for prefill
@@ -25,59 +25,43 @@
 // read the weights once per 48 rows, ran 95-114 GFLOP/s at M = 64..576; one block 120-142.
 #include <stdint.h>
 
-#include "tile.h"
+#include "vec.h"
 
-#define NR 16
+#define NR (2 * VL)  // panel width: two vectors, 32 features on AVX-512 CPUs, 16 on AVX2 ones
 #define MR 6
 #define X_BLOCK_BYTES (4 << 20)
 
-#if defined(__AVX2__) && defined(__FMA__)
+// The panel width this build packs for (kernels/linear.py packs weights to match the library it calls).
+int linear_panel_width(void) { return NR; }
 
 // One tile: rows 0 .. mr-1 of x (mr <= MR) by one panel; writes ncols (<= NR) columns of out.
-// Accumulators are named variables: as an array, gcc stored them to the stack on every k.
+// Per k: two vector loads of the panel, MR broadcasts of x, 2*MR FMAs into MR x 2 accumulators that
+// stay in registers (12 of AVX-512's 32, or of AVX2's 16). One source for every vector width.
 static void tile(const float *x, int64_t x_row, int mr, const float *b, int K, float *out,
                  int64_t out_row, int ncols, const float *bias) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    // Rows past mr repeat the last row (valid memory; their results are dropped): one code path
-    // for partial tiles, and at small M the spare FMAs are free (the loop waits on memory).
-#define ROW(i) (x + (int64_t)((i) < mr ? (i) : mr - 1) * x_row)
-    const float *x0 = ROW(0), *x1 = ROW(1), *x2 = ROW(2), *x3 = ROW(3), *x4 = ROW(4), *x5 = ROW(5);
-#undef ROW
-    for (int k = 0; k < K; k++, b += NR) {
-        __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-        TILE_ROW_FMA(x0 + k, b0, b1, c00, c01);
-        TILE_ROW_FMA(x1 + k, b0, b1, c10, c11);
-        TILE_ROW_FMA(x2 + k, b0, b1, c20, c21);
-        TILE_ROW_FMA(x3 + k, b0, b1, c30, c31);
-        TILE_ROW_FMA(x4 + k, b0, b1, c40, c41);
-        TILE_ROW_FMA(x5 + k, b0, b1, c50, c51);
+    vf c[MR][2];
+    const float *xr[MR];
+    for (int i = 0; i < MR; i++) {
+        c[i][0] = c[i][1] = (vf){0};
+        // Rows past mr repeat the last row (valid memory; their results are dropped): one code path
+        // for partial tiles, and at small M the spare FMAs are free (the loop waits on memory).
+        xr[i] = x + (int64_t)(i < mr ? i : mr - 1) * x_row;
     }
-    float acc[MR][NR];
-    _mm256_storeu_ps(acc[0], c00); _mm256_storeu_ps(acc[0] + 8, c01);
-    _mm256_storeu_ps(acc[1], c10); _mm256_storeu_ps(acc[1] + 8, c11);
-    _mm256_storeu_ps(acc[2], c20); _mm256_storeu_ps(acc[2] + 8, c21);
-    _mm256_storeu_ps(acc[3], c30); _mm256_storeu_ps(acc[3] + 8, c31);
-    _mm256_storeu_ps(acc[4], c40); _mm256_storeu_ps(acc[4] + 8, c41);
-    _mm256_storeu_ps(acc[5], c50); _mm256_storeu_ps(acc[5] + 8, c51);
-    for (int m = 0; m < mr; m++)
-        for (int j = 0; j < ncols; j++) out[m * out_row + j] = acc[m][j] + (bias ? bias[j] : 0.0f);
-}
-
-#else  // portable C: the same tile, left to the compiler's vectorizer
-
-static void tile(const float *x, int64_t x_row, int mr, const float *b, int K, float *out,
-                 int64_t out_row, int ncols, const float *bias) {
+    for (int k = 0; k < K; k++, b += NR) {
+        vf b0 = vload(b), b1 = vload(b + VL);
+        for (int i = 0; i < MR; i++) {
+            vf a = vbroadcast(xr[i][k]);
+            c[i][0] += a * b0;
+            c[i][1] += a * b1;
+        }
+    }
     for (int m = 0; m < mr; m++) {
-        float acc[NR] = {0};
-        const float *xm = x + m * x_row;
-        for (int k = 0; k < K; k++)
-            for (int j = 0; j < NR; j++) acc[j] += xm[k] * b[(int64_t)k * NR + j];
+        float acc[NR];
+        vstore(acc, c[m][0]);
+        vstore(acc + VL, c[m][1]);
         for (int j = 0; j < ncols; j++) out[m * out_row + j] = acc[j] + (bias ? bias[j] : 0.0f);
     }
 }
-
-#endif
 
 // num_threads: torch's (the OpenMP pool is shared). Returns 0, or -1 for arguments this kernel
 // does not take (the caller then runs the torch path).

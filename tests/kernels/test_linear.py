@@ -1,13 +1,13 @@
-"""linear: the CPU C kernel on packed weights (AVX2 and portable builds) against F.linear, over the
+"""linear: the CPU C kernel on packed weights (every build the CPU runs) against F.linear, over the
 row counts its tiles split into (6-row tiles, row blocks of a large x), output features that leave the last
-16-wide panel partial, bias and strided input rows; what it declines falls back to F.linear."""
+panel partial, bias and strided input rows; what it declines falls back to F.linear."""
 import pytest
 import torch
 import torch.nn.functional as F
-from lightserve.kernels.cpu import library
+from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.linear import linear, linear_cpu, linear_ref, pack_linear_weight, unpack_linear_weight
 
-from tests.kernels.kernel_cases import portable_library
+from tests.kernels.kernel_cases import c_library_variants, portable_library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the CPU path is F.linear")
 
@@ -20,21 +20,29 @@ def _case(m, n, k, seed=0):
     return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)
 
 
-def test_packing_round_trips():
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_packing_round_trips(variant):
+    """Each build packs for its own panel width (two of its vectors: 32 features with AVX-512, 16 without)."""
+    lib = variant_library(variant)
     _, w, _ = _case(1, 37, 24)
-    packed = pack_linear_weight(w)
-    assert packed.panels.shape == (3, 24, 16)  # 37 features: 3 panels, the last with 5
+    packed = pack_linear_weight(w, lib=lib)
+    p = lib.linear_panel_width()
+    assert p in (16, 32) and packed.panels.shape == (-(-37 // p), 24, p)
     assert torch.equal(unpack_linear_weight(packed), w)
-    assert torch.count_nonzero(packed.panels[2, :, 5:]) == 0
+    assert torch.count_nonzero(packed.panels[-1, :, 37 % p:]) == 0
 
 
+@pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n", [13, 64, 100])  # 13, 100: a partial last panel
-def test_c_linear_matches_f_linear(m, n):
+def test_c_linear_matches_f_linear(m, n, variant):
+    """Every build this CPU runs (AVX-512, AVX2, plain C)."""
+    lib = variant_library(variant)
     x, w, b = _case(m, n, 72, seed=m * 1000 + n)
-    packed = pack_linear_weight(w)
-    torch.testing.assert_close(linear_cpu(x, packed, b), F.linear(x, w, b), **TOL)
-    torch.testing.assert_close(linear(x, packed), F.linear(x, w), **TOL)
+    packed = pack_linear_weight(w, lib=lib)
+    torch.testing.assert_close(linear_cpu(x, packed, b, lib=lib), F.linear(x, w, b), **TOL)
+    if variant == "native":
+        torch.testing.assert_close(linear(x, packed), F.linear(x, w), **TOL)
 
 
 def test_row_blocks_of_a_large_x():
@@ -54,19 +62,14 @@ def test_strided_rows_and_model_shapes():
     torch.testing.assert_close(linear_cpu(view, pack_linear_weight(w)), linear_ref(x, w), rtol=1e-5, atol=1e-4)
 
 
-def test_portable_c_path_matches_f_linear():
-    """The plain-C tile (what a CPU without AVX2 runs), built here with AVX2 switched off."""
-    portable = portable_library()
-    for m in (1, 7):
-        x, w, b = _case(m, 21, 40, seed=m)
-        torch.testing.assert_close(linear_cpu(x, pack_linear_weight(w), b, lib=portable), F.linear(x, w, b), **TOL)
-
-
 def test_declines_what_it_does_not_take_and_dispatch_falls_back():
     x, w, b = _case(4, 16, 24)
     packed = pack_linear_weight(w)
     assert linear_cpu(x.double(), packed) is None  # float64
     assert linear_cpu(x[:, :20], packed) is None  # K differs from the weight's
     assert linear_cpu(torch.empty(0, 24), packed) is None
+    narrow = pack_linear_weight(w, lib=portable_library())
+    if narrow.panel != packed.panel:  # packed for another build's panel width
+        assert linear_cpu(x, narrow) is None
     torch.testing.assert_close(linear(x.double(), packed, b.double()), F.linear(x.double(), w.double(), b.double()))
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))  # a plain weight: F.linear

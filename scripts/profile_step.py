@@ -30,8 +30,10 @@ import numpy as np
 import torch
 
 from bench_cpu_kernels import cpu_caption, read_bandwidth  # scripts/, beside this file
+from lightserve import kernels
 from lightserve.config import AdmissionPolicy
 from lightserve.engine_procs import preload_tcmalloc
+from lightserve.kernels.cpu import library
 from lightserve.messages import decode, encode
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
@@ -63,14 +65,16 @@ def _rerun_under_tcmalloc() -> None:
 
 
 def gemm_rate(dtype: torch.dtype, rows: int, mc: ModelConfig) -> float:
-    """GFLOP/s of torch's linear on the model's widest layer (gate_up) at `rows` rows, median of 10."""
+    """GFLOP/s of the serving path's linear (the packed C kernel in float32, torch's otherwise) on the model's
+    widest layer (gate_up) at `rows` rows, median of 10."""
     x = torch.randn(rows, mc.hidden_size).to(dtype)
     w = torch.randn(2 * mc.intermediate_size, mc.hidden_size).to(dtype)
-    torch.nn.functional.linear(x, w)
+    weight = kernels.pack_linear_weight(w) if dtype == torch.float32 and library() is not None else w
+    kernels.linear(x, weight)
     times = []
     for _ in range(10):
         t = time.perf_counter()
-        torch.nn.functional.linear(x, w)
+        kernels.linear(x, weight)
         times.append(time.perf_counter() - t)
     return 2 * rows * w.numel() / statistics.median(times) / 1e9
 
@@ -90,7 +94,7 @@ def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype
     print(f"  physical floor ({cpu_caption()}):")
     print(f"    bytes: {params * size / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB KV at {bw:.1f} GB/s read "
           f"-> {mem_ms:.1f} ms")
-    print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s ({dtype}, M={max(batch, 512)} linear) "
+    print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s ({dtype} linear, M={max(batch, 512)}) "
           f"-> {flop_ms:.1f} ms")
     print(f"    floor: {max(mem_ms, flop_ms):.1f} ms")
     return max(mem_ms, flop_ms)

@@ -20,9 +20,9 @@
 //
 // One task = (request, KV head, block of BQ new tokens). Its R = BQ * G query rows (token-major:
 // row r is token r / G, head r % G) share every K/V row the task loads. Per block of BN keys:
-//   scores  St[key][row] = K[key] . Qt[:, row]     (register tile: 6 keys x 16 rows, k = head dim)
+//   scores  St[key][row] = K[key] . Qt[:, row]     (register tile: KT keys x 16 rows, k = head dim)
 //   online softmax down each row (vectorized across rows, since rows are St's contiguous axis)
-//   O[row] += P[row][key] V[key]                   (register tile: 6 rows x 16 of the head dim)
+//   O[row] += P[row][key] V[key]                   (register tile: KT rows x 16 of the head dim)
 // Scores are computed transposed so that both tiles read K and V rows in place: one broadcast per
 // K element and contiguous V loads, with only Q (once per task) transposed.
 #include <math.h>
@@ -31,92 +31,62 @@
 #include <string.h>
 
 #include "fastmath.h"
-#include "tile.h"
+#include "vec.h"
 
 #define BN 64         // keys per block
 #define MAXR 64       // query rows per task (BQ * G)
-#define TARGET_R 48   // rows a task aims for: 8 PV tiles of 6
+#define TARGET_R 48   // rows a task aims for: 8 PV tiles of 6, or 4 of 12
 #define MAX_DIM 256
 
-#if defined(__AVX2__) && defined(__FMA__)
+// Both tiles are KT x 16 register tiles: each of the KT rows is 16 floats, 16 / VL of vec.h's vectors
+// (one zmm with AVX-512, two ymm with AVX2). KT = 12 where there are 32 vector registers (12 accumulators
+// keep both FMA units busy), 6 where there are 16. One source for every CPU.
+#if VL == 16
+#define KT 12
+#else
+#define KT 6
+#endif
+#define TV (16 / VL)  // vectors per tile row
 
-// St[j][r0 .. r0+16) = k_j . Qt[:, r0 .. r0+16) for the 6 keys k_0..k_5 (row pointers).
+// St[j][r0 .. r0+16) = k_j . Qt[:, r0 .. r0+16) for the KT keys k_0 .. k_{KT-1} (row pointers).
 static void score_tile(const float *const *k, const float *qt, int64_t qt_row, int dim, float *st,
                        int64_t st_row) {
-    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
-           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5];
+    vf c[KT][TV];
+    for (int j = 0; j < KT; j++)
+        for (int t = 0; t < TV; t++) c[j][t] = (vf){0};
     for (int d = 0; d < dim; d++, qt += qt_row) {
-        __m256 b0 = _mm256_loadu_ps(qt), b1 = _mm256_loadu_ps(qt + 8);
-        TILE_ROW_FMA(k0 + d, b0, b1, c00, c01);
-        TILE_ROW_FMA(k1 + d, b0, b1, c10, c11);
-        TILE_ROW_FMA(k2 + d, b0, b1, c20, c21);
-        TILE_ROW_FMA(k3 + d, b0, b1, c30, c31);
-        TILE_ROW_FMA(k4 + d, b0, b1, c40, c41);
-        TILE_ROW_FMA(k5 + d, b0, b1, c50, c51);
+        vf b[TV];
+        for (int t = 0; t < TV; t++) b[t] = vload(qt + t * VL);
+        for (int j = 0; j < KT; j++) {
+            vf a = vbroadcast(k[j][d]);
+            for (int t = 0; t < TV; t++) c[j][t] += a * b[t];
+        }
     }
-    _mm256_storeu_ps(st, c00); _mm256_storeu_ps(st + 8, c01); st += st_row;
-    _mm256_storeu_ps(st, c10); _mm256_storeu_ps(st + 8, c11); st += st_row;
-    _mm256_storeu_ps(st, c20); _mm256_storeu_ps(st + 8, c21); st += st_row;
-    _mm256_storeu_ps(st, c30); _mm256_storeu_ps(st + 8, c31); st += st_row;
-    _mm256_storeu_ps(st, c40); _mm256_storeu_ps(st + 8, c41); st += st_row;
-    _mm256_storeu_ps(st, c50); _mm256_storeu_ps(st + 8, c51);
+    for (int j = 0; j < KT; j++)
+        for (int t = 0; t < TV; t++) vstore(st + j * st_row + t * VL, c[j][t]);
 }
 
-// O[r0+i][d0 .. d0+16) += sum_j Pt[j][r0+i] v_j[d0 .. d0+16) for i < 6 (rows past mr repeat the last).
+// O[r0+i][d0 .. d0+16) += sum_j Pt[j][r0+i] v_j[d0 .. d0+16) for i < KT (rows past mr repeat the last).
 static void pv_tile(const float *pt, int64_t pt_row, int mr, const float *const *v, int d0, int nkeys,
                     float *o, int64_t o_row) {
-    const int i1 = mr > 1, i2 = mr > 2 ? 2 : mr - 1, i3 = mr > 3 ? 3 : mr - 1, i4 = mr > 4 ? 4 : mr - 1,
-              i5 = mr > 5 ? 5 : mr - 1;
-    __m256 c00 = _mm256_loadu_ps(o), c01 = _mm256_loadu_ps(o + 8);
-    __m256 c10 = _mm256_loadu_ps(o + i1 * o_row), c11 = _mm256_loadu_ps(o + i1 * o_row + 8);
-    __m256 c20 = _mm256_loadu_ps(o + i2 * o_row), c21 = _mm256_loadu_ps(o + i2 * o_row + 8);
-    __m256 c30 = _mm256_loadu_ps(o + i3 * o_row), c31 = _mm256_loadu_ps(o + i3 * o_row + 8);
-    __m256 c40 = _mm256_loadu_ps(o + i4 * o_row), c41 = _mm256_loadu_ps(o + i4 * o_row + 8);
-    __m256 c50 = _mm256_loadu_ps(o + i5 * o_row), c51 = _mm256_loadu_ps(o + i5 * o_row + 8);
+    int row[KT];
+    vf c[KT][TV];
+    for (int i = 0; i < KT; i++) {
+        row[i] = i < mr ? i : mr - 1;
+        for (int t = 0; t < TV; t++) c[i][t] = vload(o + row[i] * o_row + t * VL);
+    }
     for (int j = 0; j < nkeys; j++, pt += pt_row) {
-        const float *vj = v[j] + d0;
-        __m256 b0 = _mm256_loadu_ps(vj), b1 = _mm256_loadu_ps(vj + 8);
-        TILE_ROW_FMA(pt, b0, b1, c00, c01);
-        TILE_ROW_FMA(pt + i1, b0, b1, c10, c11);
-        TILE_ROW_FMA(pt + i2, b0, b1, c20, c21);
-        TILE_ROW_FMA(pt + i3, b0, b1, c30, c31);
-        TILE_ROW_FMA(pt + i4, b0, b1, c40, c41);
-        TILE_ROW_FMA(pt + i5, b0, b1, c50, c51);
+        vf b[TV];
+        for (int t = 0; t < TV; t++) b[t] = vload(v[j] + d0 + t * VL);
+        for (int i = 0; i < KT; i++) {
+            vf a = vbroadcast(pt[row[i]]);
+            for (int t = 0; t < TV; t++) c[i][t] += a * b[t];
+        }
     }
     // Stores in reverse, so the real row's value is the last written when rows repeat.
-    _mm256_storeu_ps(o + i5 * o_row, c50); _mm256_storeu_ps(o + i5 * o_row + 8, c51);
-    _mm256_storeu_ps(o + i4 * o_row, c40); _mm256_storeu_ps(o + i4 * o_row + 8, c41);
-    _mm256_storeu_ps(o + i3 * o_row, c30); _mm256_storeu_ps(o + i3 * o_row + 8, c31);
-    _mm256_storeu_ps(o + i2 * o_row, c20); _mm256_storeu_ps(o + i2 * o_row + 8, c21);
-    _mm256_storeu_ps(o + i1 * o_row, c10); _mm256_storeu_ps(o + i1 * o_row + 8, c11);
-    _mm256_storeu_ps(o, c00); _mm256_storeu_ps(o + 8, c01);
+    for (int i = KT - 1; i >= 0; i--)
+        for (int t = 0; t < TV; t++) vstore(o + row[i] * o_row + t * VL, c[i][t]);
 }
-
-#else  // portable C: the same tiles, left to the compiler
-
-static void score_tile(const float *const *k, const float *qt, int64_t qt_row, int dim, float *st,
-                       int64_t st_row) {
-    for (int j = 0; j < 6; j++) {
-        float acc[16] = {0};
-        for (int d = 0; d < dim; d++)
-            for (int r = 0; r < 16; r++) acc[r] += k[j][d] * qt[d * qt_row + r];
-        for (int r = 0; r < 16; r++) st[j * st_row + r] = acc[r];
-    }
-}
-
-static void pv_tile(const float *pt, int64_t pt_row, int mr, const float *const *v, int d0, int nkeys,
-                    float *o, int64_t o_row) {
-    for (int i = 0; i < mr && i < 6; i++) {
-        float acc[16];
-        for (int c = 0; c < 16; c++) acc[c] = o[i * o_row + c];
-        for (int j = 0; j < nkeys; j++)
-            for (int c = 0; c < 16; c++) acc[c] += pt[j * pt_row + i] * v[j][d0 + c];
-        for (int c = 0; c < 16; c++) o[i * o_row + c] = acc[c];
-    }
-}
-
-#endif
 
 typedef struct {
     const void *q;
@@ -131,9 +101,9 @@ typedef struct {
 
 typedef struct {
     float *qt;   // [dim][MAXR]: the task's queries, transposed and pre-scaled
-    float *st;   // [BN + 6][MAXR]: scores, then probabilities, of one key block (6 spare key rows)
+    float *st;   // [BN + KT][MAXR]: scores, then probabilities, of one key block (KT spare key rows)
     float *o;    // [MAXR][dim]: output accumulators
-    float *kf;   // [BN + 6][dim]: a bf16 block's K rows in float32 (unused for float32 caches)
+    float *kf;   // [BN + KT][dim]: a bf16 block's K rows in float32 (unused for float32 caches)
     float *vf;   // [BN][dim]: the same for V
 } Scratch;
 
@@ -161,7 +131,7 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
     }
     memset(s->o, 0, sizeof(float) * (size_t)RP * dim);
     const int kv_end = prefix + t0 + nt;  // keys past the block's last token are never loaded
-    const float *kr[BN + 6], *vr[BN];
+    const float *kr[BN + KT], *vr[BN];
     for (int n0 = 0; n0 < kv_end; n0 += BN) {
         const int nb = kv_end - n0 < BN ? kv_end - n0 : BN;
         for (int j = 0; j < nb; j++) {
@@ -178,8 +148,8 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
                 vr[j] = (const float *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
             }
         }
-        for (int j = nb; j < nb + 6; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
-        for (int j0 = 0; j0 < nb; j0 += 6)
+        for (int j = nb; j < nb + KT; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
+        for (int j0 = 0; j0 < nb; j0 += KT)
             for (int r0 = 0; r0 < RP; r0 += 16)
                 score_tile(kr + j0, s->qt + r0, MAXR, dim, s->st + j0 * MAXR + r0, MAXR);
         // Causal mask: only the keys past the block's first token position can be hidden.
@@ -212,9 +182,9 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
             float *orow = s->o + (int64_t)r * dim;
             for (int d = 0; d < dim; d++) orow[d] *= alpha[r];
         }
-        for (int r0 = 0; r0 < R; r0 += 6)
+        for (int r0 = 0; r0 < R; r0 += KT)
             for (int d0 = 0; d0 < dim; d0 += 16)
-                pv_tile(s->st + r0, MAXR, R - r0 < 6 ? R - r0 : 6, vr, d0, nb, s->o + (int64_t)r0 * dim + d0, dim);
+                pv_tile(s->st + r0, MAXR, R - r0 < KT ? R - r0 : KT, vr, d0, nb, s->o + (int64_t)r0 * dim + d0, dim);
     }
     for (int r = 0; r < R; r++) {
         float inv = 1.0f / l[r];
@@ -270,9 +240,9 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
     {
         Scratch s;
         s.qt = aligned_alloc(64, sizeof(float) * MAX_DIM * MAXR);
-        s.st = aligned_alloc(64, sizeof(float) * (BN + 6) * MAXR);
+        s.st = aligned_alloc(64, sizeof(float) * (BN + KT) * MAXR);
         s.o = aligned_alloc(64, sizeof(float) * MAXR * MAX_DIM);
-        s.kf = aligned_alloc(64, sizeof(float) * (BN + 6) * MAX_DIM);
+        s.kf = aligned_alloc(64, sizeof(float) * (BN + KT) * MAX_DIM);
         s.vf = aligned_alloc(64, sizeof(float) * BN * MAX_DIM);
         int ok = s.qt && s.st && s.o && s.kf && s.vf;
         if (!ok) {

@@ -20,7 +20,9 @@ typedef uint32_t vu_u __attribute__((vector_size(VL * 4), aligned(2)));
 
 static inline vf vload(const float *p) { return *(const vf_u *)p; }
 static inline void vstore(float *p, vf x) { *(vf_u *)p = x; }
-static inline vf vbroadcast(float x) { return (vf){0} + x; }
+// x - (+0) is x for every x (signed zeros included), so gcc folds it to a plain broadcast; (vf){0} + x
+// is not (-0 + +0 = +0), and cost a vector add per broadcast.
+static inline vf vbroadcast(float x) { return x - (vf){0}; }
 
 // 2*VL bfloat16 values as two float vectors, de-interleaved: *even gets elements 0, 2, 4, ..., *odd
 // gets 1, 3, 5, .... A bf16 is the top half of a float, so each is one shift or one mask of the

@@ -2,7 +2,7 @@
 the reference, over ragged requests with cached prefixes and GQA."""
 import pytest
 import torch
-from lightserve.kernels.cpu import library
+from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_cpu,
@@ -15,9 +15,9 @@ from tests.kernels.kernel_cases import (
     HEAD_LAYOUTS,
     KERNEL_CASES,
     TOL,
+    c_library_variants,
     make_kv_batch,
     naive_attention,
-    portable_library,
 )
 
 # (prefix_len, extend_len) per request: no prefix, long prefix, a 1-token extend, lengths off the 16-token tiles.
@@ -96,29 +96,21 @@ C_REQS = [(0, 130), (100, 40), (64, 1), (0, 1), (5, 17), (63, 66)]
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [
     (9, 3, 64, torch.float32), (2, 2, 64, torch.float32), (8, 1, 128, torch.float32), (64, 1, 16, torch.float32),
     (9, 3, 64, torch.bfloat16), (4, 1, 128, torch.bfloat16),
 ])
-def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype):
+def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype, variant):
+    """Every build this CPU runs (12- and 6-key tiles, plain C); bf16 q read in place and bf16 output."""
+    lib = variant_library(variant)
     batch, q, meta = _prefill_case(C_REQS, num_heads, num_kv_heads, head_dim, dtype)
     # q as the model passes it: a strided view into the fused qkv projection
     qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 2 * num_kv_heads * head_dim, dtype=dtype)], dim=1)
     q_view = qkv[:, :num_heads * head_dim].view(q.shape)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
-    out = prefill_attention_cpu(q_view, batch.k_cache, batch.v_cache, **meta_cpu)
+    out = prefill_attention_cpu(q_view, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
     assert out is not None and out.dtype == dtype
-    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
-
-
-@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_portable_c_path_matches_reference(dtype):
-    """The plain-C tiles (what a CPU without AVX2 runs), built here with AVX2 switched off."""
-    portable = portable_library()
-    batch, q, meta = _prefill_case(C_REQS, 9, 3, 64, dtype)
-    meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
-    out = prefill_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=portable)
     torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
 

@@ -5,7 +5,15 @@ Each dispatch function runs Triton when its input is on CUDA and, otherwise, a C
 from lightserve.kernels.activation import silu_and_mul, silu_and_mul_ref
 from lightserve.kernels.decode_attention import decode_attention, decode_attention_ref
 from lightserve.kernels.kv_store import store_kv, store_kv_ref
-from lightserve.kernels.linear import PackedLinear, linear, linear_ref, pack_linear_weight
+from lightserve.kernels.linear import (
+    OneDNNLinear,
+    PackedLinear,
+    linear,
+    linear_ref,
+    onednn_available,
+    pack_linear_weight,
+    prepack_onednn_weight,
+)
 from lightserve.kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_ref,
@@ -19,8 +27,8 @@ from lightserve.kernels.rmsnorm import (
 from lightserve.kernels.rotary import rotary_emb, rotary_emb_ref
 
 __all__ = [
-    "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref", "linear",
-    "linear_ref", "pack_linear_weight", "prefill_attention",
+    "OneDNNLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref", "linear",
+    "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_onednn_weight",
     "prefill_attention_ref", "rmsnorm", "rmsnorm_ref", "rotary_emb", "rotary_emb_ref", "silu_and_mul",
     "silu_and_mul_ref", "store_kv", "store_kv_ref",
 ]

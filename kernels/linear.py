@@ -3,7 +3,13 @@
 On GPU it is F.linear (cuBLAS). On CPU, for float32 models, the weights are packed once at load
 (`pack_linear_weight`: panels of two vectors' worth of output features, k-major) and a C kernel
 (kernels/cpu/linear.c, one 6 x (2 vectors) register tile at the CPU's vector width) runs every M, decode
-and prefill alike.
+and prefill alike. For bfloat16 models the weights are reordered once at load into oneDNN's blocked layout
+(`prepack_onednn_weight`), and oneDNN's GEMM runs them (AVX512-BF16 or AMX where the CPU has them): torch's
+F.linear on plain bf16 weights repacks them on every call. Measured on Zen 5 (AVX512-BF16), 2 threads, SmolLM2's
+gate_up over 30 layers, ms per layer, prepacked / F.linear: M=1 0.060 / 0.163, M=4 0.073 / 0.174,
+M=64 0.292 / 0.456; lm_head M=1 0.77 / 2.42, M=64 4.37 / 7.26; in GFLOP/s at M=256 934 / 778. A C kernel
+for bf16 weights (widened by shift/mask) lost to the prepacked GEMM at every M, 1 included. In float32 the C
+kernel and prepacked oneDNN measured within 5% of each other there, so float32 keeps the C kernel.
 Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2-135M's shapes, weights streamed from DRAM as in
 the forward; GFLOP/s, medians, MKL's sgemm (F.linear) in the same run:
   gate_up [3072 x 576]  M=1: MKL 2.4, C 5.0 (memory-bound: 10 GB/s)   M=16: 25 / 70
@@ -20,12 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Rows up to which a bf16 linear runs the C kernel instead of torch (linear_bf16_small_m). Measured on Zen 5
-# (AVX512-BF16), 2 threads, SmolLM2's shapes over 30 layers of weights, ms per layer, C / torch:
-#   gate_up [3072 x 576]  M=1 0.076 / 0.170   M=2 0.087 / 0.174   M=4 0.163 / 0.181   M=8 0.295 / 0.206
-#   down    [576 x 1536]  M=1 0.042 / 0.087   M=2 0.063 / 0.071   M=4 0.092 / 0.072
-#   lm_head [49152 x 576] M=1 1.01 / 2.40     M=2 1.11 / 2.63     M=4 1.65 / 2.67     M=8 3.02 / 3.02
-BF16_SMALL_M = 2
 DEFAULT_PANEL = 16  # without a C library: the AVX2 build's width (the torch path unpacks it anyway)
 
 
@@ -69,39 +69,37 @@ def linear_ref(x: Tensor, weight: Tensor | PackedLinear, bias: Tensor | None = N
     return F.linear(x, weight, bias)
 
 
-def linear(x: Tensor, weight: Tensor | PackedLinear, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] -> [M, N]: the C kernel for a packed weight; for a bfloat16 weight on CPU and at most
-    BF16_SMALL_M rows, the C kernel over the row-major weight; F.linear otherwise."""
+@dataclass(frozen=True)
+class OneDNNLinear:
+    """A [N, K] weight reordered for oneDNN's CPU GEMM (an opaque mkldnn tensor)."""
+
+    packed: Tensor
+    out_features: int  # N
+    in_features: int  # K
+
+
+def onednn_available() -> bool:
+    """Whether this torch build can prepack linear weights for oneDNN (its CPU builds can)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def prepack_onednn_weight(weight: Tensor) -> OneDNNLinear:
+    """weight [N, K] (CPU, bf16 or float32) -> OneDNNLinear; the row-major tensor is not kept."""
+    with torch.no_grad():
+        return OneDNNLinear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), *weight.shape)
+
+
+def linear(x: Tensor, weight: Tensor | PackedLinear | OneDNNLinear, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] -> [M, N]: the C kernel for a packed weight, oneDNN for a prepacked one, F.linear for a
+    plain one."""
     if isinstance(weight, PackedLinear):
         out = linear_cpu(x, weight, bias)
         if out is not None:
             return out
         return linear_ref(x, weight, bias)  # not reached by the model: it packs only what the kernel takes
-    if x.shape[0] <= BF16_SMALL_M and weight.dtype == torch.bfloat16 and not x.is_cuda:
-        out = linear_bf16_small_m(x, weight, bias)
-        if out is not None:
-            return out
+    if isinstance(weight, OneDNNLinear):
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-def linear_bf16_small_m(x: Tensor, weight: Tensor, bias: Tensor | None = None, lib=None) -> Tensor | None:
-    """The C kernel for few rows in bfloat16 (kernels/cpu/linear.c): x [M, K] (rows may be strided), weight
-    [N, K] row-major, bias [N] or None, all bf16 -> [M, N] bf16 with float32 sums. None when it cannot run
-    here (no compiler, M past the kernel's 16, K not a multiple of its 32-value chunks, another dtype)."""
-    from lightserve.kernels.cpu import library, profiled
-
-    lib = lib or library()
-    if lib is None or x.dim() != 2 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 \
-            or x.stride(1) != 1 or weight.stride(1) != 1 or x.shape[1] != weight.shape[1] \
-            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
-        return None
-    m, n = x.shape[0], weight.shape[0]
-    out = torch.empty(m, n, dtype=torch.bfloat16)  # [M, N]
-    with profiled("linear_cpu"):  # visible in scripts/profile_step.py
-        rc = lib.linear_bf16_small_m(
-            x.data_ptr(), x.stride(0), m, x.shape[1], weight.data_ptr(), weight.stride(0), n,
-            None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
-    return out if rc == 0 else None
 
 
 def linear_cpu(x: Tensor, weight: PackedLinear, bias: Tensor | None = None, lib=None) -> Tensor | None:

@@ -46,12 +46,18 @@ class LlamaForCausalLM:
         self.sm_scale = config.head_dim ** -0.5
         self.cos_sin = build_cos_sin_cache(config, device=self.device)  # [max_pos, D] float32
         self.lm_head = weights.lm_head  # [Vp, hidden]
+        pack = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
-            # float32 on CPU: every linear runs the C kernel on weights packed once here (see
-            # kernels/linear.py); the packed copies replace the row-major projections. The
-            # lm_head gets its own copy: the embedding lookup needs the row-major table.
-            self.weights = weights = dataclasses.replace(weights, layers=[_pack_layer(layer) for layer in weights.layers])
-            self.lm_head = kernels.pack_linear_weight(weights.lm_head)
+            pack = kernels.pack_linear_weight  # the C kernel's panels (kernels/linear.py)
+        elif self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.onednn_available():
+            pack = kernels.prepack_onednn_weight  # oneDNN's blocked layout (kernels/linear.py)
+        if pack is not None:
+            # On CPU every linear runs on weights packed once here; the packed copies replace the
+            # row-major projections. The lm_head gets its own copy: the embedding lookup needs the
+            # row-major table.
+            self.weights = weights = dataclasses.replace(
+                weights, layers=[_pack_layer(layer, pack) for layer in weights.layers])
+            self.lm_head = pack(weights.lm_head)
 
     @classmethod
     def load(
@@ -168,12 +174,9 @@ class LlamaForCausalLM:
         return logits.float()
 
 
-def _pack_layer(layer: LayerWeights) -> LayerWeights:
-    return dataclasses.replace(
-        layer, qkv_proj=kernels.pack_linear_weight(layer.qkv_proj), o_proj=kernels.pack_linear_weight(layer.o_proj),
-        gate_up_proj=kernels.pack_linear_weight(layer.gate_up_proj),
-        down_proj=kernels.pack_linear_weight(layer.down_proj),
-    )
+def _pack_layer(layer: LayerWeights, pack) -> LayerWeights:
+    return dataclasses.replace(layer, qkv_proj=pack(layer.qkv_proj), o_proj=pack(layer.o_proj),
+                               gate_up_proj=pack(layer.gate_up_proj), down_proj=pack(layer.down_proj))
 
 
 class _AttentionInputs:

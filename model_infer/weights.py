@@ -25,7 +25,7 @@ from safetensors import safe_open
 
 if TYPE_CHECKING:
     from lightserve.model_infer.model_config import ModelConfig
-    from lightserve.kernels.linear import PackedLinear
+    from lightserve.kernels.linear import OneDNNLinear, PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -80,18 +80,19 @@ class TPShards:
 
 @dataclass
 class LayerWeights:
-    # The four projections are [N, K] tensors as loaded; a float32 model on CPU replaces them with
-    # kernels.PackedLinear (the same weights in the C kernel's panel layout, see LlamaForCausalLM).
+    # The four projections are [N, K] tensors as loaded; a model on CPU replaces them with the same
+    # weights packed for its GEMM: kernels.PackedLinear in float32, kernels.OneDNNLinear in bfloat16
+    # (see LlamaForCausalLM).
     input_norm: torch.Tensor            # [hidden]
-    qkv_proj: torch.Tensor | PackedLinear  # [(Hq_local + 2*Hk_local) * D, hidden]; rows q | k | v
+    qkv_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [(Hq_local + 2*Hk_local) * D, hidden]; rows q | k | v
     qkv_bias: torch.Tensor | None       # [(Hq_local + 2*Hk_local) * D]
     q_norm: torch.Tensor | None         # [D] (Qwen3)
     k_norm: torch.Tensor | None         # [D] (Qwen3)
-    o_proj: torch.Tensor | PackedLinear    # [hidden, Hq_local * D]
+    o_proj: torch.Tensor | PackedLinear | OneDNNLinear    # [hidden, Hq_local * D]
     o_bias: torch.Tensor | None         # [hidden], full; added once after the all-reduce
     post_attn_norm: torch.Tensor        # [hidden]
-    gate_up_proj: torch.Tensor | PackedLinear  # [2 * I_local, hidden]; rows gate | up
-    down_proj: torch.Tensor | PackedLinear  # [hidden, I_local]
+    gate_up_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [2 * I_local, hidden]; rows gate | up
+    down_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [hidden, I_local]
 
 
 @dataclass

@@ -108,8 +108,8 @@ def _profiled_forward(runner: ModelRunner, plan, op_time: dict, ungrouped: dict)
         group = next((g for k, g in GROUPS.items() if k in evt.key), None)
         if group is None and evt.key.startswith("aten::"):
             ungrouped[evt.key] += evt.self_cpu_time_total / 1e6
-        # aten ops, plus our C kernels' record_function ranges (their time is self time)
-        if group and (evt.key.startswith("aten::") or evt.key.endswith("_cpu")):
+        # aten and oneDNN ops, plus our C kernels' record_function ranges (their time is self time)
+        if group and (evt.key.startswith(("aten::", "mkldnn::")) or evt.key.endswith("_cpu")):
             op_time[group] += evt.self_cpu_time_total / 1e6
     return logits
 

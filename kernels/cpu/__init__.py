@@ -131,8 +131,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.prefill_attention.restype = ctypes.c_int
     lib.prefill_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr,
                                       i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
-    lib.linear_bf16_small_m.restype = ctypes.c_int
-    lib.linear_bf16_small_m.argtypes = [ptr, i64, i32, i32, ptr, i64, i32, ptr, ptr, i64, i32]
     lib.linear_panel_width.restype = ctypes.c_int
     lib.linear_panel_width.argtypes = []
     lib.linear_packed.restype = ctypes.c_int

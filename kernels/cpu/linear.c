@@ -24,9 +24,7 @@
 // Measured over SmolLM2's 30 layers (424 MB of weights, far past the 32 MB L3): 48-row blocks, which
 // read the weights once per 48 rows, ran 95-114 GFLOP/s at M = 64..576; one block 120-142.
 #include <stdint.h>
-#include <stdlib.h>
 
-#include "fastmath.h"
 #include "vec.h"
 
 #define NR (2 * VL)  // panel width: two vectors, 32 features on AVX-512 CPUs, 16 on AVX2 ones
@@ -89,61 +87,5 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
                      ob + (int64_t)i * out_row + n, out_row, ncols, bias ? bias + n : 0);
         }
     }
-    return 0;
-}
-
-// ---- bfloat16 weights, few rows ----------------------------------------------------------------
-// out[M, N] = x[M, K] . w[N, K]^T (+ bias), everything bfloat16, float32 sums, for the few rows of a
-// decode step, straight over the row-major weight the model keeps for torch (no packed copy).
-// Why: at M = 1 torch's bf16 GEMV read SmolLM2's weights at ~20 GB/s on Zen 5, a third of the read
-// bandwidth, and the batch-1 decode step took longer in bf16 (16 ms) than in float32 (13 ms) though
-// it reads half the bytes. This kernel reads them at 45-55 GB/s there, 2-2.4x faster than torch at
-// M = 1 and 2 (kernels/linear.py, BF16_SMALL_M). From M = 4 on it loses: every row of x costs two
-// loads and two FMAs per weight vector; larger M stays on torch (oneDNN's AVX512-BF16/AMX GEMMs).
-// Each weight row is read once: 2*VL values at a time, widened by shift and mask (vec.h's even/odd
-// order, x kept in the same order), multiplied into one vector accumulator per row of x; the
-// accumulators of VL output features are folded into one vector of their sums.
-#define SMALL_M_MAX 16
-
-int linear_bf16_small_m(const uint16_t *x, int64_t x_row, int M, int K, const uint16_t *w, int64_t w_row, int N,
-                        const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
-    if (M < 1 || M > SMALL_M_MAX || N < 1 || K < 2 * VL || K % (2 * VL) != 0 || K > 16384) return -1;
-    // x in float32, even/odd order: [M][K] (at most 16 x 16384 floats = 1 MiB, shared by the threads).
-    float *xf = malloc(sizeof(float) * (size_t)M * K);
-    if (!xf) return -1;
-    for (int m = 0; m < M; m++) {
-        float row[2 * VL];
-        for (int c = 0; c < K; c += 2 * VL) {
-            for (int i = 0; i < 2 * VL; i++) row[i] = bf16_to_f32(x[m * x_row + c + i]);
-            bf16_order(row, xf + (int64_t)m * K + c, 2 * VL);
-        }
-    }
-    const int groups = (N + VL - 1) / VL;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int grp = 0; grp < groups; grp++) {
-        const int n0 = grp * VL, nf = N - n0 < VL ? N - n0 : VL;
-        vf part[SMALL_M_MAX][VL];
-        for (int f = 0; f < VL; f++) {
-            const uint16_t *wr = w + (int64_t)(n0 + (f < nf ? f : nf - 1)) * w_row;  // spare lanes: repeat a row
-            vf acc[SMALL_M_MAX];
-            for (int m = 0; m < M; m++) acc[m] = (vf){0};
-            for (int c = 0; c < K; c += 2 * VL) {
-                vf we, wo;
-                vload_bf16_pairs(wr + c, &we, &wo);
-                for (int m = 0; m < M; m++) {
-                    const float *xm = xf + (int64_t)m * K + c;
-                    acc[m] += vload(xm) * we + vload(xm + VL) * wo;
-                }
-            }
-            for (int m = 0; m < M; m++) part[m][f] = acc[m];
-        }
-        for (int m = 0; m < M; m++) {
-            float s[VL];
-            vstore(s, vreduce_lanes(part[m]));
-            for (int f = 0; f < nf; f++)
-                out[m * out_row + n0 + f] = f32_to_bf16(s[f] + (bias ? bf16_to_f32(bias[n0 + f]) : 0.0f));
-        }
-    }
-    free(xf);
     return 0;
 }

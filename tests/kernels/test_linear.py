@@ -5,14 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightserve.kernels.cpu import library, variant_library
-from lightserve.kernels.linear import (
-    linear,
-    linear_bf16_small_m,
-    linear_cpu,
-    linear_ref,
-    pack_linear_weight,
-    unpack_linear_weight,
-)
+from lightserve.kernels.linear import linear, linear_cpu, linear_ref, pack_linear_weight, unpack_linear_weight
 
 from tests.kernels.kernel_cases import c_library_variants, portable_library
 
@@ -80,31 +73,3 @@ def test_declines_what_it_does_not_take_and_dispatch_falls_back():
         assert linear_cpu(x, narrow) is None
     torch.testing.assert_close(linear(x.double(), packed, b.double()), F.linear(x.double(), w.double(), b.double()))
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))  # a plain weight: F.linear
-
-
-@pytest.mark.parametrize("variant", c_library_variants())
-@pytest.mark.parametrize("m", [1, 2, 5, 16])
-@pytest.mark.parametrize("n, k", [(13, 64), (100, 576), (33, 1536)])  # N off the vector width; K multiples of 32
-def test_bf16_small_m_matches_f_linear(m, n, k, variant):
-    """The few-rows bf16 kernel over a row-major weight, every build this CPU runs: float32 sums, one rounding
-    to bf16 at the end, as torch's bf16 linear; strided x rows and a bias."""
-    lib = variant_library(variant)
-    g = torch.Generator().manual_seed(m * 100 + n)
-    wide = torch.randn(m, k + 8, generator=g).to(torch.bfloat16)
-    x = wide[:, :k]
-    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16)
-    out = linear_bf16_small_m(x, w, b, lib=lib)
-    want = F.linear(x.float(), w.float(), b.float())
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=1e-3)
-
-
-def test_bf16_small_m_declines_and_dispatch():
-    w = torch.randn(20, 64).to(torch.bfloat16)
-    assert linear_bf16_small_m(torch.randn(17, 64).to(torch.bfloat16), w) is None  # past the kernel's 16 rows
-    assert linear_bf16_small_m(torch.randn(1, 40).to(torch.bfloat16), torch.randn(20, 40).to(torch.bfloat16)) is None
-    assert linear_bf16_small_m(torch.randn(1, 64), w.float()) is None  # float32: the packed kernel's
-    x = torch.randn(1, 40).to(torch.bfloat16)
-    w40 = torch.randn(20, 40).to(torch.bfloat16)
-    assert torch.equal(linear(x, w40), F.linear(x, w40))  # declined: torch runs it

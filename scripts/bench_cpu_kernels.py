@@ -9,10 +9,10 @@ time per layer, the KV bytes it read and its GB/s as a share of the measured ban
     python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
     python scripts/bench_cpu_kernels.py --heads 32 8 128 --layers 8 --dtypes bfloat16
     python scripts/bench_cpu_kernels.py --variants native avx2 portable   # the same source, narrower builds
-    python scripts/bench_cpu_kernels.py --library /path/to/other.so      # an older build, for before/after
 
-The variants: `native` is the serving build (-march=native: AVX-512 where the CPU has it), `avx2` the
-same source with AVX-512 off (what an AVX2-only CPU runs), `portable` with AVX2 and FMA off too.
+The variants (lightserve.kernels.cpu.BUILD_VARIANTS): `native` is the serving build (-march=native: AVX-512
+where the CPU has it), `avx2` the same source with AVX-512 off (what an AVX2-only CPU runs), `portable` with
+AVX2 and FMA off too.
 """
 from __future__ import annotations
 
@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from lightserve.kernels.cpu import build, load
+from lightserve.kernels.cpu import BUILD_VARIANTS, variant_library
 from lightserve.kernels.decode_attention import decode_attention_cpu
 
-VARIANT_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-fma")}
 # (batch, context): a full decode batch, a mid batch of long requests, one long request.
 DECODE_SHAPES = [(64, 384), (16, 1100), (1, 2000)]
 
@@ -104,18 +103,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="layers of KV to cycle through (default SmolLM2's 30)")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in DECODE_SHAPES], help="BATCHxCONTEXT")
-    ap.add_argument("--variants", nargs="+", default=["native"], choices=list(VARIANT_FLAGS))
-    ap.add_argument("--library", help="time this built kernel library instead of the variants")
+    ap.add_argument("--variants", nargs="+", default=["native"], choices=list(BUILD_VARIANTS))
     ap.add_argument("--scatter", action="store_true", help="scatter each request's tokens through the cache")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
-    libs = {args.library: load(Path(args.library))} if args.library else \
-        {name: load(build(VARIANT_FLAGS[name])) for name in args.variants}
+    libs = {name: variant_library(name) for name in args.variants}
     print(f"# {cpu_caption()}, {time.strftime('%Y-%m-%d %H:%M')}")
-    bw = read_bandwidth()
-    print(f"streaming read bandwidth (torch.sum, 256 MB): {bw:.1f} GB/s")
+    # This VM's read bandwidth drifts (33-90 GB/s within an hour here): read it between every timing and
+    # take the shares against the median of those readings.
+    bws = [read_bandwidth()]
     results = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
@@ -124,16 +122,27 @@ def main() -> None:
             case = decode_case(batch, context, tuple(args.heads), dtype, args.layers, args.scatter)
             kv_bytes = 2 * batch * context * args.heads[1] * args.heads[2] * case["k"].element_size()
             for name, lib in libs.items():
+                if lib is None:
+                    print(f"{name}: this CPU cannot run that build")
+                    continue
                 sec = time_decode(case, lib, args.reps)
-                gbps = kv_bytes / sec / 1e9
+                bws.append(read_bandwidth())
                 results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
                                 "context": context, "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
-                                "gbps": gbps, "share_of_bandwidth": gbps / bw})
+                                "gbps": kv_bytes / sec / 1e9})
                 print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {name:9s} "
-                      f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * gbps / bw:5.1f}%")
+                      f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {kv_bytes / sec / 1e9:6.1f} GB/s")
             del case
+    bw = statistics.median(bws)
+    print(f"streaming read bandwidth (torch.sum, 256 MB), {len(bws)} readings: median {bw:.1f} GB/s "
+          f"(range {min(bws):.1f}-{max(bws):.1f})")
+    for r in results:
+        r["share_of_bandwidth"] = r["gbps"] / bw
+        print(f"  {r['dtype']:8s} B={r['batch']:<3d} L={r['context']:<5d} {r['variant']:9s} "
+              f"{100 * r['share_of_bandwidth']:5.1f}% of the median read bandwidth")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "read_gbps": bw, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "read_gbps": bw, "read_gbps_readings": bws,
+                                               "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ from torch import Tensor
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
+# NUM_SPLITS is a compile-time constant: each value is one Triton compile (0.5-2 s). Eager steps meet any
+# batch x length, so the split count is rounded down to a power of two: 7 values, all compiled at start-up.
+SPLIT_BUCKETS = tuple(1 << i for i in range(_MAX_SPLITS.bit_length()))  # (1, 2, 4, ..., 64)
 
 
 def decode_attention_ref(
@@ -56,10 +59,11 @@ def _decode_split_kernel(
     qk_scale,
     q_stride_b, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, r2t_stride,
     num_heads,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    # int64 program ids: every offset below is computed in 64 bits.
+    req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -73,19 +77,21 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < GROUP
     heads = kv_head * GROUP + offs_g
-    offs_d = tl.arange(0, HEAD_DIM)
+    # BLOCK_D is head_dim rounded up to a power of two (tl.arange needs one); the padding lanes load 0.
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     q_ptrs = q_ptr + req * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [BLOCK_G, HEAD_DIM]
+    q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
         k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+        k = tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile in the loop has a valid key
@@ -93,7 +99,7 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -102,27 +108,28 @@ def _decode_split_kernel(
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     mid = (req * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] row of mid_o [B, Hq, NUM_SPLITS, D]
-    tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
 
 
 @triton.jit
 def _decode_merge_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, o_stride_b, o_stride_h, num_heads,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    req = tl.program_id(0)
+    req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
-    offs_d = tl.arange(0, HEAD_DIM)
+    # NUM_SPLITS is a power of two (_default_num_splits), so it is its own block size.
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     base = (req * num_heads + head) * NUM_SPLITS
-    lse = tl.load(mid_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))  # [BLOCK_S], log2 units
-    part = tl.load(mid_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None],
-                   other=0.0)  # [BLOCK_S, HEAD_DIM]
+    lse = tl.load(mid_lse_ptr + base + offs_s)  # [NUM_SPLITS], log2 units
+    part = tl.load(mid_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=d_mask[None, :],
+                   other=0.0)  # [NUM_SPLITS, BLOCK_D]
     weight = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty for seq_len >= 1, so the max is finite
     out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + req * o_stride_b + head * o_stride_h + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + req * o_stride_b + head * o_stride_h + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def decode_attention_triton(
@@ -136,7 +143,7 @@ def decode_attention_triton(
     assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
-    assert head_dim >= 16 and triton.next_power_of_2(head_dim) == head_dim, head_dim
+    assert head_dim % 8 == 0, head_dim  # 16-byte rows; any such head_dim is padded to BLOCK_D below
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype
     for meta in (req_rows, seq_lens):
         assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)
@@ -146,6 +153,8 @@ def decode_attention_triton(
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = _default_num_splits(q.device, batch * num_kv_heads, triton.cdiv(max_seq_len, block_n))
+    assert num_splits in SPLIT_BUCKETS, num_splits  # the values warm_up_decode_attention compiles
+    block_d = max(16, triton.next_power_of_2(head_dim))
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -153,12 +162,12 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), num_heads,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
-        HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads,
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, num_warps=4,
     )
     return out
 
@@ -207,10 +216,20 @@ def decode_attention_cpu(
     return out
 
 
+def warm_up_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor,
+                             req_rows: Tensor, seq_lens: Tensor) -> None:
+    """Compile both kernels for every split count an eager step can pick, with the model's q/K/V shapes
+    and dtype (q [B, Hq, D]; the other arguments as decode_attention's). The outputs are discarded."""
+    for num_splits in SPLIT_BUCKETS:
+        decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, int(req_to_token.shape[1]),
+                                1.0, num_splits=num_splits)
+
+
 def _default_num_splits(device: torch.device, num_programs: int, num_tiles: int) -> int:
-    # Enough programs to cover every SM about twice, but never a split without a whole tile to read.
-    target = triton.cdiv(2 * _num_sms(device), num_programs)
-    return max(1, min(target, num_tiles, _MAX_SPLITS))
+    # Enough programs to cover every SM about twice, but never a split without a whole tile to read;
+    # rounded down to a power of two (SPLIT_BUCKETS).
+    wanted = max(1, min(triton.cdiv(2 * _num_sms(device), num_programs), num_tiles, _MAX_SPLITS))
+    return 1 << (wanted.bit_length() - 1)
 
 
 @functools.cache

@@ -22,7 +22,7 @@ def _store_kv_kernel(
     k_stride_t, k_stride_h, v_stride_t, v_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_ELEMS: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     loc = tl.load(locs_ptr + token).to(tl.int64)  # int64: row * stride overflows int32 in a large cache
     offs = tl.arange(0, BLOCK)  # flattened (head, dim) of one token
     mask = offs < NUM_ELEMS

@@ -50,8 +50,8 @@ def _prefill_attention_kernel(
     qk_scale,
     q_stride_t, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, o_stride_t, o_stride_h,
     r2t_stride,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -60,19 +60,21 @@ def _prefill_attention_kernel(
     if start_m >= extend_len:
         return
     prefix_len = tl.load(prefix_lens_ptr + req)
-    q_start = tl.load(q_start_ptr + req)
+    q_start = tl.load(q_start_ptr + req).to(tl.int64)  # int64: token * q_stride_t may pass 2**31
     row = tl.load(req_rows_ptr + req).to(tl.int64)
     kv_head = head // GROUP
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    # BLOCK_D is head_dim rounded up to a power of two (tl.arange needs one); the padding lanes load 0.
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     m_mask = offs_m < extend_len
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=m_mask[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # The last query row of this block sees keys up to prefix_len + its index; nothing past that is loaded.
     kv_end = prefix_len + tl.minimum(extend_len, start_m + BLOCK_M)
     for start_n in range(0, kv_end, BLOCK_N):
@@ -80,7 +82,7 @@ def _prefill_attention_kernel(
         n_mask = offs_n < kv_end
         locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
         k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
-        k = tl.load(k_ptrs, mask=n_mask[None, :], other=0.0)  # [HEAD_DIM, BLOCK_N]
+        k = tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
         qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = (offs_n[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -90,13 +92,13 @@ def _prefill_attention_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 def prefill_attention_triton(
@@ -110,7 +112,7 @@ def prefill_attention_triton(
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
     assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _DTYPES, (q.dtype, k_cache.dtype)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
-    assert head_dim >= 16 and triton.next_power_of_2(head_dim) == head_dim, head_dim
+    assert head_dim % 8 == 0, head_dim  # 16-byte rows; any such head_dim is padded to BLOCK_D below
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype
     batch = req_rows.shape[0]
     for meta in (req_rows, q_start_locs, prefix_lens, extend_lens):
@@ -118,7 +120,8 @@ def prefill_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0 or max_extend_len == 0:
         return out
-    block_m = block_m or (128 if head_dim <= 64 else 64)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = block_m or (128 if block_d <= 64 else 64)
     block_n = block_n or 64
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _prefill_attention_kernel[grid](
@@ -126,8 +129,8 @@ def prefill_attention_triton(
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=dot_precision(q.dtype), num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
     return out
 

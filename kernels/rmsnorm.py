@@ -31,7 +31,7 @@ def _rmsnorm_kernel(
     hidden, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # int64: row * x_stride may pass 2**31 in a large step
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)

@@ -35,17 +35,19 @@ def _rotary_kernel(
     x_ptr, pos_ptr, cos_sin_ptr,
     x_stride_t, x_stride_h, cos_sin_stride,
     num_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # int64: token * x_stride_t may pass 2**31 in a large step
     head_block = tl.program_id(1)
-    pos = tl.load(pos_ptr + token)
-    dims = tl.arange(0, HALF)
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + dims)[None, :]  # [1, HALF]
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + dims)[None, :]  # [1, HALF]
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    # BLOCK_HALF is head_dim / 2 rounded up to a power of two (head_dim 80, 96); padding lanes are masked.
+    dims = tl.arange(0, BLOCK_HALF)
+    d_mask = dims < HALF
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + dims, mask=d_mask, other=0.0)[None, :]  # [1, BLOCK_HALF]
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + dims, mask=d_mask, other=0.0)[None, :]
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (heads < num_heads)[:, None]
-    ptr1 = x_ptr + token * x_stride_t + heads[:, None] * x_stride_h + dims[None, :]  # [BLOCK_H, HALF]
+    mask = (heads < num_heads)[:, None] & d_mask[None, :]
+    ptr1 = x_ptr + token * x_stride_t + heads[:, None] * x_stride_h + dims[None, :]  # [BLOCK_H, BLOCK_HALF]
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr1 + HALF, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
@@ -59,7 +61,7 @@ def rotary_emb_triton(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) 
     num_tokens, _, head_dim = q.shape
     assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, (q.shape, k.shape)
     assert q.stride(2) == 1 and k.stride(2) == 1, "the head dim must be contiguous"
-    assert head_dim % 2 == 0 and triton.next_power_of_2(head_dim // 2) == head_dim // 2, head_dim
+    assert head_dim % 2 == 0, head_dim
     assert positions.shape == (num_tokens,) and positions.dtype in (torch.int32, torch.int64), positions.dtype
     assert cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32, cos_sin.shape
     assert cos_sin.stride(1) == 1, cos_sin.stride()
@@ -70,7 +72,7 @@ def rotary_emb_triton(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) 
         grid = (num_tokens, triton.cdiv(x.shape[1], block_h))
         _rotary_kernel[grid](
             x, positions, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), x.shape[1],
-            HALF=head_dim // 2, BLOCK_H=block_h,
+            HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h,
         )
 
 

@@ -6,6 +6,8 @@ from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.decode_attention import (
     decode_attention_cpu,
     decode_attention_ref,
+    SPLIT_BUCKETS,
+    _default_num_splits,
     decode_attention_triton,
 )
 
@@ -52,11 +54,39 @@ def test_reference_ignores_max_seq_len_padding():
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", KERNEL_CASES)
-@pytest.mark.parametrize("num_splits", [1, 3])  # 3 splits of a 1- or 16-token sequence: empty splits
+@pytest.mark.parametrize("num_splits", [1, 4])  # 4 splits of a 1- or 16-token sequence: empty splits
 def test_decode_triton_matches_reference(num_heads, num_kv_heads, head_dim, dtype, num_splits):
     batch, q, meta = _decode_case(SEQ_LENS, num_heads, num_kv_heads, head_dim, dtype)
     out = decode_attention_triton(q, batch.k_cache, batch.v_cache, **meta, num_splits=num_splits, block_n=16)
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(80, torch.float32), (96, torch.float16)])
+def test_decode_triton_non_power_of_two_head_dim(head_dim, dtype):
+    # BLOCK_D pads 80 and 96 to 128; the padding lanes must neither read nor write past each head.
+    batch, q, meta = _decode_case(SEQ_LENS, 4, 1, head_dim, dtype)
+    out = decode_attention_triton(q, batch.k_cache, batch.v_cache, **meta, num_splits=2, block_n=16)
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+def test_split_counts_stay_in_the_compiled_buckets():
+    # Every batch x length an eager step can meet maps to one of the 7 warmed-up split counts, and no split
+    # is left without a whole tile to read.
+    device = torch.device("cpu")
+    seen = set()
+    for num_programs in (1, 2, 3, 8, 24, 31, 64, 100, 256, 800, 2048):
+        for num_tiles in (1, 2, 3, 5, 7, 16, 33, 100, 129, 2048):
+            splits = _default_num_splits(device, num_programs, num_tiles)
+            assert splits in SPLIT_BUCKETS and splits <= num_tiles, (num_programs, num_tiles, splits)
+            seen.add(splits)
+    assert seen <= set(SPLIT_BUCKETS) and len(seen) >= 3
+    assert SPLIT_BUCKETS == (1, 2, 4, 8, 16, 32, 64)
+
+
+def test_decode_triton_refuses_an_unwarmed_split_count():
+    batch, q, meta = _decode_case([5], 4, 1, 64, torch.float32)
+    with pytest.raises(AssertionError):
+        decode_attention_triton(q, batch.k_cache, batch.v_cache, **meta, num_splits=3)
 
 
 def test_decode_triton_strided_q_and_default_splits():

@@ -46,7 +46,9 @@ def test_reference_is_hf_rotary_bit_for_bit(dtype):
     assert torch.equal(qkv[:, 4 * 64:], v_before)  # the v slice of the fused output is untouched
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(4, 4, 64), (8, 2, 128), (9, 3, 64), (20, 1, 64)])
+# head_dim 80 and 96 (Phi-2-like, some Qwen2 sizes): half-widths 40 and 48 are padded to 64 with masked lanes.
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim",
+                         [(4, 4, 64), (8, 2, 128), (9, 3, 64), (20, 1, 64), (4, 2, 80), (3, 1, 96)])
 @pytest.mark.parametrize("dtype", TOL)
 def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dtype):
     cos_sin, _ = _cos_sin(head_dim, 500)

@@ -1,13 +1,15 @@
 """CudaGraphRunner: decode steps replayed from CUDA graphs captured at start-up (CUDA only).
 
 A pure-decode batch of B requests is padded to the next captured size G and replayed. The graphs
-read static input buffers owned here; a replay copies the step's inputs into them (no allocation
-per step). Padding entries point at a scratch KV row (`pad_kv_loc`, one past the router's range)
-and at request row 0 with length 1, so they compute garbage that is never read.
+read static input buffers (`GraphInputs`, device-agnostic so its padding is tested on CPU); a
+replay copies the step's inputs into them (device to device, no allocation per step). Padding
+entries point at a scratch KV row (`pad_kv_loc`, one past the router's range) and at request row 0
+with length 1, so they compute garbage that is never read.
 """
 from __future__ import annotations
 
 import bisect
+import time
 
 import torch
 
@@ -25,27 +27,69 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes if sizes[-1] == max_batch else sizes + [max_batch]
 
 
+class GraphInputs:
+    """Every tensor a captured decode graph reads, allocated once at the largest size.
+
+    NOTE: a captured graph keeps the addresses it saw at capture. Each tensor of `batch(g)` is
+    therefore a view of a buffer held here for the runner's lifetime; a temporary (e.g. a `.long()`
+    of a buffer) would be freed after capture and its memory reused by later steps' tensors.
+    """
+
+    def __init__(self, max_batch: int, pad_kv_loc: int, req_to_token: torch.Tensor, max_seq_len: int):
+        n, dev = max_batch, req_to_token.device
+        self.pad_kv_loc = pad_kv_loc
+        self.req_to_token = req_to_token    # [num_rows, max_req_total_len] int32, the KV cache's table
+        self.max_seq_len = max_seq_len      # attention is captured for the longest allowed sequence
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)                 # [n]
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)                 # [n]
+        self.kv_locs = torch.full((n,), pad_kv_loc, dtype=torch.long, device=dev)     # [n]
+        self.req_rows = torch.zeros(n, dtype=torch.int32, device=dev)                 # [n]
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)                  # [n]
+        self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)              # [n]
+        self.extend_lens = torch.ones(n, dtype=torch.int32, device=dev)               # [n], all decodes
+        self.q_start_locs = torch.arange(n, dtype=torch.int32, device=dev)            # [n], token b is request b
+        self.logits_indices = torch.arange(n, dtype=torch.long, device=dev)           # [n]
+
+    def batch(self, g: int) -> ForwardBatch:
+        """The ForwardBatch a graph of size g is captured with: views of the buffers above."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:g], positions=self.positions[:g], kv_locs=self.kv_locs[:g],
+            req_rows=self.req_rows[:g], prefix_lens=self.prefix_lens[:g], extend_lens=self.extend_lens[:g],
+            seq_lens=self.seq_lens[:g], q_start_locs=self.q_start_locs[:g], logits_indices=self.logits_indices[:g],
+            num_decode=g, num_decode_tokens=g, max_seq_len=self.max_seq_len, max_extend_len=0,
+            req_to_token=self.req_to_token)
+
+    def load(self, batch: ForwardBatch, g: int) -> None:
+        """Copy a pure-decode batch of B <= g requests into entries [0, B) and reset [B, g) to padding
+        (they may hold a previous step's values). Device-to-device copies only: no host sync."""
+        b = batch.num_reqs
+        self.input_ids[:b].copy_(batch.input_ids)
+        self.positions[:b].copy_(batch.positions)
+        self.kv_locs[:b].copy_(batch.kv_locs)
+        self.req_rows[:b].copy_(batch.req_rows)
+        self.seq_lens[:b].copy_(batch.seq_lens)
+        self.prefix_lens[:b].copy_(batch.prefix_lens)
+        self.kv_locs[b:g].fill_(self.pad_kv_loc)
+        self.req_rows[b:g].zero_()
+        self.seq_lens[b:g].fill_(1)
+        self.prefix_lens[b:g].zero_()
+
+
 class CudaGraphRunner:
     def __init__(self, model, kv_cache: KVCache, max_batch: int, max_seq_len: int, pad_kv_loc: int):
         self.model = model
         self.kv_cache = kv_cache
-        self.max_seq_len = max_seq_len   # attention is captured for the longest allowed sequence
         self.sizes = capture_sizes(max_batch)
-        dev = kv_cache.req_to_token.device
-        n = self.sizes[-1]
-        # Static inputs: replays read these; `run` overwrites their first B entries.
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.kv_locs = torch.full((n,), pad_kv_loc, dtype=torch.long, device=dev)
-        self.req_rows = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.ones = torch.ones(n, dtype=torch.int32, device=dev)
-        self.arange = torch.arange(n, dtype=torch.int32, device=dev)
-        self.pad_kv_loc = pad_kv_loc
+        self.inputs = GraphInputs(self.sizes[-1], pad_kv_loc, kv_cache.req_to_token, max_seq_len)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_s = 0.0
+        self.capture_bytes = 0
         self._capture_all()
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.inputs.max_seq_len
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.num_decode == batch.num_reqs and 0 < batch.num_reqs <= self.sizes[-1]
@@ -54,37 +98,20 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, vocab] float32 of a pure-decode batch (every request samples)."""
-        b = batch.num_reqs
-        g = self.sizes[bisect.bisect_left(self.sizes, b)]
-        self.input_ids[:b].copy_(batch.input_ids)
-        self.positions[:b].copy_(batch.positions)
-        self.kv_locs[:b].copy_(batch.kv_locs)
-        self.req_rows[:b].copy_(batch.req_rows)
-        self.seq_lens[:b].copy_(batch.seq_lens)
-        self.prefix_lens[:b].copy_(batch.prefix_lens)
-        # Entries [b, g) may hold a previous step's values: reset them to the harmless padding.
-        self.kv_locs[b:g].fill_(self.pad_kv_loc)
-        self.req_rows[b:g].zero_()
-        self.seq_lens[b:g].fill_(1)
-        self.prefix_lens[b:g].zero_()
+        g = self.sizes[bisect.bisect_left(self.sizes, batch.num_reqs)]
+        self.inputs.load(batch, g)
         self.graphs[g].replay()
-        return self.outputs[g][:b]
-
-    def _batch(self, g: int) -> ForwardBatch:
-        return ForwardBatch(
-            input_ids=self.input_ids[:g], positions=self.positions[:g], kv_locs=self.kv_locs[:g],
-            req_rows=self.req_rows[:g], prefix_lens=self.prefix_lens[:g], extend_lens=self.ones[:g],
-            seq_lens=self.seq_lens[:g], q_start_locs=self.arange[:g], logits_indices=self.arange[:g].long(),
-            num_decode=g, num_decode_tokens=g, max_seq_len=self.max_seq_len, max_extend_len=0,
-            req_to_token=self.kv_cache.req_to_token)
+        return self.outputs[g][:batch.num_reqs]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        free_before, _ = torch.cuda.mem_get_info()
         pool = None
         stream = torch.cuda.Stream()
         # Largest first, so the smaller graphs reuse the largest one's memory pool.
         for g in reversed(self.sizes):
-            batch = self._batch(g)
+            batch = self.inputs.batch(g)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
                     self.model.forward(batch, self.kv_cache)
@@ -95,4 +122,7 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[g] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d)", len(self.graphs), self.sizes[-1])
+        self.capture_s = time.perf_counter() - t0
+        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s, %.0f MiB",
+                    len(self.graphs), self.sizes[-1], self.capture_s, self.capture_bytes / 2**20)

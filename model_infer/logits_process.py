@@ -9,8 +9,13 @@ penalties (OpenAI style) apply to output tokens only.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from lightserve.model_infer.token_history import TokenHistory
 
 NEG_INF = float("-inf")
 
@@ -22,8 +27,9 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, history: torch.Ten
 
     history [R, L] int64: each row's tokens (prompt then outputs), valid below seq_lens [R] (>= 1);
     prompt_lens [R]; repetition, presence, frequency [R] float32.
-    NOTE: the penalties are rebuilt from the token history every step, with no per-slot state that
-    pause/resume or slot reuse could get wrong, and they touch only the [R, L] history positions of
+    NOTE: the penalties are rebuilt from the token history every step (no per-slot counts that
+    pause/resume or slot reuse could get wrong; the history itself stays on the device, see
+    TokenHistory), and they touch only the [R, L] history positions of
     the flattened logits (gather, index_put, index_add), never a dense [R, V] count matrix: measured
     here at R=64, L=1024, V=49152, a dense scatter_add + where cost ~15x a softmax of the batch, this
     ~3x, both noisy on the shared CPU (scripts/bench_penalties.py).
@@ -93,21 +99,21 @@ def needs_processing(params: np.ndarray, num_out: np.ndarray) -> bool:
 
 
 def process_logits(logits: torch.Tensor, slots: np.ndarray, params: np.ndarray, num_out: np.ndarray,
-                   prompt_lens: np.ndarray, token_ids: np.ndarray, eos_ids: np.ndarray) -> torch.Tensor:
+                   prompt_lens: np.ndarray, history: TokenHistory, eos_ids: np.ndarray) -> torch.Tensor:
     """Everything above for one batch, each step only on the rows that ask for it.
 
     logits [S, V] float32 (modified in place and returned); slots [S] the rows' shm_index; params [S]
     PARAMS_DTYPE records; num_out, prompt_lens [S] (outputs already published, prompt length);
-    token_ids: the pool's [num_slots, L] array, read only at the penalized rows; eos_ids [E] int32.
+    history: every slot's tokens, read only at the penalized rows; eos_ids [E] int32.
     """
     dev = logits.device
 
     def rows_of(mask: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         sel = np.flatnonzero(mask)
-        return sel, torch.from_numpy(sel).to(dev)
+        return sel, torch.from_numpy(sel).to(dev, non_blocking=True)
 
     def t(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(dev, dtype, non_blocking=True)
 
     ban, bias, allowed, penalized = _rows_asking(params, num_out)
     # Below min_new_tokens, eos and the stop ids cannot be sampled (not merely ignored).
@@ -129,8 +135,8 @@ def process_logits(logits: torch.Tensor, slots: np.ndarray, params: np.ndarray, 
     sel, rows = rows_of(penalized)
     if sel.size:
         seq_lens = prompt_lens[sel] + num_out[sel]                                   # [R]
-        history = token_ids[slots[sel], : int(seq_lens.max())]                        # [R, L] a copy
-        apply_penalties(logits, rows, t(history, torch.int64), t(seq_lens, torch.int64),
+        tokens = history.gather(slots[sel], seq_lens)                                # [R, L] int64 on dev
+        apply_penalties(logits, rows, tokens, t(seq_lens, torch.int64),
                         t(prompt_lens[sel], torch.int64), t(params["repetition_penalty"][sel], torch.float32),
                         t(params["presence_penalty"][sel], torch.float32),
                         t(params["frequency_penalty"][sel], torch.float32))

@@ -26,6 +26,7 @@ from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.grammar import GrammarSet
 from lightserve.model_infer.logits_process import needs_processing, process_logits
 from lightserve.model_infer.sampler import sample
+from lightserve.model_infer.token_history import TokenHistory
 
 logger = get_logger(__name__)
 
@@ -70,7 +71,7 @@ def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connec
             to_router, to_detok = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
             to_router.connect(config.step_done_addr)
             to_detok.connect(config.detok_addr)
-            writer = OutputWriter(pool, model_config, model_dir, to_router, to_detok)
+            writer = OutputWriter(pool, model_config, model_dir, to_router, to_detok, device)
         report_ready(ready, {"kv_size": runner.kv_size})
         try:
             while not stop.is_set():
@@ -119,9 +120,12 @@ def _init_tp_group(config: ServerConfig, tp_rank: int, device: torch.device):
 class OutputWriter:
     """Rank 0: sample, publish tokens in shm, notify the router and the detokenizer."""
 
-    def __init__(self, pool: ReqPool, model_config: ModelConfig, model_dir: str, to_router, to_detok):
-        """`to_router`/`to_detok`: connected zmq PUSH sockets (anything with send/close in tests)."""
+    def __init__(self, pool: ReqPool, model_config: ModelConfig, model_dir: str, to_router, to_detok,
+                 device: torch.device | None = None):
+        """`to_router`/`to_detok`: connected zmq PUSH sockets (anything with send/close in tests);
+        `device`: where the logits live (the penalties' token history is kept there)."""
         self.pool = pool
+        self.history = TokenHistory(pool.token_ids, device or torch.device("cpu"))
         self.eos_ids = np.array(model_config.eos_token_ids or [-1], np.int32)
         # req_id each slot was last seen with: a new id means a new occupant, whose counters reset.
         self.slot_req = np.full(pool.num_slots, -1, np.int64)
@@ -142,6 +146,7 @@ class OutputWriter:
             pool.finish[slots] = FinishReason.NONE
             self.slot_req[slots] = plan.req_ids[fresh]
             self.grammars.drop(slots)
+            self.history.reset(slots)
         idx = plan.shm_indices[plan.sample]                      # [S] slots that sample this step
         if plan.prompt_logit_idx.size:
             # Before any new token's count is published: a reader that sees the first output token
@@ -184,7 +189,7 @@ class OutputWriter:
         raw = logits
         grammar_rows = np.flatnonzero(params["grammar_kind"] != 0)
         if grammar_rows.size or needs_processing(params, num_out):
-            logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, pool.token_ids, self.eos_ids)
+            logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, self.history, self.eos_ids)
             if grammar_rows.size:
                 self.grammars.mask(logits, idx, grammar_rows, params["grammar_kind"], pool)
         next_ids, logprobs = sample(
@@ -197,9 +202,12 @@ class OutputWriter:
             min_ps=torch.from_numpy(params["min_p"].copy()),
             raw_logits=None if logits is raw else raw,
         )
-        ids = next_ids.cpu().numpy().astype(np.int32)
-        lps = logprobs.cpu().numpy().astype(np.float32)
         pos = prompt_lens + num_out                              # where each new token goes
+        self.history.append(idx, pos, next_ids)
+        # One read-back for both (the step's one wait for the GPU): ids < 2**53 are exact in float64.
+        both = torch.stack([next_ids.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()   # [2, S]
+        ids = both[0].astype(np.int32)
+        lps = both[1].astype(np.float32)
         top_k = np.minimum(params["top_logprobs"], pool.max_top_logprobs)
         top_rows = np.flatnonzero(top_k > 0)
         if top_rows.size:

@@ -39,34 +39,52 @@ def sample(
 
     logits [B, V] float32; temperatures [B] float32 (<= 0 means greedy); top_ps [B] float32 (1 = off);
     top_ks [B] int64 (<= 0 or >= V = off, 1 = greedy); seeds [B] int64; steps [B] int64 (the index of
-    the token being sampled within its request, so every step gets a fresh draw). The parameters may
-    be host tensors of any numeric dtype; they are moved to logits' device. min_ps [B] float32 (0 =
+    the token being sampled within its request, so every step gets a fresh draw). The parameters are
+    host tensors of any numeric dtype: every decision on them (all greedy? which rows filter?) is
+    made on the host and they reach logits' device by non-blocking copies, so on a GPU the only waits
+    are the caller's read of the result and a top_p row's full-sort check. min_ps [B] float32 (0 =
     off): drop tokens whose probability is below min_p times the top token's (after temperature).
     raw_logits [B, V]: the model's logits before any processing (penalties, bias), for logprobs;
     None means `logits`.
     Returns next_ids [B] int64 and logprobs [B] float32: log_softmax of the raw (untempered) logits
     at the chosen token. Does not modify its inputs.
     """
-    dev = logits.device  # the parameters usually come from host numpy arrays, in any int/float width
-    temperatures = temperatures.to(dev, logits.dtype)
-    top_ps = top_ps.to(dev, logits.dtype)
-    top_ks = top_ks.to(dev, torch.int64)
-    seeds = seeds.to(torch.int64).to(dev)  # via int64 on the host: uint64 tensors support few ops
-    steps = steps.to(dev, torch.int64)
-    greedy = (temperatures <= 0) | (top_ks == 1)  # [B] bool
+    dev = logits.device
+    vocab = logits.shape[1]
+    # Host copies in fixed dtypes (the parameters usually come from numpy arrays of any int/float width).
+    temperatures = temperatures.to("cpu", torch.float32)
+    top_ps = top_ps.to("cpu", torch.float32)
+    top_ks = top_ks.to("cpu", torch.int64)
+    top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
+    min_ps = torch.zeros_like(temperatures) if min_ps is None else min_ps.to("cpu", torch.float32)
+    greedy = (temperatures <= 0) | (top_ks == 1)  # [B] bool, on the host
     raw = logits if raw_logits is None else raw_logits
-    if raw is logits and bool(greedy.all()):
+    all_greedy = bool(greedy.all())
+    if raw is logits and all_greedy:
         fused = greedy_cpu(logits)  # argmax and logsumexp in one C call on CPU
         if fused is not None:
             next_ids, lse = fused
             return next_ids, logits.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
     greedy_ids = logits.argmax(dim=-1)  # [B]
-    min_ps = torch.zeros_like(temperatures) if min_ps is None else min_ps.to(dev, logits.dtype)
-    if bool(greedy.all()):
+    if all_greedy:
         next_ids = greedy_ids
     else:
-        next_ids = torch.where(greedy, greedy_ids,
-                               _sample_random(logits, temperatures, top_ps, top_ks, min_ps, seeds, steps, greedy))
+        # Rows to filter, chosen on the host ([R] and [M] indices), so no nonzero() waits for the GPU.
+        filter_rows = (~greedy & ((top_ks < vocab) | (top_ps < 1.0))).nonzero().squeeze(1)
+        min_p_rows = (~greedy & (min_ps > 0)).nonzero().squeeze(1)
+        filter_ks = top_ks[filter_rows]                                        # [R]
+        k_needed = int(torch.where(filter_ks < vocab, filter_ks, 0).max()) if filter_rows.numel() else 0
+        all_have_k = bool((filter_ks < vocab).all())
+
+        def to_dev(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return t.to(dev, dtype, non_blocking=True)
+
+        greedy_dev = to_dev(greedy)
+        random_ids = _sample_random(
+            logits, to_dev(temperatures, logits.dtype), to_dev(top_ps, logits.dtype), to_dev(top_ks),
+            to_dev(min_ps, logits.dtype), to_dev(seeds.to(torch.int64)),  # via int64: uint64 supports few ops
+            to_dev(steps, torch.int64), greedy_dev, to_dev(filter_rows), to_dev(min_p_rows), k_needed, all_have_k)
+        next_ids = torch.where(greedy_dev, greedy_ids, random_ids)
     chosen = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
     logprobs = chosen - torch.logsumexp(raw, dim=-1)  # [B]
     return next_ids, logprobs
@@ -108,16 +126,20 @@ def _sample_random(
     seeds: torch.Tensor,
     steps: torch.Tensor,
     greedy: torch.Tensor,
+    filter_rows: torch.Tensor,
+    min_p_rows: torch.Tensor,
+    k_needed: int,
+    all_have_k: bool,
 ) -> torch.Tensor:
-    vocab = logits.shape[1]
+    """Every tensor on logits' device; top_ks already clamped to [1, V]. filter_rows [R]: rows with top-k
+    or top-p; min_p_rows [M]; k_needed: the largest top-k among filter_rows (0 if none has one); all_have_k:
+    every filter row has a top-k. The row choices come from the host (sample), not from a device nonzero()."""
     temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)  # greedy rows: any finite value
     scaled = logits / temps.unsqueeze(1)  # [B, V], a new tensor
-    top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
-    need_filter = ~greedy & ((top_ks < vocab) | (top_ps < 1.0))  # [B]
-    rows = need_filter.nonzero().squeeze(1)  # [R]
+    rows = filter_rows  # [R]
     if rows.numel() > 0:
-        scaled[rows] = _filter_top_k_top_p(scaled[rows], top_ks[rows], top_ps[rows])
-    rows = (~greedy & (min_ps > 0)).nonzero().squeeze(1)  # [M]
+        scaled[rows] = _filter_top_k_top_p(scaled[rows], top_ks[rows], top_ps[rows], k_needed, all_have_k)
+    rows = min_p_rows  # [M]
     if rows.numel() > 0:
         # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); the top token always survives.
         sub = scaled[rows]
@@ -130,21 +152,22 @@ def _sample_random(
     # First index whose cdf exceeds the target; a zero-probability token repeats the previous cdf
     # value and so can never be the first to exceed it.
     ids = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [B]
-    return ids.clamp_(max=vocab - 1)
+    return ids.clamp_(max=logits.shape[1] - 1)
 
 
-def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, k_needed: int,
+                        all_have_k: bool) -> torch.Tensor:
     """scaled [R, V] -> [R, V] with tokens outside each row's top-k, then outside its top-p nucleus
     (of the top-k renormalized distribution), set to -inf. The most likely token always survives.
 
     NOTE: sorting a 49k vocabulary costs far more than the rest of sampling, so the filter works on
     the top `_NUM_CANDIDATES` (or top-k) tokens of each row; that is exact whenever those candidates
-    hold the whole top-k set or at least top_p of the mass. The rare flatter rows get a full sort.
+    hold the whole top-k set or at least top_p of the mass. The rare flatter rows get a full sort
+    (knowing whether a row needs it reads `covered` back: the one host wait of a top_p-only batch).
+    k_needed: the largest top-k below V among the rows (0 if none); all_have_k: every row has one.
     """
     vocab = scaled.shape[1]
-    has_k = top_ks < vocab  # [R]
-    k_needed = int(torch.where(has_k, top_ks, 0).max())
-    if bool(has_k.all()):  # every row's candidates are its top-k set: exact, and the cheapest topk
+    if all_have_k:  # every row's candidates are its top-k set: exact, and the cheapest topk
         num_cand, full_lse = k_needed, None
     else:
         num_cand, full_lse = min(vocab, max(_NUM_CANDIDATES, k_needed)), torch.logsumexp(scaled, dim=-1)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lightserve.model_infer.logits_process import process_logits
+from lightserve.model_infer.token_history import TokenHistory
 from lightserve.model_infer.sampler import sample
 from lightserve.sampling import PARAMS_DTYPE, ParamError, SamplingParams
 
@@ -29,7 +30,8 @@ def _batch(params: list[SamplingParams], histories: list[list[int]], prompt_lens
 
 def _run(params, histories, prompt_lens, logits):
     records, num_out, prompt, table = _batch(params, histories, prompt_lens)
-    return process_logits(logits.clone(), np.arange(len(params)), records, num_out, prompt, table, EOS)
+    history = TokenHistory(table, torch.device("cpu"))
+    return process_logits(logits.clone(), np.arange(len(params)), records, num_out, prompt, history, EOS)
 
 
 def test_untouched_rows_stay_bit_identical():

@@ -127,7 +127,7 @@ def test_candidate_filter_equals_full_sort_on_a_large_vocabulary():
     scaled = torch.randn(6, vocab, generator=gen) * scale
     top_ks = torch.tensor([vocab, 50, vocab, vocab, 2000, vocab])
     top_ps = torch.tensor([0.9, 0.95, 0.9, 0.5, 0.99, 1.0])
-    got = _filter_top_k_top_p(scaled.clone(), top_ks, top_ps)
+    got = _filter_top_k_top_p(scaled.clone(), top_ks, top_ps, k_needed=2000, all_have_k=False)
     for r in range(6):
         kept = ~torch.isinf(_filter_reference(scaled[r].clone(), int(top_ks[r]), float(top_ps[r])))
         got_kept = ~torch.isinf(got[r])

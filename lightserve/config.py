@@ -14,6 +14,13 @@ from enum import Enum
 from typing import Any, Sequence, get_args, get_origin
 
 SHM_PREFIX = "lightserve-"
+# Default longest request (prompt + output) when --max_req_total_len is not given, capped by the model's
+# context. Not the model's maximum (131,072 for Llama-3.1): per-slot state scales with it (the worker's
+# req_to_token table, the decode graphs' attention length, the shm pool's token and top-logprob rows:
+# 512 slots x 131,072 x 5 alternatives is 3 GB of /dev/shm). vLLM's paged KV makes a long max_model_len
+# free until used, yet users serving Llama-3.1 on one GPU commonly set --max-model-len 8192-32768;
+# LightLLM asks for the flag explicitly. 16,384 holds ordinary chat and RAG prompts; raise it per launch.
+DEFAULT_MAX_REQ_TOTAL_LEN = 16384
 
 
 class Device(str, Enum):
@@ -52,7 +59,7 @@ class ServerConfig:
     nccl_host: str = field(default="127.0.0.1", metadata={"help": "rendezvous host of the TP group (node 0)"})
     nccl_port: int = field(default=0, metadata={"help": "rendezvous port of the TP group; 0 = pick a free one (single node only)"})
     max_total_token_num: int | None = field(default=None, metadata={"help": "KV cache size in tokens; default: sized from free memory"})
-    max_req_total_len: int | None = field(default=None, metadata={"help": "max prompt + output tokens of one request; default: the model's context length"})
+    max_req_total_len: int | None = field(default=None, metadata={"help": f"max prompt + output tokens of one request; default: {DEFAULT_MAX_REQ_TOTAL_LEN} or the model's context length if shorter"})
     running_max_req_size: int = field(default=256, metadata={"help": "max requests running at once"})
     batch_max_tokens: int | None = field(default=None, metadata={"help": "max new tokens computed in one step; default 512 on CPU, 8192 on GPU"})
     chunked_prefill_size: int | None = field(default=None, metadata={"help": "max prompt tokens of one request per step; default batch_max_tokens"})

@@ -17,11 +17,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from lightserve import envs
-from lightserve.config import SHM_PREFIX, Device, DType, ServerConfig, config_with
+from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, SHM_PREFIX, Device, DType, ServerConfig, config_with
 from lightserve.log import get_logger
 from lightserve.procutil import remove_instance_files
 from lightserve.shm.req_pool import ReqPool
-from lightserve.shm.segment import remove_stale_segments
+from lightserve.shm.segment import SHM_DIR, remove_stale_segments
 
 logger = get_logger(__name__)
 
@@ -67,7 +67,7 @@ def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
     if dtype is DType.AUTO:
         dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
     batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
-    max_len = min(config.max_req_total_len or model_config.max_context_len, model_config.max_context_len)
+    max_len = min(config.max_req_total_len or DEFAULT_MAX_REQ_TOTAL_LEN, model_config.max_context_len)
     nccl_port = config.nccl_port
     if config.tp > 1 and nccl_port == 0:
         if config.nnodes > 1:
@@ -79,6 +79,17 @@ def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
                            max_req_total_len=max_len, nccl_port=nccl_port,
                            served_model_name=config.served_model_name or Path(model_dir).name)
     return resolved, model_dir
+
+
+def check_shm_room(needed: int, shm_dir: Path = SHM_DIR) -> None:
+    """Refuse a request pool larger than the free space of shm_dir. The segment is sparse, so creating it
+    succeeds anyway; the first write past the space left would kill the writer with SIGBUS mid-serving."""
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    if needed > free:
+        raise StartError(f"the request pool needs {needed / 2**20:.0f} MiB of {shm_dir} but {free / 2**20:.0f} MiB "
+                         "are free: lower --req_pool_size, --max_req_total_len or --max_top_logprobs, or enlarge "
+                         f"{shm_dir} (docker: --shm-size)")
 
 
 def _check_tp_fits(model_config, tp: int) -> None:
@@ -147,6 +158,8 @@ class EngineProcs:
             logger.warning("removed shared memory left by crashed launches: %s", ", ".join(stale))
         try:
             if config.is_master_node:
+                check_shm_room(ReqPool.size_bytes(config.req_pool_size, config.max_req_total_len,
+                                                  config.max_top_logprobs))
                 self.pool = ReqPool.create(config.shm_name, config.req_pool_size, config.max_req_total_len,
                                             config.max_top_logprobs)
             saved_preload = os.environ.get("LD_PRELOAD")

@@ -118,6 +118,11 @@ class ReqPool:
         del header
         return cls(segment)
 
+    @staticmethod
+    def size_bytes(num_slots: int, max_len: int, max_top_logprobs: int = 5) -> int:
+        """Bytes of the segment `create` would make (sparse: pages are backed only where written)."""
+        return _offsets(num_slots, max_len, max_top_logprobs)[1]
+
     @classmethod
     def attach(cls, name: str) -> ReqPool:
         return cls(Segment.attach(name))

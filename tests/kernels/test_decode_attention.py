@@ -61,14 +61,6 @@ def test_decode_triton_matches_reference(num_heads, num_kv_heads, head_dim, dtyp
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(80, torch.float32), (96, torch.float16)])
-def test_decode_triton_non_power_of_two_head_dim(head_dim, dtype):
-    # BLOCK_D pads 80 and 96 to 128; the padding lanes must neither read nor write past each head.
-    batch, q, meta = _decode_case(SEQ_LENS, 4, 1, head_dim, dtype)
-    out = decode_attention_triton(q, batch.k_cache, batch.v_cache, **meta, num_splits=2, block_n=16)
-    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
-
-
 def test_split_counts_stay_in_the_compiled_buckets():
     # Every batch x length an eager step can meet maps to one of the 7 warmed-up split counts, and no split
     # is left without a whole tile to read.

@@ -80,14 +80,6 @@ def test_prefill_triton_matches_reference(num_heads, num_kv_heads, head_dim, dty
     torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(80, torch.float32), (96, torch.float16)])
-def test_prefill_triton_non_power_of_two_head_dim(head_dim, dtype):
-    # BLOCK_D pads 80 and 96 to 128; the padding lanes must neither read nor write past each head.
-    batch, q, meta = _prefill_case(REQS, 4, 1, head_dim, dtype)
-    out = prefill_attention_triton(q, batch.k_cache, batch.v_cache, **meta, block_m=16, block_n=16)
-    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
-
-
 def test_prefill_triton_strided_q_and_default_blocks():
     batch, q, meta = _prefill_case([(0, 40), (70, 3)], 4, 2, 64, torch.float16)
     kv = torch.zeros(q.shape[0], 2 * 2 * 64, dtype=q.dtype, device=DEVICE)

@@ -131,8 +131,10 @@ def cmd_runner(args: argparse.Namespace) -> int:
     cfg = ModelConfig.from_dir(args.model)
     lens = (shapes.prefill_len, *shapes.extra_prompts)
     max_len = shapes.prefill_len + shapes.decode_steps + 8
-    runner = ModelRunner(args.model, cfg, dtype, device, 0, 1, None, num_req_rows=len(lens), max_req_total_len=max_len,
-                         kv_size=len(lens) * max_len, cuda_graph_max_batch=4 if device.type == "cuda" else 0)
+    # One spare request row, so the graphs are captured at 1, 2 and 4 and the 3 decoding requests replay padded.
+    runner = ModelRunner(args.model, cfg, dtype, device, 0, 1, None, num_req_rows=len(lens) + 1,
+                         max_req_total_len=max_len, kv_size=(len(lens) + 1) * max_len,
+                         cuda_graph_max_batch=4 if device.type == "cuda" else 0)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, cfg.vocab_size, (n,), generator=gen).tolist() for n in lens]
     ours: list[list[torch.Tensor]] = [[] for _ in lens]   # our logits after each prompt, then each decode step

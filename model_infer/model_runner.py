@@ -83,7 +83,8 @@ class ModelRunner:
         one = torch.ones(1, dtype=torch.int32, device=self.device)
         warm_up_decode_attention(q, self.kv_cache.k_caches[0], self.kv_cache.v_caches[0],
                                  self.kv_cache.req_to_token, one * 0, one)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _make_batch(self, plan: BatchPlan) -> ForwardBatch:
         extend = plan.extend_lens

@@ -97,3 +97,18 @@ def test_model_runner_builds_the_batch_of_a_mixed_plan(tiny_dir):
     assert batch.max_seq_len == 7 and batch.max_extend_len == 3
     assert runner.kv_cache.req_to_token[0, :7].tolist() == [30, 31, 32, 33, 41, 42, 43]
     assert runner.kv_cache.req_to_token[2, 5] == 40
+
+
+def test_warm_up_touches_only_request_row_0_and_the_scratch_kv_row(tiny_dir):
+    # On CPU the mixed step runs the C kernels and decode attention runs in the Triton interpreter: the
+    # same calls a GPU makes at start, checked for what they write.
+    cfg = ModelConfig.from_dir(tiny_dir)
+    runner = ModelRunner(str(tiny_dir), cfg, torch.float32, torch.device("cpu"), 0, 1, None,
+                         num_req_rows=3, max_req_total_len=40, kv_size=64)
+    runner.kv_cache.req_to_token[1:].fill_(7)
+    runner.warm_up()
+    written_kv = set((runner.kv_cache.k != 0).flatten(2).any(-1).any(0).nonzero().flatten().tolist())
+    assert written_kv == {runner.kv_size}                     # the scratch row, one past the router's range
+    row0 = runner.kv_cache.req_to_token[0]
+    assert row0[0] == runner.kv_size and set(row0.tolist()) <= {0, runner.kv_size}
+    assert (runner.kv_cache.req_to_token[1:] == 7).all()

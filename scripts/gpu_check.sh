@@ -35,7 +35,8 @@ stage() {
     timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     (( rc == 124 || rc == 137 )) && note "[$name] TIMEOUT after ${limit} s"
-    grep -E '^\((a|b|c|d)\)|^checkpoint' "$OUT/$name.log" | tee -a "$SUMMARY"
+    grep -E '^\((b|c|d)\)|^checkpoint' "$OUT/$name.log" | tee -a "$SUMMARY"
+    [[ $name == a_* ]] && note "(a) kernel tests: $(grep -E '[0-9]+ (passed|failed|errors?|tests? collected)' "$OUT/$name.log" | tail -1)"
     note "[$name] rc=$rc in $(( $(date +%s) - t0 )) s"
     (( rc == 0 )) || FAILED=1
     return $rc
@@ -62,7 +63,7 @@ if [[ $DEVICE == cuda ]]; then
     # xdist (installed there) spreads the Triton compiles over the cores.
     stage a_kernels 110 $PY -m pytest tests/kernels -q -p no:cacheprovider -n 8
 else
-    stage a_kernels 60 $PY -m pytest tests/kernels -q -p no:cacheprovider --collect-only
+    stage a_kernels 60 $PY -m pytest tests/kernels -p no:cacheprovider --collect-only
 fi
 stage b_runner 75 $PY scripts/gpu_check.py runner --device "$DEVICE" --model "$WORK/smollm2" --out "$OUT"
 stage c_server 140 $PY scripts/gpu_check.py server --device "$DEVICE" --model "$WORK/smollm2" --out "$OUT" \

@@ -23,6 +23,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     summary = (out / "summary.txt").read_text() if (out / "summary.txt").is_file() else proc.stdout + proc.stderr
     assert proc.returncode == 0, summary
     assert summary.rstrip().endswith("PASS"), summary
+    assert "(a) kernel tests: " in summary and "tests collected" in summary, summary
     for stage in ("b", "c"):
         report = json.loads((out / f"stage_{stage}.json").read_text())
         assert report["ok"] is True, (stage, report)

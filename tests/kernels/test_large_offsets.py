@@ -43,15 +43,7 @@ _CHILD = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_row_offsets_past_two_to_the_31():
-    if _free_memory() < 2**30:
-        pytest.skip("needs about 1 GiB of free memory (the interpreter touches a few pages per row)")
+    # The child touches a few pages per row (about 300 MB resident in the interpreter), not the 4 GiB mapped.
     proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stderr[-2000:])
 
-
-def _free_memory() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0

@@ -519,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--start-timeout", type=float, default=300.0)
             p.add_argument("--bench-timeout", type=float, default=150.0)
     args = ap.parse_args(argv)
+    # A stage's time limit ends it with SIGTERM: exit through the finally blocks, so a server it started is
+    # stopped (the server runs in its own session, out of reach of a signal to this process group).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.device == "cpu":
         torch.set_num_threads(min(2, os.cpu_count() or 1))

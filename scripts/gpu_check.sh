@@ -32,7 +32,7 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 stage() {
     local name=$1 limit=$2; shift 2
     local t0=$(date +%s)
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout --kill-after=45 "$limit" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     (( rc == 124 || rc == 137 )) && note "[$name] TIMEOUT after ${limit} s"
     grep -E '^\((b|c|d)\)|^checkpoint' "$OUT/$name.log" | tee -a "$SUMMARY"

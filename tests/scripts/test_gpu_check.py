@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,16 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(400)
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     env = dict(os.environ, PY=sys.executable, OUT=str(tmp_path / "out"), WORK=str(tmp_path / "work"))
-    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--device", "cpu"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=380)
+    # Its own process group: on a timeout the whole script gets SIGTERM, and its server stage stops its server.
+    proc = subprocess.Popen(["bash", "scripts/gpu_check.sh", "--device", "cpu"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=380)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        output, _ = proc.communicate(timeout=40)
     out = tmp_path / "out"
-    summary = (out / "summary.txt").read_text() if (out / "summary.txt").is_file() else proc.stdout + proc.stderr
+    summary = (out / "summary.txt").read_text() if (out / "summary.txt").is_file() else output
     assert proc.returncode == 0, summary
     assert summary.rstrip().endswith("PASS"), summary
     assert "(a) kernel tests: " in summary and "tests collected" in summary, summary

@@ -30,7 +30,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout
+from lightserve.drain import Drain
+from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason
 from lightserve.metrics import FrontMetrics
@@ -58,7 +59,8 @@ logger = get_logger(__name__)
 
 LIGHTLLM_PATHS = frozenset({"/generate", "/generate_stream"})  # errors as {"error": msg, "param": field}
 GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions"}  # counted in requests_total
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key (probes)
+PROBE_PROMPT = "ok"  # /health_generate's prompt: one greedy token after it
 INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _INT32 = (-(2**31), 2**31 - 1)
@@ -94,8 +96,11 @@ class Front:
     model_name: str
     health: Callable[[], str | None]
     metrics: FrontMetrics
+    drain: Drain
     special_ids: frozenset[int] = field(default_factory=frozenset)
     max_prompt_chars: int = 0  # a longer text surely exceeds the context; refused before tokenizing
+    model_dir: str = ""
+    probe: asyncio.Future | None = None  # the /health_generate probe in progress, shared by concurrent calls
 
     @property
     def max_model_len(self) -> int:
@@ -119,15 +124,17 @@ class Generation:
 
 
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
-               health: Callable[[], str | None]) -> FastAPI:
+               health: Callable[[], str | None], model_dir: str = "") -> FastAPI:
     # NOTE: imported here because both route modules import this module's plumbing.
     from lightserve import lightllm_api, openai_api
 
     metrics = FrontMetrics(engine)
     # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    front = Front(config, engine, tokenizer, model_name, health, metrics,
-                  frozenset(getattr(tokenizer, "all_special_ids", ())), max_token_chars * engine.max_req_total_len)
+    drain = Drain(engine, config.shutdown_grace_s)
+    front = Front(config, engine, tokenizer, model_name, health, metrics, drain,
+                  frozenset(getattr(tokenizer, "all_special_ids", ())), max_token_chars * engine.max_req_total_len,
+                  model_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -144,7 +151,7 @@ def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model
     app.include_router(lightllm_api.router)
     for exc_type, handler in _HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
-    app.add_middleware(_FrontMiddleware, api_key=config.api_key, metrics=metrics)
+    app.add_middleware(_FrontMiddleware, api_key=config.api_key, metrics=metrics, drain=drain)
     return app
 
 
@@ -390,7 +397,31 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    reason = get_front(request).health()
+    """Liveness, cheap: every process is up and the server is not draining. Never touches the engine."""
+    front = get_front(request)
+    reason = front.health()
+    if reason is not None:
+        return json_response({"status": "unavailable", "reason": reason}, 503)
+    if front.drain.draining:
+        return json_response({"status": "draining"}, 503, {"Retry-After": "1"})
+    return json_response({"status": "ok"})
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Readiness that means something: one real token through slot, router, worker and detokenizer
+    within --health_generate_timeout_s (or any other request's token meanwhile), else 503. A wedged
+    engine fails it while /health still passes. Concurrent calls share one probe request."""
+    front = get_front(request)
+    reason = front.health()
+    if reason is None and front.drain.draining:
+        return json_response({"status": "draining"}, 503, {"Retry-After": "1"})
+    if reason is None:
+        if front.probe is None or front.probe.done():
+            ids = front.tokenizer.encode(PROBE_PROMPT, add_special_tokens=False)
+            front.probe = asyncio.ensure_future(front.engine.probe(ids, front.config.health_generate_timeout_s))
+        # shield: a client that gives up must not cancel the probe the others wait on
+        reason = await asyncio.shield(front.probe)
     if reason is None:
         return json_response({"status": "ok"})
     return json_response({"status": "unavailable", "reason": reason}, 503)
@@ -413,6 +444,32 @@ async def list_models(request: Request) -> Response:
 @router.get("/get_model_name")
 async def get_model_name(request: Request) -> Response:
     return json_response({"model_name": get_front(request).model_name})
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> Response:
+    """SGLang's model card, which routers (sglang-router) read when a worker registers."""
+    front = get_front(request)
+    return json_response({"model_path": front.model_dir or front.model_name, "tokenizer_path": front.model_dir or None,
+                          "served_model_name": front.model_name, "is_generation": True,
+                          "max_model_len": front.max_model_len})
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request) -> Response:
+    """The launch's settings in SGLang's spelling where one exists; sglang-router takes the model id
+    from served_model_name and its tokenizer from tokenizer_path."""
+    front = get_front(request)
+    cfg = front.config
+    return json_response({"served_model_name": front.model_name, "model_path": front.model_dir or front.model_name,
+                          "tokenizer_path": front.model_dir or None, "tp_size": cfg.tp, "dp_size": 1,
+                          "nnodes": cfg.nnodes, "context_length": front.max_model_len,
+                          "max_total_num_tokens": cfg.max_total_token_num, "max_running_requests": cfg.running_max_req_size,
+                          "chunked_prefill_size": cfg.chunked_prefill_size, "disable_radix_cache": cfg.disable_prompt_cache,
+                          "device": cfg.device.value, "dtype": cfg.data_type.value,
+                          "shutdown_grace_s": cfg.shutdown_grace_s, "version": _VERSION})
 
 
 @router.post("/tokenize")
@@ -444,6 +501,7 @@ async def detokenize(request: Request) -> Response:
 
 
 _START_TIME = int(time.time())
+_VERSION = "0.1.0"
 
 
 # ---- errors and middleware -------------------------------------------------------------------------
@@ -499,6 +557,7 @@ _HANDLERS: dict[type[Exception], Callable] = {
     StarletteHTTPException: _http_error,
     EngineOverloaded: _handler(503, "overloaded", {"Retry-After": "1"}),
     EngineDead: _handler(503, "engine_dead"),
+    ShuttingDown: _handler(503, "shutting_down", {"Retry-After": "1"}),
     RequestTimeout: _handler(408, "timeout"),
     ClientGone: _client_gone,
     ClientDisconnect: _client_gone,
@@ -507,13 +566,15 @@ _HANDLERS: dict[type[Exception], Callable] = {
 
 
 class _FrontMiddleware:
-    """Bearer-key auth on every route but /health, and requests_total for the generation routes.
+    """Bearer-key auth on every route but the probes, requests_total for the generation routes, and
+    the drain's count of generation requests in flight (503 for new ones while draining).
     Pure ASGI: Starlette's BaseHTTPMiddleware would sit in every streamed chunk's path."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: FrontMetrics):
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: FrontMetrics, drain: Drain):
         self.app = app
         self.expected = None if api_key is None else api_key.encode()
         self.requests = metrics.requests
+        self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -532,7 +593,15 @@ class _FrontMiddleware:
                 requests.labels(str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        if self.drain.draining:
+            response = error_response(path, 503, "the server is shutting down; retry on another replica", None,
+                                      "shutting_down", {"Retry-After": "1"})
+            return await response(scope, receive, counting_send)
+        self.drain.enter()
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.drain.leave()
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:

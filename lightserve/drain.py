@@ -6,7 +6,8 @@ up to --shutdown_grace_s. Those still running then, or when a second signal cuts
 are aborted visibly: `EngineClient.abort_all` fails them with `ShuttingDown`, which a stream turns
 into a last chunk with finish_reason "abort" and a non-streaming request into a 503 JSON error.
 The counting is done by `api_server._FrontMiddleware`, which wraps every generation request from
-its first byte to the end of its response body.
+its first byte to the end of its response body. `DrainingServer` is the uvicorn server the launcher
+runs: its signal handler starts the drain instead of uvicorn's immediate shutdown.
 """
 from __future__ import annotations
 

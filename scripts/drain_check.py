@@ -43,6 +43,7 @@ DRAIN_TOKENS = 16   # the drain plan's requests: still running at the signal, do
 LONG_TOKENS = 400   # cannot finish within the 2 s grace
 START_TIMEOUT_S = 300
 EXIT_SLACK_S = 20  # after the grace: the abort, uvicorn's shutdown and the children's stop
+CHILD_EXIT_S = 10
 PLANS = ("drain", "grace", "cut")
 
 
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     plans = args.plans.split(",")
     if set(plans) - set(PLANS):
         p.error(f"--plans: unknown {sorted(set(plans) - set(PLANS))}; choose from {PLANS}")
@@ -138,7 +141,11 @@ async def run_round(plan: str, num_streams: int, signal_after_s: float, server_a
         res.problems.append(f"a drain with a long grace must finish every request: {dict(res.outcomes)}")
     if plan == "cut" and res.stop_s > grace / 2:
         res.problems.append(f"the second signal did not cut the {grace} s grace short ({res.stop_s:.1f} s)")
-    left = [pid for pid in children if Path(f"/proc/{pid}").exists() and not _zombie(pid)]
+    # A child SIGKILLed by the stop takes a moment to be torn down, and multiprocessing's resource
+    # tracker leaves when it reads EOF from the gone launcher: give them a few seconds.
+    deadline = time.monotonic() + CHILD_EXIT_S
+    while (left := [pid for pid in children if not _gone(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
     if left:
         res.problems.append(f"child processes left: {left}")
     files = [str(f) for d in (Path("/dev/shm"), Path("/tmp")) for f in d.glob(f"lightserve-{proc.pid}-*")]
@@ -229,7 +236,8 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _zombie(pid: int) -> bool:
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: its parent, the launcher, is gone too)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:

@@ -1,7 +1,8 @@
 """The HTTP front's FastAPI app: `create_app`, auth, error handling, the utility routes, and the
 request plumbing the generation routes share (body reading, prompt encoding, disconnect watching).
 
-The launcher calls `create_app`; openai_api.py and lightllm_api.py hold the generation routes.
+The launcher calls `create_app`; openai_api.py and lightllm_api.py hold the generation routes,
+ops_api.py the probes and the cards routers read.
 Error convention: every bad input is 400 (schema and type errors too, never 422), with the field
 named in `param`; 401 auth, 404 unknown model or route, 408 timeout, 413 body too large, 503 engine
 overloaded (Retry-After: 1) or dead; in an SSE stream that already started, an error event ends it.
@@ -60,7 +61,6 @@ logger = get_logger(__name__)
 LIGHTLLM_PATHS = frozenset({"/generate", "/generate_stream"})  # errors as {"error": msg, "param": field}
 GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions"}  # counted in requests_total
 OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key (probes)
-PROBE_PROMPT = "ok"  # /health_generate's prompt: one greedy token after it
 INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _INT32 = (-(2**31), 2**31 - 1)
@@ -126,7 +126,7 @@ class Generation:
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
                health: Callable[[], str | None], model_dir: str = "") -> FastAPI:
     # NOTE: imported here because both route modules import this module's plumbing.
-    from lightserve import lightllm_api, openai_api
+    from lightserve import lightllm_api, openai_api, ops_api
 
     metrics = FrontMetrics(engine)
     # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
@@ -147,6 +147,7 @@ def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model
     app = FastAPI(title="lightserve", lifespan=lifespan)
     app.state.front = front
     app.include_router(router)
+    app.include_router(ops_api.router)
     app.include_router(openai_api.router)
     app.include_router(lightllm_api.router)
     for exc_type, handler in _HANDLERS.items():
@@ -395,38 +396,6 @@ def stop_list(stop: Any, param: str) -> list[str]:
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(request: Request) -> Response:
-    """Liveness, cheap: every process is up and the server is not draining. Never touches the engine."""
-    front = get_front(request)
-    reason = front.health()
-    if reason is not None:
-        return json_response({"status": "unavailable", "reason": reason}, 503)
-    if front.drain.draining:
-        return json_response({"status": "draining"}, 503, {"Retry-After": "1"})
-    return json_response({"status": "ok"})
-
-
-@router.get("/health_generate")
-async def health_generate(request: Request) -> Response:
-    """Readiness that means something: one real token through slot, router, worker and detokenizer
-    within --health_generate_timeout_s (or any other request's token meanwhile), else 503. A wedged
-    engine fails it while /health still passes. Concurrent calls share one probe request."""
-    front = get_front(request)
-    reason = front.health()
-    if reason is None and front.drain.draining:
-        return json_response({"status": "draining"}, 503, {"Retry-After": "1"})
-    if reason is None:
-        if front.probe is None or front.probe.done():
-            ids = front.tokenizer.encode(PROBE_PROMPT, add_special_tokens=False)
-            front.probe = asyncio.ensure_future(front.engine.probe(ids, front.config.health_generate_timeout_s))
-        # shield: a client that gives up must not cancel the probe the others wait on
-        reason = await asyncio.shield(front.probe)
-    if reason is None:
-        return json_response({"status": "ok"})
-    return json_response({"status": "unavailable", "reason": reason}, 503)
-
-
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     front_metrics = get_front(request).metrics
@@ -444,32 +413,6 @@ async def list_models(request: Request) -> Response:
 @router.get("/get_model_name")
 async def get_model_name(request: Request) -> Response:
     return json_response({"model_name": get_front(request).model_name})
-
-
-@router.get("/get_model_info")
-@router.get("/model_info")
-async def model_info(request: Request) -> Response:
-    """SGLang's model card, which routers (sglang-router) read when a worker registers."""
-    front = get_front(request)
-    return json_response({"model_path": front.model_dir or front.model_name, "tokenizer_path": front.model_dir or None,
-                          "served_model_name": front.model_name, "is_generation": True,
-                          "max_model_len": front.max_model_len})
-
-
-@router.get("/get_server_info")
-@router.get("/server_info")
-async def server_info(request: Request) -> Response:
-    """The launch's settings in SGLang's spelling where one exists; sglang-router takes the model id
-    from served_model_name and its tokenizer from tokenizer_path."""
-    front = get_front(request)
-    cfg = front.config
-    return json_response({"served_model_name": front.model_name, "model_path": front.model_dir or front.model_name,
-                          "tokenizer_path": front.model_dir or None, "tp_size": cfg.tp, "dp_size": 1,
-                          "nnodes": cfg.nnodes, "context_length": front.max_model_len,
-                          "max_total_num_tokens": cfg.max_total_token_num, "max_running_requests": cfg.running_max_req_size,
-                          "chunked_prefill_size": cfg.chunked_prefill_size, "disable_radix_cache": cfg.disable_prompt_cache,
-                          "device": cfg.device.value, "dtype": cfg.data_type.value,
-                          "shutdown_grace_s": cfg.shutdown_grace_s, "version": _VERSION})
 
 
 @router.post("/tokenize")
@@ -501,7 +444,6 @@ async def detokenize(request: Request) -> Response:
 
 
 _START_TIME = int(time.time())
-_VERSION = "0.1.0"
 
 
 # ---- errors and middleware -------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from lightserve.config import ServerConfig
-from lightserve.engine_client import ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import ReqDelta
 from lightserve.sampling import ParamError, SamplingParams
@@ -341,6 +340,7 @@ class Pipeline:
     async def _run_req(self, index: int, prompt_ids: list[int], params: SamplingParams, want_lp: bool,
                        emit: Callable[[Response], None] | None) -> Response:
         """One request. With `emit`, every chunk goes to it; else the whole result is returned."""
+        from lightserve.engine_client import ShuttingDown  # here: importing the pipeline stays free of zmq
         out = Response(index, "", [], None, len(prompt_ids), 0, [] if want_lp else None)
         async with self._slots:
             self._num_in_flight += 1

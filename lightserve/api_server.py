@@ -1,7 +1,8 @@
 """The HTTP front's FastAPI app: `create_app`, auth, error handling, the utility routes, and the
 request plumbing the generation routes share (body reading, prompt encoding, disconnect watching).
 
-The launcher calls `create_app`; openai_api.py and lightllm_api.py hold the generation routes.
+The launcher calls `create_app`; openai_api.py and lightllm_api.py hold the generation routes,
+ops_api.py the probes and the cards routers read.
 Error convention: every bad input is 400 (schema and type errors too, never 422), with the field
 named in `param`; 401 auth, 404 unknown model or route, 408 timeout, 413 body too large, 503 engine
 overloaded (Retry-After: 1) or dead; in an SSE stream that already started, an error event ends it.
@@ -30,7 +31,8 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout
+from lightserve.drain import Drain
+from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason
 from lightserve.metrics import FrontMetrics
@@ -58,7 +60,7 @@ logger = get_logger(__name__)
 
 LIGHTLLM_PATHS = frozenset({"/generate", "/generate_stream"})  # errors as {"error": msg, "param": field}
 GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions"}  # counted in requests_total
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
+OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key (probes)
 INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _INT32 = (-(2**31), 2**31 - 1)
@@ -94,8 +96,11 @@ class Front:
     model_name: str
     health: Callable[[], str | None]
     metrics: FrontMetrics
+    drain: Drain
     special_ids: frozenset[int] = field(default_factory=frozenset)
     max_prompt_chars: int = 0  # a longer text surely exceeds the context; refused before tokenizing
+    model_dir: str = ""
+    probe: asyncio.Future | None = None  # the /health_generate probe in progress, shared by concurrent calls
 
     @property
     def max_model_len(self) -> int:
@@ -119,15 +124,17 @@ class Generation:
 
 
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
-               health: Callable[[], str | None]) -> FastAPI:
+               health: Callable[[], str | None], model_dir: str = "") -> FastAPI:
     # NOTE: imported here because both route modules import this module's plumbing.
-    from lightserve import lightllm_api, openai_api
+    from lightserve import lightllm_api, openai_api, ops_api
 
     metrics = FrontMetrics(engine)
     # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
-    front = Front(config, engine, tokenizer, model_name, health, metrics,
-                  frozenset(getattr(tokenizer, "all_special_ids", ())), max_token_chars * engine.max_req_total_len)
+    drain = Drain(engine, config.shutdown_grace_s)
+    front = Front(config, engine, tokenizer, model_name, health, metrics, drain,
+                  frozenset(getattr(tokenizer, "all_special_ids", ())), max_token_chars * engine.max_req_total_len,
+                  model_dir)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -140,11 +147,12 @@ def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model
     app = FastAPI(title="lightserve", lifespan=lifespan)
     app.state.front = front
     app.include_router(router)
+    app.include_router(ops_api.router)
     app.include_router(openai_api.router)
     app.include_router(lightllm_api.router)
     for exc_type, handler in _HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
-    app.add_middleware(_FrontMiddleware, api_key=config.api_key, metrics=metrics)
+    app.add_middleware(_FrontMiddleware, api_key=config.api_key, metrics=metrics, drain=drain)
     return app
 
 
@@ -388,14 +396,6 @@ def stop_list(stop: Any, param: str) -> list[str]:
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(request: Request) -> Response:
-    reason = get_front(request).health()
-    if reason is None:
-        return json_response({"status": "ok"})
-    return json_response({"status": "unavailable", "reason": reason}, 503)
-
-
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     front_metrics = get_front(request).metrics
@@ -499,6 +499,7 @@ _HANDLERS: dict[type[Exception], Callable] = {
     StarletteHTTPException: _http_error,
     EngineOverloaded: _handler(503, "overloaded", {"Retry-After": "1"}),
     EngineDead: _handler(503, "engine_dead"),
+    ShuttingDown: _handler(503, "shutting_down", {"Retry-After": "1"}),
     RequestTimeout: _handler(408, "timeout"),
     ClientGone: _client_gone,
     ClientDisconnect: _client_gone,
@@ -507,13 +508,15 @@ _HANDLERS: dict[type[Exception], Callable] = {
 
 
 class _FrontMiddleware:
-    """Bearer-key auth on every route but /health, and requests_total for the generation routes.
+    """Bearer-key auth on every route but the probes, requests_total for the generation routes, and
+    the drain's count of generation requests in flight (503 for new ones while draining).
     Pure ASGI: Starlette's BaseHTTPMiddleware would sit in every streamed chunk's path."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: FrontMetrics):
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: FrontMetrics, drain: Drain):
         self.app = app
         self.expected = None if api_key is None else api_key.encode()
         self.requests = metrics.requests
+        self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -532,7 +535,15 @@ class _FrontMiddleware:
                 requests.labels(str(message["status"])).inc()
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        if self.drain.draining:
+            response = error_response(path, 503, "the server is shutting down; retry on another replica", None,
+                                      "shutting_down", {"Retry-After": "1"})
+            return await response(scope, receive, counting_send)
+        self.drain.enter()
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.drain.leave()
 
     def _authorized(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:

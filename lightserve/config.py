@@ -66,6 +66,8 @@ class ServerConfig:
     req_pool_size: int = field(default=512, metadata={"help": "shared-memory request slots (requests admitted to the engine at once)"})
     max_queue_size: int = field(default=1024, metadata={"help": "requests waiting for a request slot before 503"})
     request_timeout_s: float | None = field(default=None, metadata={"help": "abort a request after this many seconds"})
+    shutdown_grace_s: float = field(default=30.0, metadata={"help": "on SIGTERM/Ctrl-C, seconds in-flight requests may run on before they are aborted"})
+    health_generate_timeout_s: float = field(default=10.0, metadata={"help": "/health_generate answers 503 when no token comes back within this many seconds"})
     disable_prompt_cache: bool = field(default=False, metadata={"help": "turn the radix prefix cache off"})
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
@@ -98,6 +100,9 @@ class ServerConfig:
         need(self.chunked_prefill_size is None or self.chunked_prefill_size >= 1, "chunked_prefill_size", "must be >= 1")
         need(self.req_pool_size >= 1, "req_pool_size", "must be >= 1")
         need(self.max_queue_size >= 0, "max_queue_size", "must be >= 0")
+        need(self.shutdown_grace_s >= 0, "shutdown_grace_s", f"must be >= 0, got {self.shutdown_grace_s}")
+        need(self.health_generate_timeout_s > 0, "health_generate_timeout_s",
+             f"must be > 0, got {self.health_generate_timeout_s}")
         need(0 <= self.max_top_logprobs <= 20, "max_top_logprobs", "must be in [0, 20]")
         need(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", f"unknown level {self.log_level!r}")
 

@@ -41,6 +41,11 @@ class RequestTimeout(Exception):
     """The request ran past --request_timeout_s and was aborted."""
 
 
+class ShuttingDown(Exception):
+    """The server is shutting down: a new request is refused, or one still running at the end of the
+    drain's grace period is aborted (HTTP 503 with Retry-After; in a stream, a last "abort" chunk)."""
+
+
 @dataclass
 class _Pending:
     req_id: int
@@ -72,6 +77,8 @@ class EngineClient:
         self._slot_waiters: deque[asyncio.Future] = deque()
         self._slot_poller: asyncio.Task | None = None
         self._dead_reason: str | None = None
+        self._shutdown_reason: str | None = None
+        self._progress_waiters: list[asyncio.Future] = []  # woken by the next delta that carries tokens
         self._ctx = zmq.asyncio.Context()
         self._to_router = self._ctx.socket(zmq.PUSH)
         self._to_router.connect(config.router_addr)
@@ -100,12 +107,24 @@ class EngineClient:
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
+        self._fail_all(EngineDead, reason)
+
+    def abort_all(self, reason: str) -> None:
+        """End of a drain: every request still running or queued for a slot fails with ShuttingDown
+        (its generator's finally sends AbortReq, so the router frees its KV), and so does every later
+        generate() call."""
+        if self._shutdown_reason is not None:
+            return
+        self._shutdown_reason = reason
+        self._fail_all(ShuttingDown, reason)
+
+    def _fail_all(self, kind: type[Exception], reason: str) -> None:
         for pending in self._pending.values():
-            pending.queue.put_nowait(EngineDead(reason))
+            pending.queue.put_nowait(kind(reason))
         while self._slot_waiters:
             fut = self._slot_waiters.popleft()
             if not fut.done():
-                fut.set_exception(EngineDead(reason))
+                fut.set_exception(kind(reason))
 
     def mark_dead_threadsafe(self, reason: str) -> None:
         """mark_dead from another thread (the launcher's child watcher)."""
@@ -150,6 +169,8 @@ class EngineClient:
         """Yield deltas until one carries a finish reason. Call check_prompt first."""
         if self._dead_reason is not None:
             raise EngineDead(self._dead_reason)
+        if self._shutdown_reason is not None:
+            raise ShuttingDown(self._shutdown_reason)
         arrival = time.monotonic()
         timeout_s = self.config.request_timeout_s
         try:
@@ -198,6 +219,41 @@ class EngineClient:
             out.finish = delta.finish
             out.cached_len = delta.cached_len
         return out
+
+    async def probe(self, prompt_ids: list[int], timeout_s: float) -> str | None:
+        """One greedy token through the whole chain (slot, router, worker, detokenizer, back here).
+        Returns None when the engine moved within `timeout_s`, else why not.
+
+        The engine also counts as moving when any other request receives a token meanwhile: under
+        load the probe may wait behind a long queue, and a wedged engine produces no tokens at all.
+        The probe request is aborted when it is not needed any more.
+        """
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        deadline = time.monotonic() + timeout_s
+        work = asyncio.ensure_future(self.generate_full(prompt_ids, self.check_prompt(prompt_ids, params)))
+        progress = asyncio.get_running_loop().create_future()
+        self._progress_waiters.append(progress)
+        waiting = {work, progress}
+        try:
+            while waiting:
+                done, waiting = await asyncio.wait(waiting, timeout=max(deadline - time.monotonic(), 0),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done or progress in done:
+                    break
+                exc = work.exception()
+                if exc is None:
+                    return None
+                if not isinstance(exc, EngineOverloaded):  # a full queue is busy, not wedged: keep watching
+                    return f"the probe request failed: {exc}"
+        finally:
+            work.cancel()
+            progress.cancel()
+            if progress in self._progress_waiters:
+                self._progress_waiters.remove(progress)
+            await asyncio.gather(work, return_exceptions=True)
+        if progress.done() and not progress.cancelled():
+            return None
+        return f"no output token within {timeout_s:g} s"
 
     # ---- internals ---------------------------------------------------------------------------------
     async def _acquire_slot(self) -> int:
@@ -253,6 +309,11 @@ class EngineClient:
             msg = decode(await self._from_detok.recv(copy=False))
             match msg:
                 case DeltaBatch(deltas=deltas):
+                    if self._progress_waiters and any(d.token_ids for d in deltas):
+                        for fut in self._progress_waiters:
+                            if not fut.done():
+                                fut.set_result(None)
+                        self._progress_waiters.clear()
                     for delta in deltas:
                         pending = self._pending.get(delta.shm_index)
                         # Slot ownership: a delta reaches only the request that owns the slot now.

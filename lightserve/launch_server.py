@@ -2,8 +2,10 @@
 
 The launcher process runs the HTTP front itself (FastAPI on uvicorn with uvloop) and watches its
 children: if one dies, /health turns 503 at once, in-flight requests end with an error, and the
-launcher stops everything and exits non-zero. Ctrl-C or SIGTERM stops all processes and removes
-every shared-memory segment of this launch.
+launcher stops everything and exits non-zero. Ctrl-C or SIGTERM drains (lightserve/drain.py: new
+requests 503, in-flight ones run on for up to --shutdown_grace_s, the rest are aborted visibly; a
+second signal aborts at once), then stops all processes, removes every shared-memory segment of
+this launch and exits 0.
 """
 from __future__ import annotations
 
@@ -74,10 +76,13 @@ def serve(config: ServerConfig) -> int:
     try:
         code = _serve_http(config, front_prep, procs, t0) if config.is_master_node else _serve_worker_node(procs)
         return code
-    except KeyboardInterrupt:
-        # uvicorn re-raises the SIGINT/SIGTERM it handled once it has shut down gracefully.
+    except KeyboardInterrupt:  # a signal before uvicorn took over the handlers
         return 0
     finally:
+        # The stop below is bounded (a join, then SIGKILL); a signal now would only interrupt it
+        # half-way and leave children or shared memory behind.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         # After a child died the engine is broken and nothing is worth waiting for: a short grace
         # keeps the whole stop within 10 s even when a worker is in a long step.
         if code == EXIT_CHILD_DIED:
@@ -160,6 +165,7 @@ def _serve_http(config: ServerConfig, front_prep: _FrontPrep, procs, t0: float) 
     import uvicorn
 
     from lightserve.api_server import create_app
+    from lightserve.drain import DrainingServer
     from lightserve.engine_client import EngineClient
 
     tokenizer, vocab_size = front_prep.get()
@@ -172,10 +178,10 @@ def _serve_http(config: ServerConfig, front_prep: _FrontPrep, procs, t0: float) 
         child = procs.dead_child()
         return None if child is None else f"{child.name} is not running"
 
-    app = create_app(config, engine, tokenizer, config.served_model_name, health)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
+    app = create_app(config, engine, tokenizer, config.served_model_name, health, procs.model_dir)
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
                                            log_level=config.log_level.lower(), timeout_graceful_shutdown=3,
-                                           access_log=False))
+                                           access_log=False), app.state.front.drain)
 
     def watch_children() -> None:
         while not server.should_exit:

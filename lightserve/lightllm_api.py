@@ -37,7 +37,7 @@ from lightserve.api_server import (
     token_text,
     until_disconnect,
 )
-from lightserve.engine_client import EngineDead, RequestTimeout
+from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
@@ -161,6 +161,7 @@ async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], p
     texts: list[str] = []
     delta: ReqDelta | None = first
     ended = False
+    count = 0  # output tokens sent so far
     try:
         while delta is not None:
             texts.append(delta.text)
@@ -179,14 +180,17 @@ async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], p
                 events.append(_event(token, "".join(texts) if last else None, last, reason if last else None))
             if done:
                 if num == 0:  # a finish without a token (abort, stop string): still one final event
-                    token = {"id": None, "text": "", "logprob": None, "special": False,
-                             "count_output_tokens": delta.num_output, "prompt_tokens": prompt_len}
-                    events.append(_event(token, "".join(texts), True, reason))
+                    events.append(_final_event(delta.num_output, prompt_len, "".join(texts), reason))
                 ended = True
                 timer.on_finish(reason)
             if events:
                 yield b"".join(events)
             delta = None if done else await anext(gen, None)
+    except ShuttingDown:
+        # The drain's grace period ended: the usual final event, with finish_reason "abort".
+        ended = True
+        timer.on_finish("abort")
+        yield _final_event(count, prompt_len, "".join(texts), FinishReason.ABORT.api_name())
     except (RequestTimeout, EngineDead) as exc:
         ended = True
         timer.on_finish("error")
@@ -200,6 +204,13 @@ async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], p
         if not ended:
             timer.on_finish("disconnect")
         await gen.aclose()
+
+
+def _final_event(num_output: int, prompt_len: int, generated_text: str, reason: str) -> bytes:
+    """The last event of a stream whose finish came without a token (abort, stop string)."""
+    token = {"id": None, "text": "", "logprob": None, "special": False, "count_output_tokens": num_output,
+             "prompt_tokens": prompt_len}
+    return _event(token, generated_text, True, reason)
 
 
 def _event(token: dict, generated_text: str | None, finished: bool, reason: str | None) -> bytes:

@@ -41,7 +41,7 @@ from lightserve.api_server import (
     token_text,
     until_disconnect,
 )
-from lightserve.engine_client import EngineDead, RequestTimeout
+from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
@@ -266,6 +266,12 @@ async def _sse(first: tuple[int, ReqDelta], items: AsyncIterator[tuple[int, ReqD
     prefix = b"data: " + dumps(head)[:-1] + b',"choices":['
     suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
     item: tuple[int, ReqDelta] | None = first
+
+    def usage_chunk() -> bytes:
+        usage = _usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
+                            sum(c.cached_len for c in choices))
+        return b"data: " + dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+
     try:
         if role_choice is not None:
             yield prefix + dumps(role_choice) + suffix
@@ -283,9 +289,18 @@ async def _sse(first: tuple[int, ReqDelta], items: AsyncIterator[tuple[int, ReqD
                 yield prefix + dumps(body) + suffix
             item = await anext(items, None)
         if include_usage:
-            usage = _usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
-                                sum(c.cached_len for c in choices))
-            yield b"data: " + dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
+            yield usage_chunk()
+    except ShuttingDown:
+        # The drain's grace period ended: each unfinished choice ends like any finished one, with
+        # finish_reason "abort", so a client can tell the cut answer from a complete one.
+        for i, c in enumerate(choices):
+            if not c.done:
+                c.done = True
+                c.timer.on_finish("abort")
+                abort = ReqDelta(-1, -1, "", [], [], [], c.num_output, FinishReason.ABORT, c.cached_len)
+                yield prefix + dumps(chunk(i, abort)) + suffix
+        if include_usage:
+            yield usage_chunk()
     except (RequestTimeout, EngineDead) as exc:
         _finish_open(choices, "error")
         code, kind = ("timeout", "timeout") if isinstance(exc, RequestTimeout) else ("engine_dead", "server_error")

@@ -44,7 +44,8 @@ ignore_eos, stop, seed, ... Each call works on its own copy, so one config may b
 Chat = list[dict[str, Any]]
 Prompt = str | Chat
 OPEN_TIMEOUT_S = 60.0     # creating the EngineClient on the loop (sockets only)
-SHUTDOWN_WAIT_S = 5.0     # in-flight calls get this long to receive their error at close()
+SHUTDOWN_WAIT_S = 5.0     # after the drain, aborted calls get this long to receive their abort
+CLOSED_REASON = "the pipeline was closed before the request finished"
 _DONE = object()          # end of a stream, after its last chunk
 
 
@@ -202,8 +203,14 @@ class Pipeline:
         return {**pool.stats_dict(), "requests_in_flight": self._num_in_flight}
 
     def close(self) -> None:
-        """Fail in-flight calls ("the pipeline was closed"), stop every process, unlink the shared
-        memory. Idempotent; also runs at interpreter exit."""
+        """Drain, then stop every process and unlink the shared memory. Idempotent; also runs at
+        interpreter exit.
+
+        New calls are refused at once. Calls in flight run on for up to `shutdown_grace_s` (a
+        setting, 30 s by default); those still running then are aborted: a stream's last chunk has
+        finish_reason "abort", and `infer` raises ShuttingDown. Ctrl-C during the wait aborts them
+        at once (the stop still completes, then the KeyboardInterrupt goes on).
+        """
         if self._loop_thread is not None and threading.current_thread() is self._loop_thread:
             raise RuntimeError("close() called from the pipeline's own loop")
         with self._lock:
@@ -215,11 +222,18 @@ class Pipeline:
         if self._watch_thread is not None:
             self._watch_thread.join()  # it reads procs.children, which stop() clears
         loop_alive = self._loop_thread is not None and self._loop_thread.is_alive()
+        interrupted = False
         if self._loop is not None:
             if self._engine is not None and loop_alive:
                 fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop)
+                wait_s = self.config.shutdown_grace_s + SHUTDOWN_WAIT_S * 2
                 try:
-                    fut.result(SHUTDOWN_WAIT_S * 2)
+                    fut.result(wait_s)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    self._loop.call_soon_threadsafe(self._engine.abort_all, CLOSED_REASON)
+                    with contextlib.suppress(Exception):
+                        fut.result(SHUTDOWN_WAIT_S * 2)
                 except Exception:  # still stop the loop and the processes below
                     logger.exception("pipeline: closing the engine client failed")
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -229,6 +243,8 @@ class Pipeline:
                 self._loop.close()
         if self._procs is not None:
             self._procs.stop()
+        if interrupted:
+            raise KeyboardInterrupt
 
     def __enter__(self) -> Pipeline:  # noqa: PYI034 - typing.Self needs 3.11
         return self
@@ -324,23 +340,36 @@ class Pipeline:
     async def _run_req(self, index: int, prompt_ids: list[int], params: SamplingParams, want_lp: bool,
                        emit: Callable[[Response], None] | None) -> Response:
         """One request. With `emit`, every chunk goes to it; else the whole result is returned."""
+        from lightserve.engine_client import ShuttingDown  # here: importing the pipeline stays free of zmq
         out = Response(index, "", [], None, len(prompt_ids), 0, [] if want_lp else None)
         async with self._slots:
             self._num_in_flight += 1
             try:
                 async with contextlib.aclosing(self._engine.generate(prompt_ids, params)) as deltas:
                     async for delta in deltas:
+                        out.generated_tokens = delta.num_output
                         if emit is None:
                             _add_delta(out, delta)
                         elif delta.text or delta.token_ids or delta.finish:
                             emit(_add_delta(Response(index, "", [], None, len(prompt_ids), 0,
                                                      [] if want_lp else None), delta))
+            except ShuttingDown:
+                if emit is None:
+                    raise
+                # close() ended the drain: a stream ends like the server's, with an "abort" chunk.
+                emit(Response(index, "", [], "abort", len(prompt_ids), out.generated_tokens, [] if want_lp else None))
             finally:
                 self._num_in_flight -= 1
         return out
 
     async def _shutdown(self) -> None:
-        self._engine.mark_dead("the pipeline was closed")
+        """The drain: calls in flight get shutdown_grace_s, then the rest are aborted."""
+        if self._tasks:
+            _, late = await asyncio.wait(list(self._tasks), timeout=self.config.shutdown_grace_s)
+            if late:
+                logger.warning("pipeline: aborting %d calls still running after %g s", len(late),
+                               self.config.shutdown_grace_s)
+        self._engine.abort_all(CLOSED_REASON)
         if self._tasks:
             _, late = await asyncio.wait(list(self._tasks), timeout=SHUTDOWN_WAIT_S)
             for task in late:

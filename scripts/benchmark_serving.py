@@ -187,14 +187,16 @@ def build_workload(args: argparse.Namespace, maker: PromptMaker) -> tuple[list[C
             text, ids = maker.make(ln)
             convs.append(Conversation([Prompt(text, ids, args.output_len)]))
     elif args.dataset == "shared-prefix":
-        ptext, pids = maker.make(args.prefix_len)
-        prefix = Prompt(ptext, pids, 0)
+        # --num-prefixes groups (a system prompt per tenant, say); request i uses prefix i mod k, so
+        # groups interleave in arrival order. With k = 1 the draws are those of a single prefix.
+        prefixes = [Prompt(*maker.make(args.prefix_len), 0) for _ in range(args.num_prefixes)]
         n = args.num_prompts + args.warmup
         lens = _lengths(rng, n, None, args.suffix_len_min, args.suffix_len_max)
         convs = []
-        for ln in lens:
+        for i, ln in enumerate(lens):
+            prefix = prefixes[i % len(prefixes)]
             text, ids = maker.make(ln, prefix=prefix)
-            convs.append(Conversation([Prompt(ptext + text, pids + ids, args.output_len)]))
+            convs.append(Conversation([Prompt(prefix.text + text, prefix.token_ids + ids, args.output_len)]))
     elif args.dataset == "multi-turn":
         n = args.num_conversations + args.warmup
         convs = []
@@ -234,6 +236,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     output_tokens: int = 0
     server_prompt_tokens: int | None = None  # the server's count (whole context), when it reports one
+    server_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
     usage_reported: bool = False
     num_chunks: int = 0
     tpot: float | None = None
@@ -363,6 +366,9 @@ def _parse_event(obj: Any, backend: str, record: RequestRecord) -> tuple[str, in
             record.usage_reported = True
         if usage.get("prompt_tokens") is not None:
             record.server_prompt_tokens = int(usage["prompt_tokens"])
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        if cached is not None:
+            record.server_cached_tokens = int(cached)
     choices = obj.get("choices")
     if not choices:
         return "", 0, False
@@ -520,6 +526,9 @@ def aggregate(records: list[RequestRecord], duration: float, per_turn: bool = Fa
         "tpot_ms": _stats_ms([r.tpot for r in ok if r.tpot is not None]),
         "e2e_ms": _stats_ms([r.e2e for r in ok if r.e2e is not None]),
         "output_tokens_by_usage": sum(1 for r in ok if r.usage_reported),
+        # prompt tokens the server(s) took from a prefix cache; None when no server reported it
+        "cached_input_tokens": sum(r.server_cached_tokens for r in ok if r.server_cached_tokens is not None)
+        if any(r.server_cached_tokens is not None for r in ok) else None,
     }
     if per_turn:
         turns = sorted({r.turn for r in ok})
@@ -552,6 +561,8 @@ def format_table(result: dict) -> str:
         f"{'Benchmark duration (s):':<36}{agg['duration_s']:.2f}",
         f"{'Total input tokens:':<36}{agg['total_input_tokens']}",
         f"{'Total output tokens:':<36}{agg['total_output_tokens']}",
+        *([f"{'Cached input tokens (usage):':<36}{agg['cached_input_tokens']}"] if agg.get("cached_input_tokens") is not None
+          else []),
         f"{'Request throughput (req/s):':<36}{agg['request_throughput']:.2f}",
         f"{'Input token throughput (tok/s):':<36}{agg['input_throughput']:.2f}",
         f"{'Output token throughput (tok/s):':<36}{agg['output_throughput']:.2f}",
@@ -588,6 +599,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len-max", type=int, default=None)
     p.add_argument("--output-len", type=int, default=128, help="max_tokens of each request")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of the common prefix")
+    p.add_argument("--num-prefixes", type=int, default=1, help="shared-prefix: distinct prefixes, used in turn")
     p.add_argument("--suffix-len-min", type=int, default=32, help="shared-prefix: own tokens per request, min")
     p.add_argument("--suffix-len-max", type=int, default=64)
     p.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations")
@@ -607,6 +619,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.token_ids and args.backend != "openai":
         p.error("--token-ids works with --backend openai only")
+    if args.num_prefixes < 1:
+        p.error("--num-prefixes must be >= 1")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be >= 1")
     if args.request_rate <= 0:

@@ -1,5 +1,6 @@
-"""Pipeline lifecycle: close() (and interpreter exit) leaves no process and no shared memory, a
-second pipeline starts in the same interpreter, and a dead child fails calls instead of hanging."""
+"""Pipeline lifecycle: close() drains (calls in flight finish within shutdown_grace_s, the rest end
+with an "abort" chunk) and, like interpreter exit, leaves no process and no shared memory; a second
+pipeline starts in the same interpreter, and a dead child fails calls instead of hanging."""
 from __future__ import annotations
 
 import os
@@ -7,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from lightserve.engine_client import EngineDead
 from tests.pipeline.helpers import SETTINGS, instance_files, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+GRACE_S = 2.0
 
 
 def _run_script(tmp_path: Path, text: str) -> subprocess.CompletedProcess:
@@ -33,16 +36,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_close_frees_everything_then_a_second_pipeline_runs_and_survives_a_dead_child():
-    first = pipeline(**SETTINGS)
+def test_close_drains_frees_everything_then_a_second_pipeline_runs_and_survives_a_dead_child():
+    first = pipeline(**SETTINGS, shutdown_grace_s=GRACE_S)
     iid, pids = first.config.instance_id, [c.proc.pid for c in first._procs.children]
     assert len(pids) == 3 and any("-reqs" in f for f in instance_files(iid))
     assert first.infer("Hello", GenerationConfig(max_new_tokens=4, ignore_eos=True)).generated_tokens == 4
+    short = first.stream_infer("Count to ten:", GenerationConfig(max_new_tokens=6, ignore_eos=True))
     busy = first.stream_infer("Count to a million:", GenerationConfig(max_new_tokens=4000, ignore_eos=True))
+    next(short)
     next(busy)
-    first.close()  # while a stream is in flight: it ends with an error, not a hang
-    with pytest.raises(EngineDead, match="the pipeline was closed"):
-        list(busy)
+    t0 = time.monotonic()
+    first.close()  # drains: the short stream runs to its end, the long one is aborted after the grace
+    assert GRACE_S <= time.monotonic() - t0 < GRACE_S + 15
+    rest = list(short)
+    assert rest[-1].finish_reason == "length" and rest[-1].generated_tokens == 6
+    last = list(busy)[-1]
+    assert last.finish_reason == "abort" and 0 < last.generated_tokens < 4000
     first.close()  # idempotent
     assert not [p for p in pids if _alive(p)] and instance_files(iid) == []
     with pytest.raises(RuntimeError, match="closed"):

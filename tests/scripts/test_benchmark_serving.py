@@ -165,3 +165,18 @@ def test_prompts_retokenize_exactly_with_real_tokenizer() -> None:
         p = c.turns[0]
         assert tk.encode(p.text, add_special_tokens=False).ids == p.token_ids
         assert p.token_ids[:1024] == first and 1024 + 32 <= len(p.token_ids) <= 1024 + 64
+
+
+def test_shared_prefix_groups(tiny_tokenizer: str) -> None:
+    """--num-prefixes k: request i uses prefix i mod k (the router benchmark's multi-tenant load)."""
+    args = bs.parse_args(["--tokenizer", tiny_tokenizer, "--dataset", "shared-prefix", "--num-prompts", "6",
+                          "--prefix-len", "20", "--num-prefixes", "3", "--suffix-len-min", "2", "--suffix-len-max", "4"])
+    convs, _ = bs.build_workload(args, bs.PromptMaker(tiny_tokenizer, np.random.default_rng(5)))
+    heads = [c.turns[0].token_ids[:20] for c in convs]
+    assert [heads.index(h) for h in heads] == [0, 1, 2, 0, 1, 2]
+    one = bs.parse_args(["--tokenizer", tiny_tokenizer, "--dataset", "shared-prefix", "--num-prompts", "6",
+                         "--prefix-len", "20", "--suffix-len-min", "2", "--suffix-len-max", "4"])
+    single, _ = bs.build_workload(one, bs.PromptMaker(tiny_tokenizer, np.random.default_rng(5)))
+    assert single[0].turns[0].token_ids[:20] == heads[0]  # the first prefix is drawn first either way
+    with pytest.raises(SystemExit):
+        bs.parse_args(["--num-prefixes", "0"])

@@ -147,7 +147,7 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
         bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
     except (TypeError, ValueError):
         raise ApiError(400, "keys must be token ids", "parameters.logit_bias") from None
-    params = request_params(p, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), logit_bias=bias,
+    params = request_params(p, front.sampling_defaults, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), logit_bias=bias,
                             grammar_kind=kind, grammar=grammar)
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:

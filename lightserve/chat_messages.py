@@ -23,10 +23,11 @@ def normalize_messages(messages: Any, param: str = "messages") -> list[dict]:
     `tool_call_id`. Raises ParamError for anything OpenAI would refuse."""
     if not isinstance(messages, list) or not messages:
         raise ParamError(param, "must be a non-empty list of messages")
-    return [_normalize_one(msg, f"{param}.{i}") for i, msg in enumerate(messages)]
+    return [normalize_message(msg, f"{param}.{i}") for i, msg in enumerate(messages)]
 
 
-def _normalize_one(msg: Any, where: str) -> dict:
+def normalize_message(msg: Any, where: str) -> dict:
+    """One message of normalize_messages; `where` names it in errors."""
     if not isinstance(msg, dict):
         raise ParamError(where, "each message must be an object with role and content")
     role = msg.get("role")

@@ -126,7 +126,7 @@ def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model
     # NOTE: imported here because the route modules import this module's plumbing.
     from lightserve import lightllm_api, openai_api, responses_api, vllm_api
 
-    metrics = FrontMetrics(engine)
+    metrics = FrontMetrics(engine, model_name)
     # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
     front = Front(config, engine, tokenizer, model_name, health, metrics,

@@ -80,6 +80,14 @@ class ToolParser:
         self.num_calls += len(calls)
         out.calls += calls
 
+    def _release(self, calls: list[ToolCall] | None, out: Parsed) -> None:
+        """Empty the held text: as `calls` if it parsed into some, else as content."""
+        if calls is None:
+            self._content(self._buf, out)
+        else:
+            self._calls(calls, out)
+        self._buf = ""
+
 
 class HermesParser(ToolParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, between text
@@ -142,12 +150,7 @@ class Llama3JsonParser(ToolParser):
             self._buf = ""
             return out
         if final:
-            calls = _json_calls(self._buf.strip().removeprefix(self.TAG), ";", "parameters")
-            if calls is None:
-                self._content(self._buf, out)
-            else:
-                self._calls(calls, out)
-            self._buf = ""
+            self._release(_json_calls(self._buf.strip().removeprefix(self.TAG), ";", "parameters"), out)
         return out
 
 
@@ -176,12 +179,7 @@ class MistralParser(ToolParser):
             self._buf = self._buf[start:]
             self._in_calls = True
         if final:
-            calls = _mistral_calls(self._buf)
-            if calls is None:
-                self._content(self._buf, out)
-            else:
-                self._calls(calls, out)
-            self._buf = ""
+            self._release(_mistral_calls(self._buf), out)
         return out
 
 
@@ -207,11 +205,7 @@ class ForcedCallParser(ToolParser):
             calls = [_call_from(v, "parameters") for v in value] if isinstance(value, list) and value else None
             if calls is not None and None in calls:
                 calls = None
-        if calls is None:
-            self._content(self._buf, out)
-        else:
-            self._calls(calls, out)
-        self._buf = ""
+        self._release(calls, out)
         return out
 
 

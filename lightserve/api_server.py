@@ -1,7 +1,8 @@
 """The HTTP front's FastAPI app: `create_app`, auth, error handling, the utility routes, and the
 request plumbing the generation routes share (body reading, prompt encoding, disconnect watching).
 
-The launcher calls `create_app`; openai_api.py and lightllm_api.py hold the generation routes.
+The launcher calls `create_app`; openai_api.py, responses_api.py and lightllm_api.py hold the
+generation routes, vllm_api.py vLLM's small utility routes.
 Error convention: every bad input is 400 (schema and type errors too, never 422), with the field
 named in `param`; 401 auth, 404 unknown model or route, 408 timeout, 413 body too large, 503 engine
 overloaded (Retry-After: 1) or dead; in an SSE stream that already started, an error event ends it.

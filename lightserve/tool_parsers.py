@@ -228,6 +228,14 @@ def _loads(text: str) -> Any:
         return None
 
 
+def _json_prefix(text: str) -> Any:
+    """The JSON value that opens `text`, ignoring what follows (an end-of-turn token's text)."""
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except ValueError:
+        return None
+
+
 def _call_from(obj: Any, args_key: str) -> ToolCall | None:
     """A ToolCall from {"name": str, args_key (or "arguments"): object}; None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -263,11 +271,12 @@ def _mistral_calls(text: str) -> list[ToolCall] | None:
     for piece in text.split(MistralParser.TAG)[1:]:
         piece = piece.strip()
         if piece.startswith("["):
-            value = _loads(piece)
+            value = _json_prefix(piece)
             found = [_call_from(v, "arguments") for v in value] if isinstance(value, list) else [None]
         else:
             name, sep, args = piece.partition("[ARGS]")
-            found = [_call_from({"name": name.strip(), "arguments": _loads(args)}, "arguments")] if sep else [None]
+            found = [_call_from({"name": name.strip(), "arguments": _json_prefix(args.strip())}, "arguments")] \
+                if sep else [None]
         if not found or None in found:
             return None
         calls += found

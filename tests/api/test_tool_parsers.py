@@ -38,6 +38,7 @@ CASES = [
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]get_time[ARGS]{}', "",
      [("get_weather", {"city": "Rome"}), ("get_time", {})]),
     ("mistral", "No [TOOL calls] here.", "No [TOOL calls] here.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]</s>', "", [("get_time", {})]),  # eos text kept
 ]
 
 

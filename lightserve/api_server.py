@@ -35,8 +35,8 @@ from lightserve.chat_messages import normalize_messages
 from lightserve.chat_output import template_takes_tools, with_tool_prompt
 from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout
 from lightserve.log import get_logger
-from lightserve.messages import FinishReason
-from lightserve.metrics import FrontMetrics
+from lightserve.messages import FinishReason, ReqDelta
+from lightserve.metrics import FrontMetrics, ReqTimer
 from lightserve.sampling import GrammarKind, ParamError, SamplingParams
 
 if TYPE_CHECKING:
@@ -344,6 +344,21 @@ async def generate_one(front: Front, prompt_ids: list[int], params: SamplingPara
     timer.on_finish(out.finish.api_name() or "abort")
     out.text = "".join(texts)
     return out
+
+
+async def start_generation(request: Request, front: Front, prompt_ids: list[int], params: SamplingParams
+                           ) -> tuple[ReqTimer, AsyncIterator[ReqDelta], ReqDelta]:
+    """Start one streamed request and wait for its first delta, so engine errors (overload, dead)
+    still become HTTP statuses and a client that leaves while queued is noticed.
+    Returns (its latency timer, the delta generator, the first delta)."""
+    timer = front.metrics.timer()
+    gen = front.engine.generate(prompt_ids, params)
+    try:
+        first = await until_disconnect(request, gen.__anext__())
+    except BaseException as exc:
+        timer.on_finish("disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
+        raise
+    return timer, gen, first
 
 
 async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:

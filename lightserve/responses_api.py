@@ -8,7 +8,6 @@ default) the conversation is kept in a bounded in-memory ResponseStore for `prev
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,7 +18,6 @@ from starlette.responses import Response
 
 from lightserve.api_server import (
     ApiError,
-    ClientGone,
     EventStream,
     Front,
     StrictModel,
@@ -35,6 +33,7 @@ from lightserve.api_server import (
     read_json,
     render_chat,
     request_params,
+    start_generation,
     until_disconnect,
 )
 from lightserve.chat_messages import normalize_message
@@ -43,7 +42,13 @@ from lightserve.engine_client import EngineDead, RequestTimeout
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
-from lightserve.responses_input import ResponseStore, chat_tool_choice, chat_tools, input_messages, text_format
+from lightserve.responses_input import (
+    ResponseStore,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    text_format,
+)
 
 logger = get_logger(__name__)
 
@@ -111,13 +116,7 @@ async def create_response(request: Request) -> Response:
     keep = None if req.store is False else (store, messages)
 
     if req.stream:
-        timer = front.metrics.timer()
-        gen = front.engine.generate(prompt_ids, params)
-        try:  # the first delta before answering, so engine errors still become HTTP statuses
-            first = await until_disconnect(request, gen.__anext__())
-        except BaseException as exc:
-            timer.on_finish("disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
-            raise
+        timer, gen, first = await start_generation(request, front, prompt_ids, params)
         return EventStream(_events(front, builder, output, first, gen, len(prompt_ids), timer, keep))
 
     g = await until_disconnect(request, generate_one(front, prompt_ids, params))

@@ -19,8 +19,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 CASES = [
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      "Let me check.", [("get_weather", {"city": "Paris"})]),
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    ("hermes", ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'),
      "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     ("hermes", "Paris is sunny. 1 < 2 and <tool is not a tag.", "Paris is sunny. 1 < 2 and <tool is not a tag.", []),
     ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call> done',
@@ -28,8 +28,8 @@ CASES = [
     ("hermes", 'cut off <tool_call>{"name": "get', 'cut off <tool_call>{"name": "get', []),  # unclosed: text
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
      [("get_weather", {"city": "Paris"})]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
-                    '{"name": "get_time", "parameters": {}}', "",
+    ("llama3_json", ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                     '{"name": "get_time", "parameters": {}}'), "",
      [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
     ("llama3_json", "It is sunny {really}.", "It is sunny {really}.", []),
     ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),

@@ -60,7 +60,8 @@ except ImportError:  # pragma: no cover - orjson is optional
 logger = get_logger(__name__)
 
 LIGHTLLM_PATHS = frozenset({"/generate", "/generate_stream"})  # errors as {"error": msg, "param": field}
-GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions", "/v1/responses"}  # counted in requests_total
+# Counted in requests_total.
+GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key
 INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
 _INT32 = (-(2**31), 2**31 - 1)

@@ -81,7 +81,8 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         where = f"{param}.{i}"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ParamError(where, "must be {'id': ..., 'type': 'function', 'function': {'name': ..., 'arguments': ...}}")
+            raise ParamError(where, "must be {'id': ..., 'type': 'function', "
+                                    "'function': {'name': ..., 'arguments': ...}}")
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:

@@ -109,8 +109,9 @@ def with_tool_prompt(messages: list[dict], tools: list[dict], parser_name: str |
 
 
 class ChatOutput:
-    """One choice's text -> reasoning, content and tool calls, incrementally. `feed` returns OpenAI delta fields ({"reasoning_content", "content", "tool_calls"}, each only when
-    non-empty); `message` is everything seen, as a non-streamed message."""
+    """One choice's text -> reasoning, content and tool calls, incrementally. `feed` returns OpenAI
+    delta fields ({"reasoning_content", "content", "tool_calls"}, each only when non-empty);
+    `message` is everything seen, as a non-streamed message."""
 
     def __init__(self, plan: ToolPlan, tool_parser: str | None, reasoning_parser: str | None, prompt: str):
         self._reasoning = REASONING_PARSERS[reasoning_parser](prompt) if reasoning_parser else None

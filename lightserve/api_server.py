@@ -1,8 +1,8 @@
 """The HTTP front's FastAPI app: `create_app`, auth, error handling, the utility routes, and the
 request plumbing the generation routes share (body reading, prompt encoding, disconnect watching).
 
-The launcher calls `create_app`; openai_api.py and lightllm_api.py hold the generation routes,
-ops_api.py the probes and the cards routers read.
+The launcher calls `create_app`; openai_api.py, responses_api.py and lightllm_api.py hold the
+generation routes, vllm_api.py vLLM's small utility routes, ops_api.py the probes and the cards routers read.
 Error convention: every bad input is 400 (schema and type errors too, never 422), with the field
 named in `param`; 401 auth, 404 unknown model or route, 408 timeout, 413 body too large, 503 engine
 overloaded (Retry-After: 1) or dead; in an SSE stream that already started, an error event ends it.
@@ -31,11 +31,13 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from lightserve.chat_messages import normalize_messages
+from lightserve.chat_output import template_takes_tools, with_tool_prompt
 from lightserve.drain import Drain
 from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
-from lightserve.messages import FinishReason
-from lightserve.metrics import FrontMetrics
+from lightserve.messages import FinishReason, ReqDelta
+from lightserve.metrics import FrontMetrics, ReqTimer
 from lightserve.sampling import GrammarKind, ParamError, SamplingParams
 
 if TYPE_CHECKING:
@@ -59,10 +61,10 @@ except ImportError:  # pragma: no cover - orjson is optional
 logger = get_logger(__name__)
 
 LIGHTLLM_PATHS = frozenset({"/generate", "/generate_stream"})  # errors as {"error": msg, "param": field}
-GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions"}  # counted in requests_total
+# Counted in requests_total.
+GENERATE_PATHS = LIGHTLLM_PATHS | {"/v1/completions", "/v1/chat/completions", "/v1/responses"}
 OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key (probes)
 INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _INT32 = (-(2**31), 2**31 - 1)
 
 T = TypeVar("T")
@@ -101,6 +103,8 @@ class Front:
     max_prompt_chars: int = 0  # a longer text surely exceeds the context; refused before tokenizing
     model_dir: str = ""
     probe: asyncio.Future | None = None  # the /health_generate probe in progress, shared by concurrent calls
+    model_names: tuple[str, ...] = ()  # every name a request may give (--served_model_name aliases)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
 
     @property
     def max_model_len(self) -> int:
@@ -124,17 +128,20 @@ class Generation:
 
 
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
-               health: Callable[[], str | None], model_dir: str = "") -> FastAPI:
-    # NOTE: imported here because both route modules import this module's plumbing.
-    from lightserve import lightllm_api, openai_api, ops_api
+               health: Callable[[], str | None], model_dir: str = "",
+               sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+    # NOTE: imported here because the route modules import this module's plumbing.
+    from lightserve import lightllm_api, openai_api, ops_api, responses_api, vllm_api
 
-    metrics = FrontMetrics(engine)
+    metrics = FrontMetrics(engine, model_name)
     # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
     max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
     drain = Drain(engine, config.shutdown_grace_s)
     front = Front(config, engine, tokenizer, model_name, health, metrics, drain,
                   frozenset(getattr(tokenizer, "all_special_ids", ())), max_token_chars * engine.max_req_total_len,
-                  model_dir)
+                  model_dir=model_dir,
+                  model_names=(model_name, *[n for n in config.served_model_name or () if n != model_name]),
+                  sampling_defaults=dict(sampling_defaults or {}))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -150,6 +157,8 @@ def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model
     app.include_router(ops_api.router)
     app.include_router(openai_api.router)
     app.include_router(lightllm_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(vllm_api.router)
     for exc_type, handler in _HANDLERS.items():
         app.add_exception_handler(exc_type, handler)
     app.add_middleware(_FrontMiddleware, api_key=config.api_key, metrics=metrics, drain=drain)
@@ -198,7 +207,7 @@ def parse_model(cls: type[M], data: dict) -> M:
 
 
 def check_model(front: Front, model: str | None) -> None:
-    if model is not None and model != front.model_name:
+    if model is not None and model not in front.model_names:
         raise ApiError(404, f"The model `{model}` does not exist; this server serves `{front.model_name}`.",
                        "model", "model_not_found")
 
@@ -213,30 +222,29 @@ async def encode_text(front: Front, text: str, param: str, add_special_tokens: b
     return await asyncio.to_thread(encode, text, add_special_tokens=add_special_tokens)
 
 
-def render_chat(front: Front, messages: Any, param: str = "messages") -> str:
-    """Messages through the model's chat template (transformers renders it in a sandboxed Jinja env)."""
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "must be a non-empty list of messages", param)
-    norm = []
-    for i, msg in enumerate(messages):
-        where = f"{param}.{i}"
-        if not isinstance(msg, dict):
-            raise ApiError(400, "each message must be an object with role and content", where)
-        role = msg.get("role")
-        if role not in CHAT_ROLES:
-            raise ApiError(400, f"role must be one of {sorted(CHAT_ROLES)}", f"{where}.role")
-        norm.append({"role": role, "content": _content_text(msg.get("content"), f"{where}.content")})
+def render_chat(front: Front, messages: Any, param: str = "messages", tools: list[dict] | None = None) -> str:
+    """Messages through the model's chat template (transformers renders it in a sandboxed Jinja env).
+    `tools` go to the template's `tools` argument, or into the system message for a template that
+    takes none (chat_output.with_tool_prompt)."""
+    norm = normalize_messages(messages, param)
+    kwargs = {}
+    if tools:
+        if template_takes_tools(front.tokenizer.chat_template):
+            kwargs["tools"] = tools
+        else:
+            norm = with_tool_prompt(norm, tools, front.config.tool_call_parser)
     try:
-        return front.tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=True)
+        return front.tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=True, **kwargs)
     except (jinja2.TemplateError, TypeError, ValueError) as exc:
         raise ApiError(400, f"the chat template rejected the messages: {exc}", param) from None
 
 
-def request_params(src: Any, **given: Any) -> SamplingParams:
+def request_params(src: Any, defaults: dict[str, Any] | None = None, **given: Any) -> SamplingParams:
     """SamplingParams from an HTTP request model: each field named like a SamplingParams field that
     the client set (not None), then `given`, the fields this API names or converts its own way.
-    Unset, temperature is 1 (both APIs sample unless told otherwise), the rest SamplingParams'."""
-    values: dict[str, Any] = {"temperature": 1.0}
+    Unset, a field takes `defaults` (the model's generation_config.json), else temperature is 1
+    (both APIs sample unless told otherwise), the rest SamplingParams' defaults."""
+    values: dict[str, Any] = {"temperature": 1.0, **(defaults or {})}
     for f in dataclasses.fields(SamplingParams):
         value = getattr(src, f.name, None)
         if value is not None:
@@ -347,6 +355,21 @@ async def generate_one(front: Front, prompt_ids: list[int], params: SamplingPara
     return out
 
 
+async def start_generation(request: Request, front: Front, prompt_ids: list[int], params: SamplingParams
+                           ) -> tuple[ReqTimer, AsyncIterator[ReqDelta], ReqDelta]:
+    """Start one streamed request and wait for its first delta, so engine errors (overload, dead)
+    still become HTTP statuses and a client that leaves while queued is noticed.
+    Returns (its latency timer, the delta generator, the first delta)."""
+    timer = front.metrics.timer()
+    gen = front.engine.generate(prompt_ids, params)
+    try:
+        first = await until_disconnect(request, gen.__anext__())
+    except BaseException as exc:
+        timer.on_finish("disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
+        raise
+    return timer, gen, first
+
+
 async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
     """Await `aw` unless the client disconnects first: then cancel it (an engine generator's finally
     aborts its request) and raise ClientGone. Used for non-streaming work and a stream's first item."""
@@ -405,9 +428,10 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
     front = get_front(request)
-    card = {"id": front.model_name, "object": "model", "created": _START_TIME, "owned_by": "lightserve",
-            "root": front.model_name, "parent": None, "max_model_len": front.max_model_len}
-    return json_response({"object": "list", "data": [card]})
+    cards = [{"id": name, "object": "model", "created": _START_TIME, "owned_by": "lightserve",
+              "root": front.model_name, "parent": None, "max_model_len": front.max_model_len}
+             for name in front.model_names]
+    return json_response({"object": "list", "data": cards})
 
 
 @router.get("/get_model_name")
@@ -556,21 +580,6 @@ class _FrontMiddleware:
 # ---- private helpers ---------------------------------------------------------------------------------
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than {limit} bytes", "body", "request_too_large")
-
-
-def _content_text(content: Any, param: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ApiError(400, "only text content parts ({'type': 'text', 'text': ...}) are supported", param)
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise ApiError(400, "must be a string or a list of text parts", param)
 
 
 def _typed(body: dict, name: str, kind: type, default: Any) -> Any:

@@ -13,6 +13,9 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from enum import Enum
 from typing import Any, Sequence, get_args, get_origin
 
+from lightserve.reasoning_parsers import REASONING_PARSERS
+from lightserve.tool_parsers import TOOL_PARSERS
+
 SHM_PREFIX = "lightserve-"
 # Default longest request (prompt + output) when --max_req_total_len is not given, capped by the model's
 # context. Not the model's maximum (131,072 for Llama-3.1): per-slot state scales with it (the worker's
@@ -78,7 +81,11 @@ class ServerConfig:
     max_body_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "largest accepted HTTP request body"})
     max_n: int = field(default=16, metadata={"help": "largest n / best_of per request"})
     max_top_logprobs: int = field(default=5, metadata={"help": "largest top_logprobs per token (shm holds req_pool_size x max_req_total_len x this x 8 bytes, backed only where written)"})
-    served_model_name: str | None = field(default=None, metadata={"help": "model name in the OpenAI API; default: the folder name"})
+    served_model_name: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+", "help": "model name(s) in the OpenAI API, the first one reported, any one accepted; default: the folder name"})
+    chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file that overrides the model's"})
+    generation_config: str = field(default="auto", metadata={"help": "default sampling params: 'auto' = the model's generation_config.json, 'vllm' = none (the server's defaults), or a folder holding a generation_config.json"})
+    tool_call_parser: str | None = field(default=None, metadata={"help": f"how tool calls are read from the output (tool_choice auto): {', '.join(TOOL_PARSERS)}"})
+    reasoning_parser: str | None = field(default=None, metadata={"help": f"split reasoning into reasoning_content: {', '.join(REASONING_PARSERS)}"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     start_timeout_s: float = field(default=600.0, metadata={"help": "seconds each child may take to report ready"})
     instance_id: str = field(default_factory=_new_instance_id, metadata={"help": "unique id of this launch (names shm and sockets)"})
@@ -104,6 +111,17 @@ class ServerConfig:
         need(self.health_generate_timeout_s > 0, "health_generate_timeout_s",
              f"must be > 0, got {self.health_generate_timeout_s}")
         need(0 <= self.max_top_logprobs <= 20, "max_top_logprobs", "must be in [0, 20]")
+        if isinstance(self.served_model_name, str):  # one name given in code rather than on the CLI
+            object.__setattr__(self, "served_model_name", (self.served_model_name,))
+        need(self.served_model_name is None or len(self.served_model_name) >= 1, "served_model_name", "needs a name")
+        need(self.chat_template is None or os.path.isfile(self.chat_template), "chat_template",
+             f"{self.chat_template!r} is not a file")
+        need(self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config), "generation_config",
+             f"must be auto, vllm or a folder, got {self.generation_config!r}")
+        need(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS, "tool_call_parser",
+             f"must be one of {sorted(TOOL_PARSERS)}")
+        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+             f"must be one of {sorted(REASONING_PARSERS)}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", f"unknown level {self.log_level!r}")
 
     # ---- derived names: unique per launch so two servers (or two tests) never collide ----
@@ -157,10 +175,12 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         if f.name == "instance_id":
             continue
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        kind = _base_type(f.type)
+        kind = str if f.metadata.get("nargs") else _base_type(f.type)
         default = f.default if f.default is not MISSING else None
         help_text = f.metadata.get("help", "")
-        if kind is bool:
+        if f.metadata.get("nargs"):
+            parser.add_argument(*names, dest=f.name, nargs=f.metadata["nargs"], default=default, help=help_text)
+        elif kind is bool:
             parser.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
         elif isinstance(kind, type) and issubclass(kind, Enum):
             parser.add_argument(*names, dest=f.name, type=kind, choices=list(kind), default=default,
@@ -168,6 +188,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         else:
             parser.add_argument(*names, dest=f.name, type=kind, default=default, help=f"{help_text} (default {default})")
     ns = parser.parse_args(argv)
+    for f in fields(ServerConfig):
+        if f.metadata.get("nargs") and getattr(ns, f.name) is not None:
+            setattr(ns, f.name, tuple(getattr(ns, f.name)))
     try:
         return ServerConfig(**vars(ns))
     except ValueError as exc:

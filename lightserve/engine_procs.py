@@ -77,7 +77,7 @@ def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
     resolved = config_with(config, device=device, data_type=dtype, batch_max_tokens=batch_max,
                            chunked_prefill_size=config.chunked_prefill_size or batch_max,
                            max_req_total_len=max_len, nccl_port=nccl_port,
-                           served_model_name=config.served_model_name or Path(model_dir).name)
+                           served_model_name=config.served_model_name or (Path(model_dir).name,))
     return resolved, model_dir
 
 

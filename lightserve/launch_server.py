@@ -63,7 +63,7 @@ def serve(config: ServerConfig) -> int:
                     config.data_type.value, config.tp)
         procs = EngineProcs(config, model_dir)
         # The front's own slow part (transformers import, tokenizer load) overlaps the engine start.
-        front_prep = _FrontPrep(model_dir) if config.is_master_node else None
+        front_prep = _FrontPrep(model_dir, config) if config.is_master_node else None
         config = procs.start()
     except StartError as exc:
         logger.error("start-up failed: %s", exc)
@@ -136,25 +136,35 @@ class _FrontPrep:
     """Imports the HTTP front and loads its tokenizer on a thread, while the engine processes start
     (the launcher's main thread only waits for them then)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, config: ServerConfig):
         self._result: tuple | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(model_dir,), name="front-prep", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(model_dir, config), name="front-prep", daemon=True)
         self._thread.start()
 
-    def _run(self, model_dir: str) -> None:
+    def _run(self, model_dir: str, config: ServerConfig) -> None:
         try:
             import uvicorn  # noqa: F401 - imported for its cost, here
             from transformers import AutoTokenizer
 
             import lightserve.api_server  # noqa: F401
             from lightserve.model_infer.model_config import ModelConfig
-            self._result = (AutoTokenizer.from_pretrained(model_dir), ModelConfig.from_dir(model_dir).vocab_size)
+            from lightserve.sampling import generation_defaults
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            if config.chat_template is not None:
+                with open(config.chat_template) as f:
+                    tokenizer.chat_template = f.read()
+            source = {"auto": model_dir, "vllm": None}.get(config.generation_config, config.generation_config)
+            defaults = generation_defaults(source) if source is not None else {}
+            if defaults:
+                logger.info("default sampling params from %s/generation_config.json: %s", source, defaults)
+            self._result = (tokenizer, ModelConfig.from_dir(model_dir).vocab_size, defaults)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by get()
             self._error = exc
 
     def get(self) -> tuple:
-        """(tokenizer, vocab_size)."""
+        """(tokenizer, vocab_size, sampling defaults)."""
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -168,7 +178,7 @@ def _serve_http(config: ServerConfig, front_prep: _FrontPrep, procs, t0: float) 
     from lightserve.drain import DrainingServer
     from lightserve.engine_client import EngineClient
 
-    tokenizer, vocab_size = front_prep.get()
+    tokenizer, vocab_size, sampling_defaults = front_prep.get()
     engine = EngineClient(config, procs.pool, config.max_req_total_len, vocab_size)
     dead: dict[str, str] = {}
 
@@ -178,7 +188,8 @@ def _serve_http(config: ServerConfig, front_prep: _FrontPrep, procs, t0: float) 
         child = procs.dead_child()
         return None if child is None else f"{child.name} is not running"
 
-    app = create_app(config, engine, tokenizer, config.served_model_name, health, procs.model_dir)
+    app = create_app(config, engine, tokenizer, config.served_model_name[0], health, procs.model_dir,
+                     sampling_defaults)
     server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, loop="uvloop",
                                            log_level=config.log_level.lower(), timeout_graceful_shutdown=3,
                                            access_log=False), app.state.front.drain)

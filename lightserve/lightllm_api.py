@@ -15,7 +15,6 @@ from starlette.responses import Response
 
 from lightserve.api_server import (
     ApiError,
-    ClientGone,
     EventStream,
     Front,
     Generation,
@@ -33,6 +32,7 @@ from lightserve.api_server import (
     read_json,
     request_params,
     samples_of,
+    start_generation,
     stop_list,
     token_text,
     until_disconnect,
@@ -112,14 +112,7 @@ async def generate_stream(request: Request) -> Response:
     prompt_ids, params, _, _, num_samples = await _parse(request, front)
     if num_samples > 1:
         raise ApiError(400, "n and best_of > 1 are not supported when streaming", "parameters.n")
-    timer = front.metrics.timer()
-    gen = front.engine.generate(prompt_ids, params)
-    # Wait for the first delta so engine errors still become HTTP statuses.
-    try:
-        first = await until_disconnect(request, _anext(gen))
-    except BaseException as exc:
-        timer.on_finish("disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
-        raise
+    timer, gen, first = await start_generation(request, front, prompt_ids, params)
     return EventStream(_events(front, first, gen, len(prompt_ids), timer))
 
 
@@ -147,8 +140,8 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
         bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
     except (TypeError, ValueError):
         raise ApiError(400, "keys must be token ids", "parameters.logit_bias") from None
-    params = request_params(p, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"), logit_bias=bias,
-                            grammar_kind=kind, grammar=grammar)
+    params = request_params(p, front.sampling_defaults, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"),
+                            logit_bias=bias, grammar_kind=kind, grammar=grammar)
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated
@@ -216,7 +209,3 @@ def _final_event(num_output: int, prompt_len: int, generated_text: str, reason: 
 def _event(token: dict, generated_text: str | None, finished: bool, reason: str | None) -> bytes:
     return b"data:" + dumps({"token": token, "generated_text": generated_text, "finished": finished,
                              "finish_reason": reason, "details": None}) + b"\n\n"
-
-
-async def _anext(gen: AsyncIterator[ReqDelta]) -> ReqDelta:
-    return await gen.__anext__()

@@ -1,7 +1,9 @@
 """FrontMetrics: the HTTP front's Prometheus registry (one per app, no global registry state).
 
 Engine-wide numbers are read from the request pool's stats at scrape time; latency histograms and
-request counters are observed by the API routes through a per-request `ReqTimer`.
+request counters are observed by the API routes through a per-request `ReqTimer`. The numbers that
+vLLM also exports are exported a second time under vLLM's names (`vllm:...`, labelled with
+`model_name`), so dashboards and autoscalers written for vLLM read this server unchanged.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
     from lightserve.engine_client import EngineClient
 
 PREFIX = "lightserve_"
+VLLM = "vllm:"
 
 # Router stats (shm STATS_FIELDS) that only ever grow. Every other field is a gauge, including
 # kv_tokens_total, which is the KV capacity despite its suffix.
@@ -48,9 +51,9 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 class FrontMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, model_name: str = ""):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
+        self.registry.register(_EngineCollector(engine, model_name))
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to the first output token",
                               buckets=_TTFT_BUCKETS, registry=r)
@@ -62,6 +65,13 @@ class FrontMetrics:
                                     "Arrival to the first delta from the engine", buckets=_TTFT_BUCKETS, registry=r)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to the last output token",
                              buckets=_E2E_BUCKETS, registry=r)
+        # The same observations under vLLM's names; vLLM's histograms carry a model_name label.
+        self.vllm_ttft = Histogram(VLLM + "time_to_first_token_seconds", "Arrival to the first output token",
+                                   ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.vllm_itl = Histogram(VLLM + "inter_token_latency_seconds", "Time between output tokens",
+                                  ["model_name"], buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.vllm_e2e = Histogram(VLLM + "e2e_request_latency_seconds", "Arrival to the last output token",
+                                  ["model_name"], buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         self.requests = Counter(PREFIX + "requests", "Generation requests by HTTP status", ["status"], registry=r)
         self.finished = Counter(PREFIX + "requests_finished", "Generation requests by how they ended "
                                 "(stop, length, abort, disconnect, error)", ["reason"], registry=r)
@@ -87,12 +97,14 @@ class ReqTimer:
         m = self._metrics
         if self._last is None:
             m.ttft.observe(now - self.arrival)
+            m.vllm_ttft.observe(now - self.arrival)
             m.queue_time.observe(now - self.arrival)
         else:
             # A delta of several tokens (the front fell behind the detokenizer) spreads its gap.
             gap = (now - self._last) / num_tokens
             for _ in range(num_tokens):
                 m.itl.observe(gap)
+                m.vllm_itl.observe(gap)
         self._last = now
 
     def on_finish(self, reason: str) -> None:
@@ -100,16 +112,20 @@ class ReqTimer:
         m.finished.labels(reason).inc()
         if reason in ("stop", "length"):
             m.e2e.observe(time.monotonic() - self.arrival)
+            m.vllm_e2e.observe(time.monotonic() - self.arrival)
 
 
 class _EngineCollector(Collector):
     """Reads the router's shm stats and the front's queues at scrape time (nothing cached)."""
 
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, model_name: str):
         self._engine = engine
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        for name, value in self._engine.pool.stats_dict().items():
+        stats = self._engine.pool.stats_dict()
+        yield from self._vllm(stats)
+        for name, value in stats.items():
             if name in COUNTER_STATS:
                 yield CounterMetricFamily(PREFIX + name, f"router counter {name}", value=value)
             else:
@@ -123,6 +139,29 @@ class _EngineCollector(Collector):
                                 value=pool.num_slots)
         yield GaugeMetricFamily(PREFIX + "req_slots_free", "Request-pool slots every owner has released",
                                 value=pool.num_free_slots())
+
+    def _vllm(self, stats: dict[str, int]) -> Iterator[Metric]:
+        """vLLM's engine metrics from the router's stats. Waiting counts every request not running:
+        queued in the front, waiting in the router, or paused (vLLM's preempted requests wait too)."""
+        total = stats["kv_tokens_total"]
+        used = total - stats["kv_tokens_free"] - stats["kv_tokens_cached"]  # cached rows are evictable
+        waiting = stats["requests_waiting"] + stats["requests_paused"] + self._engine.num_queued
+        for kind, name, doc, value in (
+                (GaugeMetricFamily, "num_requests_running", "Requests in model execution batches",
+                 stats["requests_running"]),
+                (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be processed", waiting),
+                (GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage, 1 = full", used / total if total else 0.0),
+                (CounterMetricFamily, "prompt_tokens", "Prefill tokens processed", stats["prompt_tokens_total"]),
+                (CounterMetricFamily, "generation_tokens", "Generation tokens processed",
+                 stats["generation_tokens_total"]),
+                (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                 stats["prompt_tokens_total"]),
+                (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                 stats["prompt_tokens_cached_total"]),
+                (CounterMetricFamily, "num_preemptions", "Requests preempted (paused for KV)", stats["pauses_total"])):
+            family = kind(VLLM + name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # names depend on STATS_FIELDS; skip the registration-time duplicate check

@@ -41,6 +41,7 @@ from lightserve.api_server import (
     token_text,
     until_disconnect,
 )
+from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
 from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
@@ -106,7 +107,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: Any = None        # checked by plan_tools
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
     response_format: dict | None = None
 
 
@@ -136,7 +139,7 @@ async def completions(request: Request) -> Response:
     prompt_k = req.prompt_logprobs
     if echo and want_logprobs:
         prompt_k = max(prompt_k or 0, req.logprobs)
-    base = dataclasses.replace(_params(req, 1 if score_only else max_tokens, req.logprobs or 0, grammar),
+    base = dataclasses.replace(_params(front, req, 1 if score_only else max_tokens, req.logprobs or 0, grammar),
                                prompt_logprobs=prompt_k)
     one = [make_checked(front, ids, base, "prompt", _COMPLETION_NAMES) for ids in prompts]
     # Choice index = prompt index * n + sample index, as OpenAI orders them.
@@ -196,18 +199,21 @@ async def chat_completions(request: Request) -> Response:
     req = parse_model(ChatCompletionRequest, await read_json(request))
     check_model(front, req.model)
     n = check_n(front, req.n, "n")
-    _refuse(req.tools, "tools")
-    grammar = _chat_grammar(req)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, front.config.tool_call_parser)
+    grammar = _chat_grammar(req, plan)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    prompt_ids = await encode_text(front, render_chat(front, req.messages), "messages", add_special_tokens=False)
+    prompt = render_chat(front, req.messages, tools=plan.prompt_tools)
+    prompt_ids = await encode_text(front, prompt, "messages", add_special_tokens=False)
+    outputs = [ChatOutput(plan, front.config.tool_call_parser, front.config.reasoning_parser, prompt)
+               for _ in range(n)]
     names = dict(_CHAT_NAMES)
     max_tokens = req.max_tokens
     if req.max_completion_tokens is not None:
         max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
-    params = make_checked(front, prompt_ids, _params(req, max_tokens, req.top_logprobs or 0, grammar), "messages",
+    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar), "messages",
                           names)
     want_logprobs = bool(req.logprobs)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -216,21 +222,24 @@ async def chat_completions(request: Request) -> Response:
 
     if req.stream:
         def chunk(i: int, delta: ReqDelta) -> dict | None:
-            if not delta.text and not delta.finish and not (want_logprobs and delta.token_ids):
+            fields = outputs[i].feed(delta.text, final=delta.finish != FinishReason.NONE)
+            if not fields and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
-            return {"index": i, "delta": {"content": delta.text} if delta.text else {},
+            return {"index": i, "delta": fields,
                     "logprobs": _chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
                     if want_logprobs else None,
-                    "finish_reason": delta.finish.api_name()}
+                    "finish_reason": outputs[i].finish_reason(delta.finish.api_name())}
 
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return await _open_stream(request, front, [prompt_ids] * n, samples_of(params, n), head, chunk,
                                   req.stream_options, role)
 
     outs = await until_disconnect(request, _run_all(front, [prompt_ids] * n, samples_of(params, n)))
-    choices = [{"index": i, "message": {"role": "assistant", "content": g.text}, "finish_reason": g.finish.api_name(),
+    for out, g in zip(outputs, outs):
+        out.feed(g.text, final=True)
+    choices = [{"index": i, "message": out.message(), "finish_reason": out.finish_reason(g.finish.api_name()),
                 "logprobs": _chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
-               for i, g in enumerate(outs)]
+               for i, (out, g) in enumerate(zip(outputs, outs))]
     return json_response({**head, "choices": choices, "usage": _usage(outs)})
 
 
@@ -387,9 +396,13 @@ async def _completion_prompts(front: Front, prompt: Any) -> list[list[int]]:
                    "prompt")
 
 
-def _chat_grammar(req: ChatCompletionRequest) -> tuple[GrammarKind, str]:
+def _chat_grammar(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[GrammarKind, str]:
     fmt = req.response_format
-    json_schema, json_object = None, False
+    json_schema, json_object = plan.grammar_schema(), False
+    if json_schema is not None and ((fmt or {}).get("type", "text") != "text" or req.guided_json is not None
+                                    or req.guided_regex is not None or req.guided_grammar is not None):
+        raise ApiError(400, 'tool_choice "required" or a named function cannot be combined with '
+                            "response_format or guided_*", "tool_choice")
     if fmt is not None:
         kind = fmt.get("type", "text")
         if kind == "json_object":
@@ -418,10 +431,10 @@ def _logit_bias(bias: dict | None) -> dict[int, float]:
     return out
 
 
-def _params(req: _SamplingRequest, max_tokens: int, top_logprobs: int,
+def _params(front: Front, req: _SamplingRequest, max_tokens: int, top_logprobs: int,
             grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, "")) -> SamplingParams:
     return request_params(
-        req, max_new_tokens=max_tokens, min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
+        req, front.sampling_defaults, max_new_tokens=max_tokens, min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
         stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs, logit_bias=_logit_bias(req.logit_bias),
         grammar_kind=grammar[0], grammar=grammar[1])
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
@@ -195,6 +196,25 @@ def check_grammar(kind: GrammarKind, text: str) -> None:
         # xgrammar prefixes "[hh:mm:ss] /path/file.cc:line: "; the client needs only the message.
         message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0]) if lines else type(exc).__name__
         raise ValueError(message) from None
+
+
+# generation_config.json keys applied as request defaults (as vLLM applies them), all SamplingParams fields.
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(folder: str) -> dict[str, float | int]:
+    """The sampling defaults a model folder's generation_config.json sets (empty without one).
+    HF's `do_sample: false` means greedy, whatever temperature the file also names."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    out = {k: config[k] for k in GENERATION_CONFIG_KEYS
+           if isinstance(config.get(k), (int, float)) and not isinstance(config.get(k), bool)}
+    if config.get("do_sample") is False and out:
+        out["temperature"] = 0.0
+    return out
 
 
 def _is_token_id(t: object, vocab_size: int | None) -> bool:

@@ -37,7 +37,7 @@ class FakePool:
 
 
 class FakeEngine:
-    """Yields `max_new_tokens` scripted tokens (id 100+i, text ' t<i>', logprob -0.5) then LENGTH,
+    """Yields `max_new_tokens` tokens (id 100+i, text ' t<i>' or `script[i]`, logprob -0.5) then `finish`,
     `tokens_per_delta` per delta. Records calls and early closes (the real client's abort path)."""
 
     check_prompt = EngineClient.check_prompt  # the real prompt validation and max_new_tokens cap
@@ -54,6 +54,7 @@ class FakeEngine:
         self.tokens_per_delta = 1
         self.finish = FinishReason.LENGTH
         self.empty_final = False  # send the finish in an extra delta without tokens (abort, stop string)
+        self.script: list[str] | None = None  # the text of each token instead of " t<i>" (max_new_tokens ignored)
         self.cached_len = 3
         self.fail: Exception | None = None       # raised before the first delta
         self.fail_mid: Exception | None = None   # raised after the first delta
@@ -76,7 +77,7 @@ class FakeEngine:
         self.num_pending += 1
         finished = False
         try:
-            produced, total = 0, params.max_new_tokens
+            produced, total = 0, params.max_new_tokens if self.script is None else len(self.script)
             await asyncio.sleep(self.first_delay)
             while produced < total:
                 if produced:
@@ -85,7 +86,7 @@ class FakeEngine:
                         raise self.fail_mid
                 k = min(self.tokens_per_delta, total - produced)
                 ids = [100 + produced + j for j in range(k)]
-                texts = [f" t{produced + j}" for j in range(k)]
+                texts = [f" t{produced + j}" if self.script is None else self.script[produced + j] for j in range(k)]
                 produced += k
                 finish = self.finish if produced == total and not self.empty_final else FinishReason.NONE
                 finished = finish != FinishReason.NONE

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.anyio
 BODY_LIMIT = 1 << 20
 C, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
 USER = [{"role": "user", "content": "hi"}]
+FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def comp(**kw):
@@ -93,7 +94,21 @@ CASES = [
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
-     "messages.0.content"),
+     "messages.0.content.0"),
+    # messages as OpenAI checks them: content required but for an assistant that calls tools
+    (CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    (CHAT, {"messages": [{"role": "system", "content": None}, *USER]}, 400, "messages.0.content"),
+    (CHAT, {"messages": [*USER, {"role": "assistant"}]}, 400, "messages.1.content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                      {"type": "input_audio", "input_audio": {}}]}]}, 400,
+     "messages.0.content.1"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages.0.content.0"),
+    (CHAT, {"messages": [*USER, {"role": "tool", "content": "42"}]}, 400, "messages.1.tool_call_id"),
+    (CHAT, {"messages": [*USER, {"role": "assistant", "tool_calls": [{"function": {}}]}]}, 400,
+     "messages.1.tool_calls.0"),
+    (CHAT, {"messages": [*USER, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
+     "messages.1.tool_calls.0.function.arguments"),
     (CHAT, {"messages": [{"role": "user", "content": "hello " * 2000}]}, 400, "messages"),
     (CHAT, chat(model="other"), 404, "model"),
     (CHAT, chat(max_tokens=0), 400, "max_tokens"),
@@ -101,7 +116,17 @@ CASES = [
     (CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
     (CHAT, chat(logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     (CHAT, chat(n=100), 400, "n"),
-    (CHAT, chat(tools=[{"type": "function"}]), 400, "tools"),
+    (CHAT, chat(tools=[{"type": "function"}]), 400, "tools.0"),
+    (CHAT, chat(tools={"type": "function"}), 400, "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": ""}}]), 400, "tools.0.function.name"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": 3}}]), 400,
+     "tools.0.function.parameters"),
+    (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
+    (CHAT, chat(tools=[FN], tool_choice="auto"), 400, "tool_choice"),  # no --tool_call_parser here
+    (CHAT, chat(tools=[FN], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
+    (CHAT, chat(tools=[FN], tool_choice="maybe"), 400, "tool_choice"),
+    (CHAT, chat(tools=[FN], tool_choice="required", parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
+    (CHAT, chat(tools=[FN], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice"),
     (CHAT, chat(response_format={"type": "xml"}), 400, "response_format"),
     (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 3}}}), 400, "response_format"),
     (CHAT, chat(temperature=[1]), 400, "temperature"),

@@ -1,0 +1,93 @@
+"""Chat messages checked as OpenAI checks them, normalized into what chat templates expect.
+
+Called by the HTTP front (api_server.render_chat) for /v1/chat/completions, /v1/responses and
+/tokenize. Raises ParamError naming the field, which the front renders as a 400.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lightserve.sampling import ParamError
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Part types that carry media: refused by name, since this server serves text models only.
+_MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "audio": "audio",
+                "file": "file", "input_file": "file", "video_url": "video"}
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def normalize_messages(messages: Any, param: str = "messages") -> list[dict]:
+    """The messages as template-ready dicts: content a string; assistant `tool_calls` with their
+    arguments decoded to objects (HF templates render `arguments | tojson`); tool results with their
+    `tool_call_id`. Raises ParamError for anything OpenAI would refuse."""
+    if not isinstance(messages, list) or not messages:
+        raise ParamError(param, "must be a non-empty list of messages")
+    return [normalize_message(msg, f"{param}.{i}") for i, msg in enumerate(messages)]
+
+
+def normalize_message(msg: Any, where: str) -> dict:
+    """One message of normalize_messages; `where` names it in errors."""
+    if not isinstance(msg, dict):
+        raise ParamError(where, "each message must be an object with role and content")
+    role = msg.get("role")
+    if role not in CHAT_ROLES:
+        raise ParamError(f"{where}.role", f"must be one of {list(CHAT_ROLES)}")
+    content = msg.get("content")
+    if role == "assistant":
+        out: dict = {"role": role, "content": "" if content is None else _content_text(content, f"{where}.content")}
+        calls = msg.get("tool_calls")
+        if calls is not None:
+            out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        elif content is None:
+            raise ParamError(f"{where}.content", "is required unless the assistant message has tool_calls")
+        return out
+    if content is None:
+        raise ParamError(f"{where}.content", f"is required in a {role} message")
+    out = {"role": role, "content": _content_text(content, f"{where}.content")}
+    if role == "tool":
+        call_id = msg.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ParamError(f"{where}.tool_call_id", "is required in a tool message (the id of the call it answers)")
+        out["tool_call_id"] = call_id
+    name = msg.get("name")
+    if isinstance(name, str):
+        out["name"] = name
+    return out
+
+
+def _content_text(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _MEDIA_PARTS:
+                raise ParamError(f"{param}.{i}", f"{_MEDIA_PARTS[kind]} content is not supported: this server "
+                                                 "serves text-only models")
+            if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                raise ParamError(f"{param}.{i}", "content parts must be {'type': 'text', 'text': ...}")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise ParamError(param, "must be a string or a list of text parts")
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise ParamError(param, "must be a list of tool calls")
+    out = []
+    for i, call in enumerate(calls):
+        where = f"{param}.{i}"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ParamError(where, "must be {'id': ..., 'type': 'function', "
+                                    "'function': {'name': ..., 'arguments': ...}}")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ParamError(f"{where}.function.arguments", "must be a JSON string") from None
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out

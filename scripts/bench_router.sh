@@ -29,6 +29,7 @@ KV=${KV:-6144}
 POLICIES=${POLICIES:-"cache_aware round_robin"}
 OUT_DIR=${OUT_DIR:-.benchmarks/router}
 SERVER_ARGS=${SERVER_ARGS:-}
+ROUTER_ARGS=${ROUTER_ARGS:-}  # more sglang-router flags, e.g. "--balance-abs-threshold 2"
 mkdir -p "$OUT_DIR"
 
 pids=()
@@ -67,9 +68,10 @@ for policy in $POLICIES; do
     done
     for url in "${urls[@]}"; do wait_http "$url/health" replica; done
     rport=$(free_port)
+    # shellcheck disable=SC2086
     "$PY" -m sglang_router.launch_router --host 127.0.0.1 --port "$rport" --worker-urls "${urls[@]}" \
         --policy "$policy" --prometheus-host 127.0.0.1 --prometheus-port "$(free_port)" \
-        --shutdown-grace-period-secs 1 --log-level warn >"$OUT_DIR/router_${policy}.log" 2>&1 &
+        --shutdown-grace-period-secs 1 --log-level warn $ROUTER_ARGS >"$OUT_DIR/router_${policy}.log" 2>&1 &
     pids+=($!)
     wait_http "http://127.0.0.1:$rport/v1/models" router
     sleep 1  # the worker registration finishes just after /v1/models answers

@@ -71,7 +71,8 @@ def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connec
             to_router, to_detok = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
             to_router.connect(config.step_done_addr)
             to_detok.connect(config.detok_addr)
-            writer = OutputWriter(pool, model_config, model_dir, to_router, to_detok, device)
+            writer = OutputWriter(pool, model_config, model_dir, to_router, to_detok, device,
+                                  config.reasoning_parser)
         report_ready(ready, {"kv_size": runner.kv_size})
         try:
             while not stop.is_set():
@@ -121,7 +122,7 @@ class OutputWriter:
     """Rank 0: sample, publish tokens in shm, notify the router and the detokenizer."""
 
     def __init__(self, pool: ReqPool, model_config: ModelConfig, model_dir: str, to_router, to_detok,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, reasoning_parser: str | None = None):
         """`to_router`/`to_detok`: connected zmq PUSH sockets (anything with send/close in tests);
         `device`: where the logits live (the penalties' token history is kept there)."""
         self.pool = pool
@@ -131,7 +132,7 @@ class OutputWriter:
         self.slot_req = np.full(pool.num_slots, -1, np.int64)
         self.to_router = to_router
         self.to_detok = to_detok
-        self.grammars = GrammarSet(model_dir, model_config.vocab_size)
+        self.grammars = GrammarSet(model_dir, model_config.vocab_size, reasoning_parser)
 
     def close(self) -> None:
         self.to_router.close(linger=0)
@@ -233,5 +234,5 @@ class OutputWriter:
         pool.logprobs[idx, pos] = lps
         pool.num_output[idx] = new_count
         pool.finish[idx] = finish
-        if self.grammars.matchers:
+        if grammar_rows.size:
             self.grammars.drop(idx[finish != FinishReason.NONE])

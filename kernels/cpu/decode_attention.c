@@ -36,6 +36,18 @@
 #include "fastmath.h"
 #include "vec.h"
 
+// AVX512-BF16 (Zen 4/5, Sapphire Rapids and later, in the native build of such a CPU): bf16 K rows
+// are scored with vdpbf16ps against a bf16 query, each instruction 32 products summed in pairs into
+// 16 float lanes, so K needs no widening and half the multiply instructions. Only for bf16 queries
+// (the bf16 model): their products are exact in float, as in the widening path. Zen 4 (bf16, batch
+// 64 x 384, 3 KV heads x 64): 1.03 -> 0.84 ms a layer, 18 -> 22 GB/s.
+#if defined(__AVX512BF16__) && VL == 16
+#include <immintrin.h>
+#define DPBF16 1
+#else
+#define DPBF16 0
+#endif
+
 #define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
 #define PF_DIST BLOCK   // prefetch the rows this many tokens ahead: the next block (2-4 blocks: no better)
 // Prefetch into L2, not L1 (prefetcht2): a block's K and V rows plus the next block's are ~49 KB in
@@ -61,10 +73,11 @@ static inline __attribute__((always_inline)) void load_row(const void *p, int bf
 }
 
 // One task. qp: [Hq, dim], the request's query in load_row's element order; scores are scaled by `scale`.
+// qb: [Hq, dim], the same query as bf16 in its own order, for the DPBF16 scores; NULL: widen K instead.
 // state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi).
 // bf16, dim and group are compile-time constants in the instances below (a runtime group works too).
 static inline __attribute__((always_inline)) void attend(
-    const float *qp, const void *k_cache, const void *v_cache, const int32_t *locs, int lo, int hi,
+    const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo, int hi,
     int num_kv_heads, int64_t kc_row, int64_t vc_row, float scale, float *state, const int bf16, const int dim,
     const int group) {
     enum { NV_MAX = MAX_DIM / VL };
@@ -111,6 +124,21 @@ static inline __attribute__((always_inline)) void attend(
                         __builtin_prefetch(pk[j] + head_off + o, 0, PF_LOCALITY);
                         __builtin_prefetch(pv[j] + head_off + o, 0, PF_LOCALITY);
                     }
+#if DPBF16
+                if (bf16 && qb) {
+                    const uint16_t *qbh = qb + (int64_t)h * group * dim;
+                    __m512bh kb[MAX_DIM / 32];
+                    for (int c = 0; c < dim / 32; c++)
+                        kb[c] = (__m512bh)_mm512_loadu_si512((const uint16_t *)(kr[j] + head_off) + 32 * c);
+                    for (int g = 0; g < group; g++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int c = 0; c < dim / 32; c++)
+                            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qbh + g * dim + 32 * c), kb[c]);
+                        part[g][j] = (vf)a;
+                    }
+                    continue;
+                }
+#endif
                 vf kv[NV_MAX];
                 load_row(kr[j] + head_off, bf16, dim, kv);
                 for (int g = 0; g < group; g++) {
@@ -166,14 +194,14 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-typedef void (*task_fn)(const float *, const void *, const void *, const int32_t *, int, int, int, int64_t,
+typedef void (*task_fn)(const float *, const uint16_t *, const void *, const void *, const int32_t *, int, int, int, int64_t,
                         int64_t, float, float *, int);
 
 #define TASK(BF, DIM, G)                                                                                  \
-    static void task_##BF##_##DIM##_##G(const float *qp, const void *kc, const void *vc, const int32_t *locs, \
+    static void task_##BF##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc, const int32_t *locs, \
                                         int lo, int hi, int hk, int64_t kc_row, int64_t vc_row, float scale,  \
                                         float *state, int group) {                                        \
-        attend(qp, kc, vc, locs, lo, hi, hk, kc_row, vc_row, scale, state, BF, DIM, G ? G : group);      \
+        attend(qp, qb, kc, vc, locs, lo, hi, hk, kc_row, vc_row, scale, state, BF, DIM, G ? G : group);      \
     }
 // Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
 #define TASKS(BF, DIM) TASK(BF, DIM, 0) TASK(BF, DIM, 1) TASK(BF, DIM, 2) TASK(BF, DIM, 3) TASK(BF, DIM, 4) \
@@ -242,9 +270,15 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                 else
                     memcpy(qp + hg * dim, qrow, sizeof(float) * dim);
             }
+            uint16_t qb[DPBF16 ? MAX_HEADS * MAX_DIM : 1] __attribute__((aligned(64)));
+            const int use_dp = DPBF16 && kv_is_bf16 && act_bf16;
+            if (use_dp)
+                for (int hg = 0; hg < num_heads; hg++)
+                    memcpy(qb + hg * dim, (const uint16_t *)q + (int64_t)b * q_tok + (int64_t)hg * q_head,
+                           sizeof(uint16_t) * dim);
             // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
             int slot = first[b] + (int)(tk.lo / chunk);
-            fn(qp, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi, num_kv_heads,
+            fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi, num_kv_heads,
                kc_row, vc_row, scale, state + slot * state_len, group);
         }
         // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).

@@ -57,7 +57,7 @@ def mla_decode_attention_ref(
     to 16) would stream each request's rows in place instead of gathering a [B, L, R + Dr] copy, and would load
     every row once for all H heads (128 for DeepSeek-V3): per layer it saves one write and one read of the gathered
     latents, which dominate decode at long contexts."""
-    batch, num_heads, rank = q_latent.shape
+    batch, _, rank = q_latent.shape
     locs = req_to_token.index_select(0, req_rows.long())[:, :max_seq_len].long()  # [B, L]
     valid = torch.arange(max_seq_len, device=q_latent.device)[None, :] < seq_lens[:, None]  # [B, L]
     # Slots past a request's length may point at rows never written: aim them at its first token (masked anyway).

@@ -17,14 +17,14 @@ mlp.experts.down_proj [E, H, I], Mixtral's block_sparse_moe renamed mlp; `load_m
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightserve.kernels.cpu import library as cpu_kernels
+from lightserve.kernels.linear import cpu_pack_for
 from lightserve.kernels.moe import (
     ExpertLinear,
     ExpertWeights,
@@ -101,7 +101,7 @@ class MoEBlock:
                  tp_group: dist.ProcessGroup | None = None) -> None:
         self.config = config
         self.tp_size, self.tp_group = tp_size, tp_group
-        pack = _cpu_pack(weights.experts.down)
+        pack = cpu_pack_for(weights.experts.down)
         if pack is not None:  # CPU: the experts and shared MLP run on weights packed once here
             weights = replace(weights, experts=pack_expert_weights(weights.experts, pack))
             if weights.shared_gate_up is not None:
@@ -170,14 +170,3 @@ def _num_experts(hf: Mapping, default: int) -> int:
     # Hub configs spell it num_experts (Qwen3-MoE) or num_local_experts (Mixtral); transformers 5 saves both
     # families as num_local_experts.
     return hf.get("num_experts") or hf.get("num_local_experts") or default
-
-
-def _cpu_pack(weight: Tensor) -> Callable[[Tensor], ExpertLinear] | None:
-    """The packing LlamaForCausalLM uses for a model of this dtype on CPU, or None (GPU, or no C kernels)."""
-    if weight.device.type != "cpu":
-        return None
-    if weight.dtype == torch.float32 and cpu_kernels() is not None:
-        return kernels.pack_linear_weight
-    if weight.dtype == torch.bfloat16 and kernels.onednn_available():
-        return kernels.prepack_onednn_weight
-    return None

@@ -178,6 +178,15 @@ def mla_decode_attention(
                                     sm_scale)
 
 
+def warm_up_mla_decode_attention(q_latent: Tensor, q_pe: Tensor, latent_cache: Tensor, req_to_token: Tensor,
+                                 req_rows: Tensor, seq_lens: Tensor) -> None:
+    """Compile the split kernel and the merge for every split count an eager step can pick, with the model's
+    shapes and dtype (arguments as mla_decode_attention's). The outputs are discarded."""
+    for num_splits in SPLIT_BUCKETS:
+        mla_decode_attention_triton(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens,
+                                    int(req_to_token.shape[1]), 1.0, num_splits=num_splits)
+
+
 def mla_prefill_attention(
     q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, kv_b_proj: Tensor | PackedLinear | OneDNNLinear,
     v_head_dim: int, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor, prefix_lens: Tensor,

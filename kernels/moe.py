@@ -156,7 +156,8 @@ def moe_align_block_size(topk_ids: Tensor, block_m: int, num_experts: int) -> tu
     # At most min(E, T*k) experts are active, each wasting at most block_m - 1 rows of padding.
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     max_padded = triton.cdiv(max_padded, block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # NOTE: scatter_add_, not bincount: CUDA's bincount reads the max back to the host (no graph capture).
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     order = torch.argsort(flat, stable=True)  # [T*k]
@@ -239,6 +240,15 @@ def fused_experts(x: Tensor, weights: ExpertWeights, topk_weights: Tensor, topk_
     if x.is_cuda:
         return fused_experts_triton(x, weights, topk_weights, topk_ids)
     return fused_experts_cpu(x, weights, topk_weights, topk_ids)
+
+
+def warm_up_fused_experts(x: Tensor, weights: ExpertWeights, top_k: int) -> None:
+    """Compile the grouped GEMM for both block sizes fused_experts_triton picks, with the model's dtype and shapes
+    (x [T, H], any T >= 1). The outputs are discarded."""
+    ids = torch.arange(top_k, device=x.device).remainder(weights.num_experts).expand(x.shape[0], top_k)
+    route_w = torch.full(ids.shape, 1.0 / top_k, dtype=torch.float32, device=x.device)
+    for block_m in (16, 64):
+        fused_experts_triton(x, weights, route_w, ids.contiguous(), block_m=block_m)
 
 
 def _launch_grouped_gemm(a: Tensor, w: Tensor, out: Tensor, route_w: Tensor, sorted_pairs: Tensor,

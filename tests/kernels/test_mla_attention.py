@@ -8,6 +8,7 @@ from lightserve.kernels.mla_attention import (
     mla_decode_attention_triton,
     mla_prefill_attention,
     store_latent,
+    warm_up_mla_decode_attention,
 )
 
 from tests.kernels.kernel_cases import DEVICE, TOL, make_kv_batch
@@ -91,3 +92,10 @@ def test_store_latent_writes_rows_at_kv_locs():
     store_latent(kv[:, :4], kv[:, 4:].view(3, 1, 2), cache, torch.tensor([7, 2, 5], device=DEVICE))
     torch.testing.assert_close(cache[[7, 2, 5], 0], kv)
     assert cache[[0, 1, 3, 4, 6, 8, 9]].abs().sum() == 0
+
+
+def test_warm_up_compiles_every_split_count():
+    batch, _, meta, g = _case([3], 2, 32, torch.float32)
+    q = torch.randn(1, 2, 32 + ROPE, generator=g).to(DEVICE)
+    warm_up_mla_decode_attention(q[..., :32], q[..., 32:], batch.k_cache, meta["req_to_token"], meta["req_rows"],
+                                 meta["seq_lens"])

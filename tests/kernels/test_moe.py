@@ -18,6 +18,7 @@ from lightserve.kernels.moe import (
     pack_expert_weights,
     shard_expert_weights,
     topk_softmax,
+    warm_up_fused_experts,
 )
 
 from tests.kernels.kernel_cases import DEVICE, TOL
@@ -145,3 +146,8 @@ def test_tp_shards_sum_to_the_full_experts(tp_size):
     torch.testing.assert_close(sum(parts), fused_experts_ref(x, full, topk_w, topk_ids), **TOL[torch.float32])
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         shard_expert_weights(full.gate_up, full.down, 0, 5)
+
+
+def test_warm_up_runs_both_block_sizes():
+    weights = _experts(4, 32, 16, torch.float32)
+    warm_up_fused_experts(torch.randn(3, 32, device=DEVICE), weights, 2)

@@ -157,7 +157,8 @@ def moe_align_block_size(topk_ids: Tensor, block_m: int, num_experts: int) -> tu
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     max_padded = triton.cdiv(max_padded, block_m) * block_m
     # NOTE: scatter_add_, not bincount: CUDA's bincount reads the max back to the host (no graph capture).
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
     padded = (counts + block_m - 1) // block_m * block_m  # [E]
     padded_end = torch.cumsum(padded, 0)  # [E]
     order = torch.argsort(flat, stable=True)  # [T*k]

@@ -127,7 +127,8 @@ class MLAAttention:
         pack = cpu_pack_for(weights.kv_a_norm)
         if pack is not None:  # CPU: the projections run on weights packed once here (w_kc, w_vc stay for bmm)
             names = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
-            weights = replace(weights, **{n: pack(getattr(weights, n)) for n in names if getattr(weights, n) is not None})
+            weights = replace(weights, **{n: pack(getattr(weights, n)) for n in names
+                                          if getattr(weights, n) is not None})
         self.weights = weights
 
     def forward(self, x: Tensor, batch: ForwardBatch, latent_cache: Tensor) -> Tensor:

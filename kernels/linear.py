@@ -20,6 +20,7 @@ There is no Triton version: on GPU the GEMMs belong to cuBLAS.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,20 @@ def prepack_onednn_weight(weight: Tensor) -> OneDNNLinear:
     """weight [N, K] (CPU, bf16 or float32) -> OneDNNLinear; the row-major tensor is not kept."""
     with torch.no_grad():
         return OneDNNLinear(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), *weight.shape)
+
+
+def cpu_pack_for(weight: Tensor) -> Callable[[Tensor], PackedLinear | OneDNNLinear] | None:
+    """How a model packs its linear weights of weight's dtype at load on CPU: the C kernel's panels for float32
+    (when the C library builds here), oneDNN's layout for bfloat16; None on GPU or where neither applies."""
+    from lightserve.kernels.cpu import library
+
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.float32 and library() is not None:
+        return pack_linear_weight
+    if weight.dtype == torch.bfloat16 and onednn_available():
+        return prepack_onednn_weight
+    return None
 
 
 def linear(x: Tensor, weight: Tensor | PackedLinear | OneDNNLinear, bias: Tensor | None = None) -> Tensor:

@@ -1,0 +1,222 @@
+"""DeepSeek multi-head latent attention (MLA) over a token-level latent KV pool. Called by model_infer/mla_layer.py.
+
+The pool holds, per token and layer, one row of kv_lora_rank (R) normalized latent values followed by the
+qk_rope_head_dim (Dr) roped key values: [num_kv_rows, 1, R + Dr], one "KV head" shared by every query head.
+Decode absorbs the up-projection (kv_b_proj = [W_UK; W_UV] per head) into the query and the output:
+  q_latent = q_nope @ W_UK  [B, H, R];  score = (q_latent . c + q_pe . k_pe) * scale;  o = (p @ c) @ W_UV^T
+so it reads each cached row once for all heads and never expands K/V. Prefill up-projects the request's latents
+to per-head K/V and runs ordinary causal attention (fewer FLOPs per score than the absorbed form when the query
+block is long).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from lightserve.kernels.decode_attention import (
+    SPLIT_BUCKETS,
+    _decode_merge_kernel,
+    _default_num_splits,
+)
+from lightserve.kernels.linear import OneDNNLinear, PackedLinear, linear
+from lightserve.kernels.prefill_attention import dot_precision
+from torch import Tensor
+
+_LOG2E = 1.4426950408889634
+
+
+def store_latent(c_kv: Tensor, k_pe: Tensor, latent_cache: Tensor, kv_locs: Tensor) -> None:
+    """latent_cache[kv_locs[i], 0] = cat(c_kv[i], k_pe[i]); c_kv [T, R], k_pe [T, Dr] (may be strided views)."""
+    rank = c_kv.shape[-1]
+    locs = kv_locs.long()
+    latent_cache[:, 0, :rank].index_copy_(0, locs, c_kv.to(latent_cache.dtype))
+    latent_cache[:, 0, rank:].index_copy_(0, locs, k_pe.reshape(k_pe.shape[0], -1).to(latent_cache.dtype))
+
+
+def mla_decode(
+    q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, w_kc: Tensor, w_vc: Tensor, req_to_token: Tensor,
+    req_rows: Tensor, seq_lens: Tensor, max_seq_len: int, sm_scale: float,
+) -> Tensor:
+    """One query token per request, weights absorbed: q_nope [B, H, Dn], q_pe [B, H, Dr] (roped), w_kc [H, Dn, R]
+    (W_UK), w_vc [H, Dv, R] (W_UV) -> [B, H, Dv]; request b attends to its tokens 0 .. seq_lens[b] - 1."""
+    q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [B, H, R]
+    o_latent = mla_decode_attention(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens, max_seq_len,
+                                    sm_scale)  # [B, H, R]
+    return torch.bmm(o_latent.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
+
+
+def mla_decode_attention_ref(
+    q_latent: Tensor, q_pe: Tensor, latent_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
+    max_seq_len: int, sm_scale: float,
+) -> Tensor:
+    """Latent-space attention, q_latent [B, H, R], q_pe [B, H, Dr] -> o_latent [B, H, R] in q's dtype: one SDPA
+    call, the H heads as query rows of the single latent KV head (as decode_attention_ref packs a GQA group).
+
+    This is also the CPU path. A C kernel (like decode_attention.c, which takes head dims 64 and 128 and groups up
+    to 16) would stream each request's rows in place instead of gathering a [B, L, R + Dr] copy, and would load
+    every row once for all H heads (128 for DeepSeek-V3): per layer it saves one write and one read of the gathered
+    latents, which dominate decode at long contexts."""
+    batch, _, rank = q_latent.shape
+    locs = req_to_token.index_select(0, req_rows.long())[:, :max_seq_len].long()  # [B, L]
+    valid = torch.arange(max_seq_len, device=q_latent.device)[None, :] < seq_lens[:, None]  # [B, L]
+    # Slots past a request's length may point at rows never written: aim them at its first token (masked anyway).
+    locs = torch.where(valid, locs, locs[:, :1]).view(-1)  # [B * L]
+    lat = latent_cache.index_select(0, locs).view(batch, 1, max_seq_len, -1)  # [B, 1, L, R + Dr]
+    q = torch.cat([q_latent, q_pe], dim=-1).to(lat.dtype)[:, None]  # [B, 1, H, R + Dr]
+    out = F.scaled_dot_product_attention(q, lat, lat[..., :rank], attn_mask=valid[:, None, None],
+                                         scale=sm_scale)  # [B, 1, H, R]
+    return out[:, 0].to(q_latent.dtype)
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, mid_o_ptr, mid_lse_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
+    qk_scale, ql_stride_b, ql_stride_h, qp_stride_b, qp_stride_h, cache_stride_row, r2t_stride, num_heads,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    h_mask = heads < num_heads
+    seq_len = tl.load(seq_lens_ptr + req)
+    row = tl.load(req_rows_ptr + req).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N  # whole tiles: only the last is partial
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    # BLOCK_R / BLOCK_P: R and Dr rounded up to powers of two; the padding lanes load 0.
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    offs_p = tl.arange(0, BLOCK_P)
+    p_mask = offs_p < ROPE_DIM
+    q_lat = tl.load(q_lat_ptr + req * ql_stride_b + heads[:, None] * ql_stride_h + offs_r[None, :],
+                    mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    q_pe = tl.load(q_pe_ptr + req * qp_stride_b + heads[:, None] * qp_stride_h + offs_p[None, :],
+                   mask=h_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_P]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
+        # The latent tile is both the key's first R dims and the value: loaded once.
+        c = tl.load(cache_ptr + locs[:, None] * cache_stride_row + offs_r[None, :],
+                    mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_R]
+        k_pe = tl.load(cache_ptr + locs[None, :] * cache_stride_row + RANK + offs_p[:, None],
+                       mask=p_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_P, BLOCK_N]
+        qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        qk = (qk + tl.dot(q_pe, k_pe, input_precision=PRECISION)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile in the loop has a valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+        m_i = m_new
+
+    # An empty split (short sequence) writes lse = -inf and zeros, which the merge weighs 0.
+    has_keys = l_i > 0
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    mid = (req * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H] rows of mid_o [B, H, NUM_SPLITS, R]
+    tl.store(mid_o_ptr + mid[:, None] * RANK + offs_r[None, :], out, mask=h_mask[:, None] & r_mask[None, :])
+    tl.store(mid_lse_ptr + mid, lse, mask=h_mask)
+
+
+def mla_decode_attention_triton(
+    q_latent: Tensor, q_pe: Tensor, latent_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
+    max_seq_len: int, sm_scale: float, num_splits: int | None = None, block_n: int = 32, block_h: int = 16,
+) -> Tensor:
+    """Flash-decoding over the latent rows: stage 1 per (request, block of heads, split), then decode_attention's
+    merge kernel with head_dim R."""
+    batch, num_heads, rank = q_latent.shape
+    rope_dim = q_pe.shape[2]
+    assert q_pe.shape[:2] == (batch, num_heads), (q_latent.shape, q_pe.shape)
+    assert latent_cache.dim() == 3 and latent_cache.shape[1:] == (1, rank + rope_dim), latent_cache.shape
+    assert q_latent.dtype == q_pe.dtype == latent_cache.dtype, (q_latent.dtype, q_pe.dtype, latent_cache.dtype)
+    assert q_latent.stride(2) == 1 and q_pe.stride(2) == 1 and latent_cache.stride(2) == 1, "last dims contiguous"
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype
+    for meta in (req_rows, seq_lens):
+        assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)
+    out = torch.empty(batch, num_heads, rank, dtype=q_latent.dtype, device=q_latent.device)
+    if batch == 0:
+        return out
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        num_splits = _default_num_splits(q_latent.device, batch * head_blocks, triton.cdiv(max_seq_len, block_n))
+    assert num_splits in SPLIT_BUCKETS, num_splits
+    mid_o = torch.empty(batch, num_heads, num_splits, rank, dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q_latent.device)
+    _mla_decode_split_kernel[(batch, head_blocks, num_splits)](
+        q_latent, q_pe, latent_cache, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
+        req_to_token.stride(0), num_heads,
+        RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), ROPE_DIM=rope_dim,
+        BLOCK_P=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(q_latent.dtype), num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads,
+        HEAD_DIM=rank, BLOCK_D=triton.next_power_of_2(rank), NUM_SPLITS=num_splits, num_warps=4,
+    )
+    return out
+
+
+def mla_decode_attention(
+    q_latent: Tensor, q_pe: Tensor, latent_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
+    max_seq_len: int, sm_scale: float,
+) -> Tensor:
+    """q_latent [B, H, R], q_pe [B, H, Dr], latent_cache [rows, 1, R + Dr] -> o_latent [B, H, R]."""
+    if q_latent.is_cuda:
+        return mla_decode_attention_triton(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens,
+                                           max_seq_len, sm_scale)
+    return mla_decode_attention_ref(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens, max_seq_len,
+                                    sm_scale)
+
+
+def warm_up_mla_decode_attention(q_latent: Tensor, q_pe: Tensor, latent_cache: Tensor, req_to_token: Tensor,
+                                 req_rows: Tensor, seq_lens: Tensor) -> None:
+    """Compile the split kernel and the merge for every split count an eager step can pick, with the model's
+    shapes and dtype (arguments as mla_decode_attention's). The outputs are discarded."""
+    for num_splits in SPLIT_BUCKETS:
+        mla_decode_attention_triton(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens,
+                                    int(req_to_token.shape[1]), 1.0, num_splits=num_splits)
+
+
+def mla_prefill_attention(
+    q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, kv_b_proj: Tensor | PackedLinear | OneDNNLinear,
+    v_head_dim: int, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor, prefix_lens: Tensor,
+    extend_lens: Tensor, sm_scale: float,
+) -> Tensor:
+    """Causal attention of each request's new tokens over its prefix and themselves, K/V up-projected from the
+    latents: q_nope [T, H, Dn], q_pe [T, H, Dr] (roped), kv_b_proj [H * (Dn + Dv), R] -> [T, H, Dv].
+
+    HF DeepseekV3Attention's op order: k = cat(k_nope, k_pe), q = cat(q_nope, q_pe), one SDPA per request. Torch
+    on CPU and GPU alike: prefill is GEMM-bound (kv_b_proj), and the attention is one SDPA call per request."""
+    num_tokens, num_heads, nope_dim = q_nope.shape
+    rank = latent_cache.shape[2] - q_pe.shape[2]
+    out = torch.empty(num_tokens, num_heads, v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+    metadata = zip(req_rows.tolist(), q_start_locs.tolist(), prefix_lens.tolist(), extend_lens.tolist())
+    for row, start, prefix_len, extend_len in metadata:
+        if extend_len == 0:
+            continue
+        total = prefix_len + extend_len
+        lat = latent_cache.index_select(0, req_to_token[row, :total].long())[:, 0]  # [L, R + Dr]
+        kv = linear(lat[:, :rank].to(q_nope.dtype), kv_b_proj).view(total, num_heads, -1)  # [L, H, Dn + Dv]
+        k_pe = lat[:, None, rank:].to(q_nope.dtype).expand(-1, num_heads, -1)  # [L, H, Dr]
+        k = torch.cat([kv[..., :nope_dim], k_pe], dim=-1).transpose(0, 1)[None]  # [1, H, L, Dn + Dr]
+        v = kv[..., nope_dim:].transpose(0, 1)[None]  # [1, H, L, Dv]
+        q = torch.cat([q_nope[start:start + extend_len], q_pe[start:start + extend_len]], dim=-1)
+        q = q.transpose(0, 1)[None]  # [1, H, n, Dn + Dr]
+        if prefix_len == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sm_scale)
+        else:  # new token i sees keys 0 .. prefix_len + i
+            query_pos = torch.arange(prefix_len, total, device=q.device)[:, None]  # [n, 1]
+            mask = torch.arange(total, device=q.device)[None, :] <= query_pos  # [n, L]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale)
+        out[start:start + extend_len] = o[0].transpose(0, 1)  # [n, H, Dv]
+    return out

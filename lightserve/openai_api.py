@@ -5,44 +5,46 @@ prompts in one completion request run concurrently and come back as choices with
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_server import (
+from lightserve.api_schema import StrictModel
+from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
+from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
+from lightserve.front import (
     ApiError,
-    ClientGone,
-    EventStream,
+    ApiRouter,
     Front,
-    Generation,
-    StrictModel,
     best_of,
     check_model,
     check_n,
     dumps,
     encode_text,
-    generate_one,
     get_front,
     grammar_of,
     json_response,
     make_checked,
     parse_model,
     read_json,
-    render_chat,
     request_params,
     samples_of,
     stop_list,
     token_text,
+)
+from lightserve.front_streams import (
+    EventStream,
+    Item,
+    run_all,
+    start_stream,
     until_disconnect,
 )
-from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
-from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
+from lightserve.generation import Generation
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
@@ -50,7 +52,7 @@ from lightserve.sampling import GrammarKind, SamplingParams
 
 logger = get_logger(__name__)
 
-router = APIRouter()
+router = ApiRouter(generation=True)
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # SamplingParams field -> request field, for error messages.
@@ -103,7 +105,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: Any  # checked by render_chat
+    messages: Any  # checked by chat_messages.render_chat
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -171,7 +173,7 @@ async def completions(request: Request) -> Response:
 
         return await _open_stream(request, front, prompts, params, head, chunk, req.stream_options, None)
 
-    outs = await until_disconnect(request, _run_all(front, prompts, params))
+    outs = await until_disconnect(request, run_all(front, prompts, params))
     outs = [g for k in range(0, len(outs), num_samples) for g in best_of(outs[k: k + num_samples], n)]
     if score_only:
         for g in outs:
@@ -203,7 +205,7 @@ async def chat_completions(request: Request) -> Response:
     grammar = _chat_grammar(req, plan)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = render_chat(front, req.messages, tools=plan.prompt_tools)
+    prompt = front.render_chat(req.messages, tools=plan.prompt_tools)
     prompt_ids = await encode_text(front, prompt, "messages", add_special_tokens=False)
     outputs = [ChatOutput(plan, front.config.tool_call_parser, front.config.reasoning_parser, prompt)
                for _ in range(n)]
@@ -234,7 +236,7 @@ async def chat_completions(request: Request) -> Response:
         return await _open_stream(request, front, [prompt_ids] * n, samples_of(params, n), head, chunk,
                                   req.stream_options, role)
 
-    outs = await until_disconnect(request, _run_all(front, [prompt_ids] * n, samples_of(params, n)))
+    outs = await until_disconnect(request, run_all(front, [prompt_ids] * n, samples_of(params, n)))
     for out, g in zip(outputs, outs):
         out.feed(g.text, final=True)
     choices = [{"index": i, "message": out.message(), "finish_reason": out.finish_reason(g.finish.api_name()),
@@ -255,26 +257,20 @@ class _Choice:
 async def _open_stream(request: Request, front: Front, prompts: list[list[int]], params: list[SamplingParams],
                        head: dict, chunk: Callable[[int, ReqDelta], dict | None],
                        stream_options: StreamOptions | None, role_choice: dict | None) -> Response:
-    """Start the requests and wait for the first delta, so engine errors (overload, dead) still become
-    HTTP statuses and a client that leaves while queued is noticed; then stream the rest as SSE."""
-    choices = [_Choice(front.metrics.timer(), len(ids)) for ids in prompts]
-    items = _single(front, prompts[0], params[0]) if len(prompts) == 1 else _merged(front, prompts, params)
-    try:
-        first = await until_disconnect(request, _anext(items))
-    except BaseException as exc:
-        _finish_open(choices, "disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
-        raise
+    """Start the requests (the first delta is awaited, front_streams.start_stream), then stream SSE."""
+    timers, items, first = await start_stream(request, front, prompts, params)
+    choices = [_Choice(timer, len(ids)) for timer, ids in zip(timers, prompts)]
     include_usage = bool(stream_options and stream_options.include_usage)
     return EventStream(_sse(first, items, choices, head, chunk, include_usage, role_choice))
 
 
-async def _sse(first: tuple[int, ReqDelta], items: AsyncIterator[tuple[int, ReqDelta]], choices: list[_Choice],
+async def _sse(first: Item, items: AsyncIterator[Item], choices: list[_Choice],
                head: dict, chunk: Callable[[int, ReqDelta], dict | None], include_usage: bool,
                role_choice: dict | None) -> AsyncIterator[bytes]:
     # Every chunk is `head` plus one choice: serialize the head once, splice each choice in.
     prefix = b"data: " + dumps(head)[:-1] + b',"choices":['
     suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
-    item: tuple[int, ReqDelta] | None = first
+    item: Item | None = first
 
     def usage_chunk() -> bytes:
         usage = _usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
@@ -325,57 +321,7 @@ async def _sse(first: tuple[int, ReqDelta], items: AsyncIterator[tuple[int, ReqD
     yield _DONE
 
 
-async def _single(front: Front, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[tuple[int, ReqDelta]]:
-    gen = front.engine.generate(prompt_ids, params)
-    try:
-        async for delta in gen:
-            yield 0, delta
-    finally:
-        await gen.aclose()  # abort now even if we are closed while suspended at our yield
-
-
-async def _merged(front: Front, prompts: list[list[int]], params: list[SamplingParams]
-                  ) -> AsyncIterator[tuple[int, ReqDelta]]:
-    """Several requests' deltas in arrival order. Each runs in its own task; closing this generator
-    cancels the tasks, which aborts the unfinished requests."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async for delta in front.engine.generate(prompts[i], params[i]):
-                queue.put_nowait((i, delta))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
-    try:
-        left = len(prompts)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finish != FinishReason.NONE:
-                left -= 1
-            yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 # ---- helpers ------------------------------------------------------------------------------------------
-async def _run_all(front: Front, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
-    if len(prompts) == 1:
-        return [await generate_one(front, prompts[0], params[0])]
-    tasks = [asyncio.ensure_future(generate_one(front, ids, p)) for ids, p in zip(prompts, params)]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:  # one failed or we were cancelled: abort the rest
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def _completion_prompts(front: Front, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [await encode_text(front, prompt, "prompt")]
@@ -517,6 +463,3 @@ def _finish_open(choices: list[_Choice], reason: str) -> None:
             c.done = True
             c.timer.on_finish(reason)
 
-
-async def _anext(items: AsyncIterator[tuple[int, ReqDelta]]) -> tuple[int, ReqDelta]:
-    return await items.__anext__()

@@ -8,12 +8,12 @@ from __future__ import annotations
 import asyncio
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_server import get_front, json_response
+from lightserve.front import ApiRouter, get_front, json_response
 
-router = APIRouter()
+router = ApiRouter()
 
 PROBE_PROMPT = "ok"  # /health_generate's prompt: one greedy token after it
 try:

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_schema import StrictModel
+from lightserve.api_schema import SamplingFields, StrictModel
 from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.front import (
     ApiError,
@@ -55,33 +55,15 @@ router = ApiRouter(ErrorStyle.LIGHTLLM, generation=True)
 _NAMES = {f.name: f"parameters.{f.name}" for f in fields(SamplingParams)} | {"stop": "parameters.stop_sequences"}
 
 
-class LightllmParams(StrictModel):
+class LightllmParams(SamplingFields):
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
     do_sample: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    ignore_eos: bool | None = None
     stop_sequences: Any = None  # str | list[str]; checked by stop_list
-    stop_token_ids: list[int] | None = None
-    disable_prompt_cache: bool | None = None
-    skip_special_tokens: bool | None = None
     add_special_tokens: bool | None = None
     return_details: bool | None = None
     best_of: int | None = None
-    n: int | None = None
-    logit_bias: dict | None = None            # {"token id": bias}
-    allowed_token_ids: list[int] | None = None
-    guided_json: Any = None                   # a JSON schema (object or string)
     regular_constraint: str | None = None     # a regular expression
-    guided_grammar: str | None = None         # an EBNF grammar
-    top_logprobs: int | None = None           # alternatives per token in return_details
 
 
 class GenerateRequest(StrictModel):
@@ -131,12 +113,8 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
     add_special = p.add_special_tokens if p.add_special_tokens is not None else True
     prompt_ids = await encode_text(front, req.inputs, "inputs", add_special)
     kind, grammar = grammar_of("parameters.guided_json", p.guided_json, p.regular_constraint, p.guided_grammar)
-    try:
-        bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
-    except (TypeError, ValueError):
-        raise ApiError(400, "keys must be token ids", "parameters.logit_bias") from None
     params = request_params(p, front.sampling_defaults, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"),
-                            logit_bias=bias, grammar_kind=kind, grammar=grammar)
+                            grammar_kind=kind, grammar=grammar)
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_schema import StrictModel
+from lightserve.api_schema import SamplingFields, StrictModel
 from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
 from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.front import (
@@ -66,33 +66,16 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class _SamplingRequest(StrictModel):
-    """Fields both endpoints share. Every field is nullable: some clients send explicit nulls."""
+class _SamplingRequest(SamplingFields):
+    """Fields both endpoints share; SamplingFields has the sampling ones."""
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     stop: Any = None  # str | list[str]; checked by stop_list
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    disable_prompt_cache: bool | None = None
-    ignore_eos: bool | None = None
     min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    n: int | None = None
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict | None = None  # {"token id": bias in [-100, 100]}
-    allowed_token_ids: list[int] | None = None  # vLLM's extension
-    guided_json: Any = None        # vLLM's extensions: a JSON schema (object or string),
-    guided_regex: str | None = None  # a regular expression,
-    guided_grammar: str | None = None  # an EBNF grammar
+    guided_regex: str | None = None  # vLLM's extension: a regular expression
 
 
 class CompletionRequest(_SamplingRequest):
@@ -108,7 +91,6 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: Any  # checked by chat_messages.render_chat
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
     tools: Any = None        # checked by plan_tools
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -367,21 +349,11 @@ def _chat_grammar(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[GrammarKi
     return grammar_of("response_format", json_schema, req.guided_regex, req.guided_grammar, json_object)
 
 
-def _logit_bias(bias: dict | None) -> dict[int, float]:
-    out = {}
-    for key, value in (bias or {}).items():
-        try:
-            out[int(key)] = value
-        except (TypeError, ValueError):
-            raise ApiError(400, f"keys must be token ids, got {key!r}", "logit_bias") from None
-    return out
-
-
 def _params(front: Front, req: _SamplingRequest, max_tokens: int, top_logprobs: int,
             grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, "")) -> SamplingParams:
     return request_params(
         req, front.sampling_defaults, max_new_tokens=max_tokens, min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
-        stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs, logit_bias=_logit_bias(req.logit_bias),
+        stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs,
         grammar_kind=grammar[0], grammar=grammar[1])
 
 

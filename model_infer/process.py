@@ -25,7 +25,7 @@ from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.grammar import GrammarSet
 from lightserve.model_infer.logits_process import needs_processing, process_logits
-from lightserve.model_infer.sampler import sample
+from lightserve.model_infer.sampler import SamplingTensors, sample
 from lightserve.model_infer.token_history import TokenHistory
 
 logger = get_logger(__name__)
@@ -192,16 +192,8 @@ class OutputWriter:
             logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, self.history, self.eos_ids)
             if grammar_rows.size:
                 self.grammars.mask(logits, idx, grammar_rows, params["grammar_kind"], pool)
-        next_ids, logprobs = sample(
-            logits,
-            torch.from_numpy(params["temperature"].copy()),
-            torch.from_numpy(params["top_p"].copy()),
-            torch.from_numpy(params["top_k"].astype(np.int64)),
-            torch.from_numpy(params["seed"].copy()),
-            torch.from_numpy(num_out),
-            min_ps=torch.from_numpy(params["min_p"].copy()),
-            raw_logits=None if logits is raw else raw,
-        )
+        next_ids, logprobs = sample(logits, SamplingTensors.from_params(params, num_out),
+                                    raw_logits=None if logits is raw else raw)
         pos = prompt_lens + num_out                              # where each new token goes
         self.history.append(idx, pos, next_ids)
         # One read-back for both (the step's one wait for the GPU): ids < 2**53 are exact in float64.

@@ -30,7 +30,7 @@ class Req:
     use_cache: bool = True         # False: per-request disable_prompt_cache
     prompt_logprobs: bool = False  # rank 0 needs the logits of every prompt position (never cache-matched
                                    # at first admission; a resume may match: its prompt logprobs are written)
-    group_id: int = 0              # != 0: one of n samples of one prompt (see Scheduler._must_wait)
+    group_id: int = 0              # != 0: one of n samples of one prompt (see groups.Groups.must_wait)
     prompt_cached: bool = False    # its prompt KV was put in the radix cache once computed (Scheduler._cache_prompt)
     dup_locs: np.ndarray | None = None  # own rows duplicating the tree's after a mid-run prompt insert
     aborted: bool = False

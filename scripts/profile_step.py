@@ -37,7 +37,7 @@ from lightserve.kernels.cpu import library
 from lightserve.messages import decode, encode
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
-from lightserve.model_infer.process import OutputWriter
+from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.model_prep import ensure_default_model
 from lightserve.router.admission import Admission
 from lightserve.router.kv_allocator import KVAllocator

@@ -201,7 +201,7 @@ class _AttentionInputs:
         self.has_extend = batch.num_reqs > nd
         self.extend_req_rows = batch.req_rows[nd:]  # [num_extend]
         # q[num_decode:] starts at token num_decode, so extend offsets are rebased to it.
-        self.extend_q_start_locs = batch.q_start_locs[nd:] - batch.num_decode_tokens  # [num_extend]
+        self.extend_q_start_locs = batch.q_start_locs[nd:] - nd  # [num_extend]
         self.extend_prefix_lens = batch.prefix_lens[nd:]  # [num_extend]
         self.extend_lens = batch.extend_lens[nd:]  # [num_extend]
         return self

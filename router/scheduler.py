@@ -90,7 +90,7 @@ class Scheduler:
             return
         params = self.pool.params[shm_index]
         req = Req(req_id=req_id, shm_index=shm_index, prompt_len=int(self.pool.prompt_len[shm_index]),
-                  max_new_tokens=int(params["max_new_tokens"]), arrival_step=self.step,
+                  max_new_tokens=int(params["max_new_tokens"]),
                   use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]),
                   group_id=int(params["group_id"]), prompt_logprobs=int(params["prompt_logprobs"]) >= 0)
         if req.group_id and req.use_cache and not req.prompt_logprobs:
@@ -322,8 +322,6 @@ class Scheduler:
         """Hand the request's computed KV to the prefix cache (or the allocator) and unlock its prefix."""
         n = req.computed_len
         locs = req.kv_locs[:n]
-        allocated_beyond = req.kv_locs[n: n]  # rows are allocated per step and always computed by now
-        assert allocated_beyond.size == 0
         if req.use_cache and self.cache is not None:
             ids = self.pool.token_ids[req.shm_index, :n]
             present = self.cache.insert(ids, locs)

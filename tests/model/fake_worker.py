@@ -64,7 +64,6 @@ class FakeWorker:
             q_start_locs=i32(q_start_locs),
             logits_indices=logits_indices,
             num_decode=num_decode,
-            num_decode_tokens=num_decode,
             max_seq_len=max(seq_lens),
             max_extend_len=max(extend_lens[num_decode:], default=0),
             req_to_token=self.kv_cache.req_to_token,

@@ -37,8 +37,8 @@ else:
     from lightserve.kernels.rotary import rotary_emb, rotary_emb_ref
 
     __all__ = [
-        "OneDNNLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref", "linear",
-        "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_onednn_weight",
+        "OneDNNLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref",
+        "linear", "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_onednn_weight",
         "prefill_attention_ref", "rmsnorm", "rmsnorm_ref", "rotary_emb", "rotary_emb_ref", "silu_and_mul",
         "silu_and_mul_ref", "store_kv", "store_kv_ref",
     ]

@@ -245,7 +245,8 @@ class _FrontMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         if self.expected is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            response = error_response(ErrorStyle.OPENAI, 401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+            response = error_response(ErrorStyle.OPENAI, 401,
+                                      "missing or wrong API key (send 'Authorization: Bearer KEY')",
                                       None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         if path not in self.routes.generate_paths:

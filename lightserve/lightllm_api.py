@@ -83,11 +83,13 @@ async def generate(request: Request) -> Response:
         outs = best_of(outs, n)
     g = outs[0]
     # n > 1 (LightLLM's diverse mode): one text per sample; the counts cover all of them.
-    out: dict[str, Any] = {"generated_text": [o.text for o in outs], "count_output_tokens": sum(o.num_output for o in outs),
+    out: dict[str, Any] = {"generated_text": [o.text for o in outs],
+                           "count_output_tokens": sum(o.num_output for o in outs),
                            "finish_reason": g.finish.api_name(), "prompt_tokens": g.prompt_len,
                            "prompt_cache_len": g.cached_len}
     if details:
-        out["tokens"] = [{"id": i, "text": t, "logprob": lp} for i, t, lp in zip(g.token_ids, g.token_texts, g.logprobs)]
+        out["tokens"] = [{"id": i, "text": t, "logprob": lp}
+                         for i, t, lp in zip(g.token_ids, g.token_texts, g.logprobs)]
         for token, alts in zip(out["tokens"], g.top_logprobs):
             token["top_logprobs"] = [{"id": i, "text": token_text(front, i), "logprob": lp} for i, lp in alts]
     return json_response(out)

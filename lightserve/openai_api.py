@@ -197,7 +197,8 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
-    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar), "messages",
+    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar),
+                          "messages",
                           names)
     want_logprobs = bool(req.logprobs)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -352,7 +353,8 @@ def _chat_grammar(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[GrammarKi
 def _params(front: Front, req: _SamplingRequest, max_tokens: int, top_logprobs: int,
             grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, "")) -> SamplingParams:
     return request_params(
-        req, front.sampling_defaults, max_new_tokens=max_tokens, min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
+        req, front.sampling_defaults, max_new_tokens=max_tokens,
+        min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
         stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs,
         grammar_kind=grammar[0], grammar=grammar[1])
 

@@ -14,7 +14,6 @@ import time
 import torch
 
 from lightserve.log import get_logger
-
 from lightserve.model_infer.forward_batch import ForwardBatch
 from lightserve.model_infer.kv_cache import KVCache
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightserve.model_infer.model_config import ModelConfig
-from lightserve.model_infer.rope import build_cos_sin_cache
-from lightserve.model_infer.weights import LayerWeights, ModelWeights, load_weights
 
 from lightserve import kernels
 from lightserve.kernels.cpu import library as cpu_kernels
+from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_infer.rope import build_cos_sin_cache
+from lightserve.model_infer.weights import LayerWeights, ModelWeights, load_weights
 
 if TYPE_CHECKING:
     from lightserve.model_infer.forward_batch import ForwardBatch

@@ -9,10 +9,9 @@ import os
 import numpy as np
 import torch
 
+from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan
-
-from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.model_infer.forward_batch import ForwardBatch
 from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.kv_cache import KVCache

@@ -16,12 +16,11 @@ import zmq
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan, Shutdown, decode
-from lightserve.procutil import child_process, report_ready
-from lightserve.shm.req_pool import ReqPool
-
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.output_writer import OutputWriter
+from lightserve.procutil import child_process, report_ready
+from lightserve.shm.req_pool import ReqPool
 
 logger = get_logger(__name__)
 

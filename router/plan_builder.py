@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from lightserve.messages import BatchPlan
-from lightserve.shm.req_pool import ReqPool
-
 from lightserve.router.req import Req
+from lightserve.shm.req_pool import ReqPool
 
 
 def build_plan(pool: ReqPool, step: int, decodes: list[Req], decode_locs: np.ndarray,

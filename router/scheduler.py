@@ -3,7 +3,8 @@
 `plan_step` chooses the next step's requests (decodes first, then prefill chunks, then newly admitted
 requests, within --batch_max_tokens) and their KV rows, and plan_builder.build_plan turns them into
 a BatchPlan; `finish_step` reads what rank 0 published in shm and retires finished requests. The n
-samples of one prompt are held by `Groups` (groups.py). Every state change of a Req happens in one named method here. No sockets: the
+samples of one prompt are held by `Groups` (groups.py). Every state change of a Req happens in one
+named method here. No sockets: the
 router process (process.py) moves messages; tests drive this class directly.
 """
 from __future__ import annotations
@@ -17,13 +18,12 @@ import numpy as np
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan, FinishReason
-from lightserve.shm.req_pool import Owner, ReqPool
-
 from lightserve.router.admission import Admission
 from lightserve.router.groups import Groups
 from lightserve.router.kv_allocator import KVAllocator
 from lightserve.router.plan_builder import build_plan
 from lightserve.router.req import Req, ReqStatus
+from lightserve.shm.req_pool import Owner, ReqPool
 
 if TYPE_CHECKING:
     from lightserve.router.radix_cache import RadixCache

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightserve.model_infer.logits_process import process_logits
-from lightserve.model_infer.token_history import TokenHistory
 from lightserve.model_infer.sampler import SamplingTensors, sample
+from lightserve.model_infer.token_history import TokenHistory
 from lightserve.sampling import PARAMS_DTYPE, ParamError, SamplingParams
 
 VOCAB = 50

@@ -17,7 +17,8 @@ def _run(code: str) -> str:
 def test_top_level_kernels_is_an_empty_shadow_from_the_repo_root():
     out = _run(
         "import sys, kernels\n"
-        "print(kernels.__file__, list(kernels.__path__), any(m.startswith('lightserve.kernels') for m in sys.modules))\n"
+        "loaded = any(m.startswith('lightserve.kernels') for m in sys.modules)\n"
+        "print(kernels.__file__, list(kernels.__path__), loaded)\n"
         "for stmt in ('from kernels import get_kernel', 'import kernels.rmsnorm'):\n"
         "    try:\n"
         "        exec(stmt)\n"

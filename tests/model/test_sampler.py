@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightserve.kernels.cpu import library
 from lightserve.model_infer.sampler import (
+    SamplingTensors,
     _filter_top_k_top_p,
     greedy_cpu,
-    SamplingTensors,
     sample,
     uniform_from_seed,
 )
-
 from tests.kernels.kernel_cases import portable_library
 
 

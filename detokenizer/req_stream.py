@@ -9,7 +9,6 @@ from collections.abc import Iterable
 
 from lightserve.detokenizer.incremental import IncrementalDecoder, Tokenizer
 from lightserve.detokenizer.stop_strings import StopChecker
-
 from lightserve.messages import FinishReason, ReqDelta
 
 

@@ -2,33 +2,43 @@
 
 Each dispatch function runs Triton when its input is on CUDA and, otherwise, a C kernel where one exists
 (kernels/cpu/: decode attention, the float32 linear) or the reference."""
-from lightserve.kernels.activation import silu_and_mul, silu_and_mul_ref
-from lightserve.kernels.decode_attention import decode_attention, decode_attention_ref
-from lightserve.kernels.kv_store import store_kv, store_kv_ref
-from lightserve.kernels.linear import (
-    OneDNNLinear,
-    PackedLinear,
-    linear,
-    linear_ref,
-    onednn_available,
-    pack_linear_weight,
-    prepack_onednn_weight,
-)
-from lightserve.kernels.prefill_attention import (
-    prefill_attention,
-    prefill_attention_ref,
-)
-from lightserve.kernels.rmsnorm import (
-    add_rmsnorm,
-    add_rmsnorm_ref,
-    rmsnorm,
-    rmsnorm_ref,
-)
-from lightserve.kernels.rotary import rotary_emb, rotary_emb_ref
+if __name__ == "kernels":
+    # NOTE: run from the checkout, `import kernels` finds this folder under the name of the HF Kernel
+    # Hub package, which transformers and vLLM probe for. Raising ImportError here is not enough:
+    # transformers' probe (`_is_package_available`) imports whatever `kernels` it finds and lets the
+    # error through. It counts a module with neither `__version__` nor `__file__` as absent (a
+    # namespace-package shadow), so under that name this folder is such an empty shadow: no
+    # `__file__`, no names, nothing importable below it, and none of the kernels get imported.
+    __file__ = None
+    __path__ = []
+else:
+    from lightserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from lightserve.kernels.decode_attention import decode_attention, decode_attention_ref
+    from lightserve.kernels.kv_store import store_kv, store_kv_ref
+    from lightserve.kernels.linear import (
+        OneDNNLinear,
+        PackedLinear,
+        linear,
+        linear_ref,
+        onednn_available,
+        pack_linear_weight,
+        prepack_onednn_weight,
+    )
+    from lightserve.kernels.prefill_attention import (
+        prefill_attention,
+        prefill_attention_ref,
+    )
+    from lightserve.kernels.rmsnorm import (
+        add_rmsnorm,
+        add_rmsnorm_ref,
+        rmsnorm,
+        rmsnorm_ref,
+    )
+    from lightserve.kernels.rotary import rotary_emb, rotary_emb_ref
 
-__all__ = [
-    "OneDNNLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref", "linear",
-    "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_onednn_weight",
-    "prefill_attention_ref", "rmsnorm", "rmsnorm_ref", "rotary_emb", "rotary_emb_ref", "silu_and_mul",
-    "silu_and_mul_ref", "store_kv", "store_kv_ref",
-]
+    __all__ = [
+        "OneDNNLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref",
+        "linear", "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_onednn_weight",
+        "prefill_attention_ref", "rmsnorm", "rmsnorm_ref", "rotary_emb", "rotary_emb_ref", "silu_and_mul",
+        "silu_and_mul_ref", "store_kv", "store_kv_ref",
+    ]

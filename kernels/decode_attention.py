@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from lightserve.kernels.prefill_attention import c_kv_layout, dot_precision
 from torch import Tensor
+
+from lightserve.kernels.prefill_attention import c_kv_layout, dot_precision
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from lightserve.kernels.decode_attention import (
     SPLIT_BUCKETS,
     _decode_merge_kernel,
@@ -21,7 +23,6 @@ from lightserve.kernels.decode_attention import (
 )
 from lightserve.kernels.linear import OneDNNLinear, PackedLinear, linear
 from lightserve.kernels.prefill_attention import dot_precision
-from torch import Tensor
 
 _LOG2E = 1.4426950408889634
 

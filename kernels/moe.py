@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
 from lightserve.kernels.activation import (
     silu_and_mul,
     silu_and_mul_ref,
@@ -22,7 +24,6 @@ from lightserve.kernels.activation import (
 )
 from lightserve.kernels.linear import OneDNNLinear, PackedLinear, linear
 from lightserve.kernels.prefill_attention import dot_precision
-from torch import Tensor
 
 ExpertLinear = Tensor | PackedLinear | OneDNNLinear
 

@@ -1,13 +1,15 @@
-"""Chat messages checked as OpenAI checks them, normalized into what chat templates expect.
+"""Chat messages checked as OpenAI checks them, normalized and rendered by the model's chat template.
 
-Called by the HTTP front (api_server.render_chat) for /v1/chat/completions, /v1/responses and
-/tokenize. Raises ParamError naming the field, which the front renders as a 400.
+`render_chat` is the one way a chat becomes a prompt: the HTTP front (/v1/chat/completions,
+/v1/responses, /tokenize) and the offline pipeline call it. Raises ParamError naming the field,
+which the front renders as a 400.
 """
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from lightserve.chat_output import template_takes_tools, with_tool_prompt
 from lightserve.sampling import ParamError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -15,6 +17,26 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MEDIA_PARTS = {"image_url": "image", "input_image": "image", "input_audio": "audio", "audio": "audio",
                 "file": "file", "input_file": "file", "video_url": "video"}
 _TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def render_chat(tokenizer: Any, messages: Any, param: str = "messages", tools: list[dict] | None = None,
+                tool_call_parser: str | None = None) -> str:
+    """Messages through the model's chat template (transformers renders it in a sandboxed Jinja env),
+    ending with the assistant's turn. `tools` go to the template's `tools` argument, or into the
+    system message for a template that takes none (chat_output.with_tool_prompt)."""
+    import jinja2  # only where chats are rendered
+
+    norm = normalize_messages(messages, param)
+    kwargs = {}
+    if tools:
+        if template_takes_tools(tokenizer.chat_template):
+            kwargs["tools"] = tools
+        else:
+            norm = with_tool_prompt(norm, tools, tool_call_parser)
+    try:
+        return tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=True, **kwargs)
+    except (jinja2.TemplateError, TypeError, ValueError) as exc:
+        raise ParamError(param, f"the chat template rejected the messages: {exc}") from None
 
 
 def normalize_messages(messages: Any, param: str = "messages") -> list[dict]:

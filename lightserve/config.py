@@ -9,11 +9,12 @@ import argparse
 import os
 import secrets
 import tempfile
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, Sequence, get_args, get_origin
 
 from lightserve.reasoning_parsers import REASONING_PARSERS
+from lightserve.sampling import MAX_TOP_LOGPROBS
 from lightserve.tool_parsers import TOOL_PARSERS
 
 SHM_PREFIX = "lightserve-"
@@ -110,7 +111,7 @@ class ServerConfig:
         need(self.shutdown_grace_s >= 0, "shutdown_grace_s", f"must be >= 0, got {self.shutdown_grace_s}")
         need(self.health_generate_timeout_s > 0, "health_generate_timeout_s",
              f"must be > 0, got {self.health_generate_timeout_s}")
-        need(0 <= self.max_top_logprobs <= 20, "max_top_logprobs", "must be in [0, 20]")
+        need(0 <= self.max_top_logprobs <= MAX_TOP_LOGPROBS, "max_top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
         if isinstance(self.served_model_name, str):  # one name given in code rather than on the CLI
             object.__setattr__(self, "served_model_name", (self.served_model_name,))
         need(self.served_model_name is None or len(self.served_model_name) >= 1, "served_model_name", "needs a name")
@@ -196,11 +197,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
-
-
-def config_with(config: ServerConfig, **changes: Any) -> ServerConfig:
-    """A copy with resolved values (e.g. the launcher filling in defaults that need the model)."""
-    return replace(config, **changes)
 
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Device": Device, "DType": DType,

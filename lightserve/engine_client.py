@@ -12,7 +12,7 @@ import itertools
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import zmq
@@ -20,7 +20,15 @@ import zmq.asyncio
 
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
-from lightserve.messages import AbortReq, AddReq, DeltaBatch, FinishReason, ReqDelta, decode, encode
+from lightserve.messages import (
+    AbortReq,
+    AddReq,
+    DeltaBatch,
+    FinishReason,
+    ReqDelta,
+    decode,
+    encode,
+)
 from lightserve.sampling import ParamError, SamplingParams
 from lightserve.shm.req_pool import Owner, ReqPool
 
@@ -53,17 +61,6 @@ class _Pending:
     arrival: float
     first_token_at: float | None = None
     finished: bool = False
-
-
-@dataclass
-class RequestOutput:
-    """A request's accumulated result, for non-streaming callers."""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: FinishReason = FinishReason.NONE
-    prompt_len: int = 0
-    cached_len: int = 0
 
 
 class EngineClient:
@@ -210,16 +207,6 @@ class EngineClient:
             self.pool.release(Owner.FRONT, shm_index)
             self._wake_slot_waiter()
 
-    async def generate_full(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-        out = RequestOutput(prompt_len=len(prompt_ids))
-        async for delta in self.generate(prompt_ids, params):
-            out.text += delta.text
-            out.token_ids.extend(delta.token_ids)
-            out.logprobs.extend(delta.logprobs)
-            out.finish = delta.finish
-            out.cached_len = delta.cached_len
-        return out
-
     async def probe(self, prompt_ids: list[int], timeout_s: float) -> str | None:
         """One greedy token through the whole chain (slot, router, worker, detokenizer, back here).
         Returns None when the engine moved within `timeout_s`, else why not.
@@ -230,7 +217,7 @@ class EngineClient:
         """
         params = SamplingParams(max_new_tokens=1, temperature=0.0)
         deadline = time.monotonic() + timeout_s
-        work = asyncio.ensure_future(self.generate_full(prompt_ids, self.check_prompt(prompt_ids, params)))
+        work = asyncio.ensure_future(_run_to_end(self.generate(prompt_ids, self.check_prompt(prompt_ids, params))))
         progress = asyncio.get_running_loop().create_future()
         self._progress_waiters.append(progress)
         waiting = {work, progress}
@@ -323,3 +310,8 @@ class EngineClient:
                         self._wake_slot_waiter()
                 case _:
                     logger.error("front: unexpected message %r", type(msg).__name__)
+
+
+async def _run_to_end(deltas: AsyncIterator[ReqDelta]) -> None:
+    async for _ in deltas:
+        pass

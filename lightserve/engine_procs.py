@@ -12,12 +12,12 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from lightserve import envs
-from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, SHM_PREFIX, Device, DType, ServerConfig, config_with
+from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, SHM_PREFIX, Device, DType, ServerConfig
 from lightserve.log import get_logger
 from lightserve.procutil import remove_instance_files
 from lightserve.shm.req_pool import ReqPool
@@ -74,7 +74,7 @@ def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
             raise StartError("--nccl_port must be given when --nnodes > 1 (every node must use the same one)")
         nccl_port = _free_port_block(config.tp + 1)
     _check_tp_fits(model_config, config.tp)
-    resolved = config_with(config, device=device, data_type=dtype, batch_max_tokens=batch_max,
+    resolved = replace(config, device=device, data_type=dtype, batch_max_tokens=batch_max,
                            chunked_prefill_size=config.chunked_prefill_size or batch_max,
                            max_req_total_len=max_len, nccl_port=nccl_port,
                            served_model_name=config.served_model_name or (Path(model_dir).name,))
@@ -105,7 +105,8 @@ def _check_tp_fits(model_config, tp: int) -> None:
         raise StartError(f"--tp {tp} cannot split this model: {exc}") from None
 
 
-TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
                   "/usr/lib64/libtcmalloc_minimal.so.4")
 
 
@@ -177,7 +178,7 @@ class EngineProcs:
             if not config.is_master_node:
                 return config
             self.kv_size = min(info["kv_size"] for info in infos)
-            config = config_with(config, max_req_total_len=min(config.max_req_total_len, self.kv_size))
+            config = replace(config, max_req_total_len=min(config.max_req_total_len, self.kv_size))
             self.config = config
             self._wait_ready([self._spawn("router", run_router, config, self.kv_size), *detok])
             return config

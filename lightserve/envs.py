@@ -5,6 +5,14 @@ Settings belong in ServerConfig; these only switch runtime tweaks off for debugg
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """LIGHTSERVE_CACHE: where the bundled model and the built C kernels are kept (default
+    ~/.cache/lightserve)."""
+    env = os.environ.get("LIGHTSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightserve"
 
 
 def no_tcmalloc() -> bool:

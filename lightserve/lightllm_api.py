@@ -5,25 +5,24 @@ stream sends one SSE event per output token, as LightLLM does.
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import fields
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_server import (
+from lightserve.api_schema import SamplingFields, StrictModel
+from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
+from lightserve.front import (
     ApiError,
-    EventStream,
+    ApiRouter,
+    ErrorStyle,
     Front,
-    Generation,
-    StrictModel,
     best_of,
     check_n,
     dumps,
     encode_text,
-    generate_one,
     get_front,
     grammar_of,
     json_response,
@@ -32,12 +31,17 @@ from lightserve.api_server import (
     read_json,
     request_params,
     samples_of,
-    start_generation,
     stop_list,
     token_text,
+)
+from lightserve.front_streams import (
+    EventStream,
+    Item,
+    generate_one,
+    run_all,
+    start_stream,
     until_disconnect,
 )
-from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
@@ -45,39 +49,21 @@ from lightserve.sampling import SamplingParams
 
 logger = get_logger(__name__)
 
-router = APIRouter()
+router = ApiRouter(ErrorStyle.LIGHTLLM, generation=True)
 
 # SamplingParams field -> request field, for error messages.
 _NAMES = {f.name: f"parameters.{f.name}" for f in fields(SamplingParams)} | {"stop": "parameters.stop_sequences"}
 
 
-class LightllmParams(StrictModel):
+class LightllmParams(SamplingFields):
     max_new_tokens: int | None = None
     min_new_tokens: int | None = None
     do_sample: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    ignore_eos: bool | None = None
     stop_sequences: Any = None  # str | list[str]; checked by stop_list
-    stop_token_ids: list[int] | None = None
-    disable_prompt_cache: bool | None = None
-    skip_special_tokens: bool | None = None
     add_special_tokens: bool | None = None
     return_details: bool | None = None
     best_of: int | None = None
-    n: int | None = None
-    logit_bias: dict | None = None            # {"token id": bias}
-    allowed_token_ids: list[int] | None = None
-    guided_json: Any = None                   # a JSON schema (object or string)
     regular_constraint: str | None = None     # a regular expression
-    guided_grammar: str | None = None         # an EBNF grammar
-    top_logprobs: int | None = None           # alternatives per token in return_details
 
 
 class GenerateRequest(StrictModel):
@@ -92,15 +78,18 @@ async def generate(request: Request) -> Response:
     if num_samples == 1:
         outs = [await until_disconnect(request, generate_one(front, prompt_ids, params))]
     else:
-        outs = await until_disconnect(request, _run_samples(front, prompt_ids, samples_of(params, num_samples)))
+        samples = samples_of(params, num_samples)
+        outs = await until_disconnect(request, run_all(front, [prompt_ids] * num_samples, samples))
         outs = best_of(outs, n)
     g = outs[0]
     # n > 1 (LightLLM's diverse mode): one text per sample; the counts cover all of them.
-    out: dict[str, Any] = {"generated_text": [o.text for o in outs], "count_output_tokens": sum(o.num_output for o in outs),
+    out: dict[str, Any] = {"generated_text": [o.text for o in outs],
+                           "count_output_tokens": sum(o.num_output for o in outs),
                            "finish_reason": g.finish.api_name(), "prompt_tokens": g.prompt_len,
                            "prompt_cache_len": g.cached_len}
     if details:
-        out["tokens"] = [{"id": i, "text": t, "logprob": lp} for i, t, lp in zip(g.token_ids, g.token_texts, g.logprobs)]
+        out["tokens"] = [{"id": i, "text": t, "logprob": lp}
+                         for i, t, lp in zip(g.token_ids, g.token_texts, g.logprobs)]
         for token, alts in zip(out["tokens"], g.top_logprobs):
             token["top_logprobs"] = [{"id": i, "text": token_text(front, i), "logprob": lp} for i, lp in alts]
     return json_response(out)
@@ -112,18 +101,8 @@ async def generate_stream(request: Request) -> Response:
     prompt_ids, params, _, _, num_samples = await _parse(request, front)
     if num_samples > 1:
         raise ApiError(400, "n and best_of > 1 are not supported when streaming", "parameters.n")
-    timer, gen, first = await start_generation(request, front, prompt_ids, params)
-    return EventStream(_events(front, first, gen, len(prompt_ids), timer))
-
-
-async def _run_samples(front: Front, prompt_ids: list[int], params: list[SamplingParams]) -> list[Generation]:
-    tasks = [asyncio.ensure_future(generate_one(front, prompt_ids, p)) for p in params]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:  # one failed or we were cancelled: abort the rest
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    (timer,), items, (_, first) = await start_stream(request, front, [prompt_ids], [params])
+    return EventStream(_events(front, first, items, len(prompt_ids), timer))
 
 
 async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingParams, bool, int, int]:
@@ -136,19 +115,15 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
     add_special = p.add_special_tokens if p.add_special_tokens is not None else True
     prompt_ids = await encode_text(front, req.inputs, "inputs", add_special)
     kind, grammar = grammar_of("parameters.guided_json", p.guided_json, p.regular_constraint, p.guided_grammar)
-    try:
-        bias = {int(k): v for k, v in (p.logit_bias or {}).items()}
-    except (TypeError, ValueError):
-        raise ApiError(400, "keys must be token ids", "parameters.logit_bias") from None
     params = request_params(p, front.sampling_defaults, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"),
-                            logit_bias=bias, grammar_kind=kind, grammar=grammar)
+                            grammar_kind=kind, grammar=grammar)
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated
     return prompt_ids, params, bool(p.return_details), n, num_samples
 
 
-async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], prompt_len: int,
+async def _events(front: Front, first: ReqDelta, items: AsyncIterator[Item], prompt_len: int,
                   timer: ReqTimer) -> AsyncIterator[bytes]:
     special = front.special_ids
     texts: list[str] = []
@@ -178,7 +153,8 @@ async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], p
                 timer.on_finish(reason)
             if events:
                 yield b"".join(events)
-            delta = None if done else await anext(gen, None)
+            item = None if done else await anext(items, None)
+            delta = None if item is None else item[1]
     except ShuttingDown:
         # The drain's grace period ended: the usual final event, with finish_reason "abort".
         ended = True
@@ -196,7 +172,7 @@ async def _events(front: Front, first: ReqDelta, gen: AsyncIterator[ReqDelta], p
     finally:
         if not ended:
             timer.on_finish("disconnect")
-        await gen.aclose()
+        await items.aclose()
 
 
 def _final_event(num_output: int, prompt_len: int, generated_text: str, reason: str) -> bytes:

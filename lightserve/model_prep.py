@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from lightserve import envs
+
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -25,9 +27,8 @@ COMPLETE_MARKER = ".complete"  # written last; a folder without it is never retu
 
 
 def default_cache_root() -> Path:
-    """`$LIGHTSERVE_CACHE`, else `~/.cache/lightserve`."""
-    env = os.environ.get("LIGHTSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightserve"
+    """`$LIGHTSERVE_CACHE`, else `~/.cache/lightserve` (envs.cache_root)."""
+    return envs.cache_root()
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:

@@ -5,52 +5,60 @@ prompts in one completion request run concurrently and come back as choices with
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_server import (
+from lightserve.api_schema import SamplingFields, StrictModel
+from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
+from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
+from lightserve.front import (
     ApiError,
-    ClientGone,
-    EventStream,
+    ApiRouter,
     Front,
-    Generation,
-    StrictModel,
     best_of,
     check_model,
     check_n,
     dumps,
     encode_text,
-    generate_one,
     get_front,
     grammar_of,
     json_response,
     make_checked,
     parse_model,
     read_json,
-    render_chat,
     request_params,
     samples_of,
     stop_list,
-    token_text,
+)
+from lightserve.front_streams import (
+    EventStream,
+    Item,
+    run_all,
+    start_stream,
     until_disconnect,
 )
-from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
-from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
+from lightserve.openai_output import (
+    chat_logprobs,
+    completion_logprobs,
+    usage,
+    usage_dict,
+    vllm_prompt_logprobs,
+    with_echo,
+)
 from lightserve.sampling import GrammarKind, SamplingParams
 
 logger = get_logger(__name__)
 
-router = APIRouter()
+router = ApiRouter(generation=True)
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # SamplingParams field -> request field, for error messages.
@@ -64,33 +72,16 @@ class StreamOptions(StrictModel):
     include_usage: bool | None = None
 
 
-class _SamplingRequest(StrictModel):
-    """Fields both endpoints share. Every field is nullable: some clients send explicit nulls."""
+class _SamplingRequest(SamplingFields):
+    """Fields both endpoints share; SamplingFields has the sampling ones."""
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     stop: Any = None  # str | list[str]; checked by stop_list
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    disable_prompt_cache: bool | None = None
-    ignore_eos: bool | None = None
     min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    n: int | None = None
     user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict | None = None  # {"token id": bias in [-100, 100]}
-    allowed_token_ids: list[int] | None = None  # vLLM's extension
-    guided_json: Any = None        # vLLM's extensions: a JSON schema (object or string),
-    guided_regex: str | None = None  # a regular expression,
-    guided_grammar: str | None = None  # an EBNF grammar
+    guided_regex: str | None = None  # vLLM's extension: a regular expression
 
 
 class CompletionRequest(_SamplingRequest):
@@ -103,10 +94,9 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: Any  # checked by render_chat
+    messages: Any  # checked by chat_messages.render_chat
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
     tools: Any = None        # checked by plan_tools
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -155,23 +145,23 @@ async def completions(request: Request) -> Response:
         def chunk(i: int, delta: ReqDelta) -> dict | None:
             text, logprobs = delta.text, None
             if want_logprobs:
-                logprobs, offsets[i] = _completion_logprobs(front, delta.token_texts, delta.logprobs,
+                logprobs, offsets[i] = completion_logprobs(front, delta.token_texts, delta.logprobs,
                                                             delta.top_logprobs, offsets[i])
             if not echoed[i]:
                 echoed[i] = True
-                text, logprobs, offsets[i] = _with_echo(front, prompts[i], delta.prompt_logprobs,
+                text, logprobs, offsets[i] = with_echo(front, prompts[i], delta.prompt_logprobs,
                                                         delta.prompt_top_logprobs, text, logprobs, want_logprobs)
             if not text and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
             body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
             if delta.prompt_logprobs is not None and req.prompt_logprobs is not None:
-                body["prompt_logprobs"] = _vllm_prompt_logprobs(front, prompts[i], delta.prompt_logprobs,
+                body["prompt_logprobs"] = vllm_prompt_logprobs(front, prompts[i], delta.prompt_logprobs,
                                                                 delta.prompt_top_logprobs)
             return body
 
         return await _open_stream(request, front, prompts, params, head, chunk, req.stream_options, None)
 
-    outs = await until_disconnect(request, _run_all(front, prompts, params))
+    outs = await until_disconnect(request, run_all(front, prompts, params))
     outs = [g for k in range(0, len(outs), num_samples) for g in best_of(outs[k: k + num_samples], n)]
     if score_only:
         for g in outs:
@@ -181,16 +171,16 @@ async def completions(request: Request) -> Response:
     for i, g in enumerate(outs):
         ids = given[i // n]
         text = g.text
-        logprobs = _completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0] \
+        logprobs = completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0] \
             if want_logprobs else None
         if echo:
-            text, logprobs, _ = _with_echo(front, ids, g.prompt_logprobs, g.prompt_top_logprobs, text, logprobs,
+            text, logprobs, _ = with_echo(front, ids, g.prompt_logprobs, g.prompt_top_logprobs, text, logprobs,
                                            want_logprobs)
         choice = {"index": i, "text": text, "finish_reason": g.finish.api_name(), "logprobs": logprobs}
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = _vllm_prompt_logprobs(front, ids, g.prompt_logprobs, g.prompt_top_logprobs)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(front, ids, g.prompt_logprobs, g.prompt_top_logprobs)
         choices.append(choice)
-    return json_response({**head, "choices": choices, "usage": _usage(outs)})
+    return json_response({**head, "choices": choices, "usage": usage(outs)})
 
 
 @router.post("/v1/chat/completions")
@@ -203,7 +193,7 @@ async def chat_completions(request: Request) -> Response:
     grammar = _chat_grammar(req, plan)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = render_chat(front, req.messages, tools=plan.prompt_tools)
+    prompt = front.render_chat(req.messages, tools=plan.prompt_tools)
     prompt_ids = await encode_text(front, prompt, "messages", add_special_tokens=False)
     outputs = [ChatOutput(plan, front.config.tool_call_parser, front.config.reasoning_parser, prompt)
                for _ in range(n)]
@@ -213,7 +203,8 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
-    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar), "messages",
+    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar),
+                          "messages",
                           names)
     want_logprobs = bool(req.logprobs)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -226,7 +217,7 @@ async def chat_completions(request: Request) -> Response:
             if not fields and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
             return {"index": i, "delta": fields,
-                    "logprobs": _chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
+                    "logprobs": chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
                     if want_logprobs else None,
                     "finish_reason": outputs[i].finish_reason(delta.finish.api_name())}
 
@@ -234,13 +225,13 @@ async def chat_completions(request: Request) -> Response:
         return await _open_stream(request, front, [prompt_ids] * n, samples_of(params, n), head, chunk,
                                   req.stream_options, role)
 
-    outs = await until_disconnect(request, _run_all(front, [prompt_ids] * n, samples_of(params, n)))
+    outs = await until_disconnect(request, run_all(front, [prompt_ids] * n, samples_of(params, n)))
     for out, g in zip(outputs, outs):
         out.feed(g.text, final=True)
     choices = [{"index": i, "message": out.message(), "finish_reason": out.finish_reason(g.finish.api_name()),
-                "logprobs": _chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
+                "logprobs": chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
                for i, (out, g) in enumerate(zip(outputs, outs))]
-    return json_response({**head, "choices": choices, "usage": _usage(outs)})
+    return json_response({**head, "choices": choices, "usage": usage(outs)})
 
 
 # ---- streaming ----------------------------------------------------------------------------------------
@@ -255,29 +246,23 @@ class _Choice:
 async def _open_stream(request: Request, front: Front, prompts: list[list[int]], params: list[SamplingParams],
                        head: dict, chunk: Callable[[int, ReqDelta], dict | None],
                        stream_options: StreamOptions | None, role_choice: dict | None) -> Response:
-    """Start the requests and wait for the first delta, so engine errors (overload, dead) still become
-    HTTP statuses and a client that leaves while queued is noticed; then stream the rest as SSE."""
-    choices = [_Choice(front.metrics.timer(), len(ids)) for ids in prompts]
-    items = _single(front, prompts[0], params[0]) if len(prompts) == 1 else _merged(front, prompts, params)
-    try:
-        first = await until_disconnect(request, _anext(items))
-    except BaseException as exc:
-        _finish_open(choices, "disconnect" if isinstance(exc, (ClientGone, asyncio.CancelledError)) else "error")
-        raise
+    """Start the requests (the first delta is awaited, front_streams.start_stream), then stream SSE."""
+    timers, items, first = await start_stream(request, front, prompts, params)
+    choices = [_Choice(timer, len(ids)) for timer, ids in zip(timers, prompts)]
     include_usage = bool(stream_options and stream_options.include_usage)
     return EventStream(_sse(first, items, choices, head, chunk, include_usage, role_choice))
 
 
-async def _sse(first: tuple[int, ReqDelta], items: AsyncIterator[tuple[int, ReqDelta]], choices: list[_Choice],
+async def _sse(first: Item, items: AsyncIterator[Item], choices: list[_Choice],
                head: dict, chunk: Callable[[int, ReqDelta], dict | None], include_usage: bool,
                role_choice: dict | None) -> AsyncIterator[bytes]:
     # Every chunk is `head` plus one choice: serialize the head once, splice each choice in.
     prefix = b"data: " + dumps(head)[:-1] + b',"choices":['
     suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
-    item: tuple[int, ReqDelta] | None = first
+    item: Item | None = first
 
     def usage_chunk() -> bytes:
-        usage = _usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
+        usage = usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
                             sum(c.cached_len for c in choices))
         return b"data: " + dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
 
@@ -325,57 +310,7 @@ async def _sse(first: tuple[int, ReqDelta], items: AsyncIterator[tuple[int, ReqD
     yield _DONE
 
 
-async def _single(front: Front, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[tuple[int, ReqDelta]]:
-    gen = front.engine.generate(prompt_ids, params)
-    try:
-        async for delta in gen:
-            yield 0, delta
-    finally:
-        await gen.aclose()  # abort now even if we are closed while suspended at our yield
-
-
-async def _merged(front: Front, prompts: list[list[int]], params: list[SamplingParams]
-                  ) -> AsyncIterator[tuple[int, ReqDelta]]:
-    """Several requests' deltas in arrival order. Each runs in its own task; closing this generator
-    cancels the tasks, which aborts the unfinished requests."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int) -> None:
-        try:
-            async for delta in front.engine.generate(prompts[i], params[i]):
-                queue.put_nowait((i, delta))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            queue.put_nowait((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(prompts))]
-    try:
-        left = len(prompts)
-        while left:
-            i, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finish != FinishReason.NONE:
-                left -= 1
-            yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 # ---- helpers ------------------------------------------------------------------------------------------
-async def _run_all(front: Front, prompts: list[list[int]], params: list[SamplingParams]) -> list[Generation]:
-    if len(prompts) == 1:
-        return [await generate_one(front, prompts[0], params[0])]
-    tasks = [asyncio.ensure_future(generate_one(front, ids, p)) for ids, p in zip(prompts, params)]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:  # one failed or we were cancelled: abort the rest
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def _completion_prompts(front: Front, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [await encode_text(front, prompt, "prompt")]
@@ -421,21 +356,12 @@ def _chat_grammar(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[GrammarKi
     return grammar_of("response_format", json_schema, req.guided_regex, req.guided_grammar, json_object)
 
 
-def _logit_bias(bias: dict | None) -> dict[int, float]:
-    out = {}
-    for key, value in (bias or {}).items():
-        try:
-            out[int(key)] = value
-        except (TypeError, ValueError):
-            raise ApiError(400, f"keys must be token ids, got {key!r}", "logit_bias") from None
-    return out
-
-
 def _params(front: Front, req: _SamplingRequest, max_tokens: int, top_logprobs: int,
             grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, "")) -> SamplingParams:
     return request_params(
-        req, front.sampling_defaults, max_new_tokens=max_tokens, min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
-        stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs, logit_bias=_logit_bias(req.logit_bias),
+        req, front.sampling_defaults, max_new_tokens=max_tokens,
+        min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
+        stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs,
         grammar_kind=grammar[0], grammar=grammar[1])
 
 
@@ -444,79 +370,9 @@ def _refuse(value: Any, param: str) -> None:
         raise ApiError(400, f"{param} is not supported yet", param)
 
 
-def _completion_logprobs(front: Front, texts: list[str], logprobs: list[float],
-                         top: list[list[tuple[int, float]]], offset: int) -> tuple[dict, int]:
-    offsets = []
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
-    top_dicts = [{token_text(front, i): lp for i, lp in alts} for alts in top] if top else None
-    return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": top_dicts}, offset
-
-
-def _with_echo(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
-               prompt_top: list[list[tuple[int, float]]] | None, text: str, logprobs: dict | None,
-               want_logprobs: bool) -> tuple[str, dict | None, int]:
-    """The prompt prepended to a choice's text and, with logprobs, to its token lists (the first
-    prompt token has no logprob: None, as OpenAI gives it). Returns (text, logprobs, next offset)."""
-    prompt_text = front.tokenizer.decode(prompt_ids)
-    if not want_logprobs:
-        return prompt_text + text, logprobs, 0
-    texts = [token_text(front, t) for t in prompt_ids]
-    lps: list[float | None] = [None] + (prompt_lps if prompt_lps is not None else [None] * (len(prompt_ids) - 1))
-    tops = [None] + [{token_text(front, t): lp for t, lp in alts} for alts in (prompt_top or [[]] * (len(lps) - 1))]
-    head, offset = _completion_logprobs(front, texts, lps, [], 0)
-    head["top_logprobs"] = tops
-    tail = logprobs or {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": None}
-    merged = {"tokens": head["tokens"] + tail["tokens"],
-              "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
-              "text_offset": head["text_offset"] + [o + offset for o in tail["text_offset"]],
-              "top_logprobs": tops + (tail["top_logprobs"] or [{} for _ in tail["tokens"]])}
-    return prompt_text + text, merged, offset + sum(len(t) for t in tail["tokens"])
-
-
-def _vllm_prompt_logprobs(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
-                          prompt_top: list[list[tuple[int, float]]] | None) -> list[dict | None] | None:
-    """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank?, decoded_token}}
-    holding the prompt token itself and its alternatives (rank given for the alternatives)."""
-    if prompt_lps is None:
-        return None
-    out: list[dict | None] = [None]
-    for tok, lp, alts in zip(prompt_ids[1:], prompt_lps, prompt_top or [[]] * len(prompt_lps)):
-        entry = {str(t): {"logprob": a, "rank": r, "decoded_token": token_text(front, t)}
-                 for r, (t, a) in enumerate(alts, start=1)}
-        entry.setdefault(str(tok), {"logprob": lp, "decoded_token": token_text(front, tok)})
-        out.append(entry)
-    return out
-
-
-def _chat_logprobs(front: Front, texts: list[str], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
-    def alt(i: int, lp: float) -> dict:
-        text = token_text(front, i)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-
-    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                "top_logprobs": [alt(i, a) for i, a in top[j]] if j < len(top) else []}
-               for j, (t, lp) in enumerate(zip(texts, logprobs))]
-    return {"content": content, "refusal": None}
-
-
-def _usage(outs: list[Generation]) -> dict:
-    return _usage_dict(sum(g.prompt_len for g in outs), sum(g.num_output for g in outs),
-                       sum(g.cached_len for g in outs))
-
-
-def _usage_dict(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 def _finish_open(choices: list[_Choice], reason: str) -> None:
     for c in choices:
         if not c.done:
             c.done = True
             c.timer.on_finish(reason)
 
-
-async def _anext(items: AsyncIterator[tuple[int, ReqDelta]]) -> tuple[int, ReqDelta]:
-    return await items.__anext__()

@@ -26,10 +26,11 @@ from dataclasses import dataclass, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
+from lightserve.chat_messages import render_chat
 from lightserve.config import ServerConfig
+from lightserve.generation import Generation, gather_all
 from lightserve.log import get_logger
-from lightserve.messages import ReqDelta
-from lightserve.sampling import ParamError, SamplingParams
+from lightserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from lightserve.engine_client import EngineClient
@@ -152,7 +153,7 @@ class Pipeline:
         items, single = self._prepare(prompts, gen_config)
         want_lp = logprobs or _asks_logprobs(gen_config)
         coros = [self._run_req(i, ids, params, want_lp, None) for i, (ids, params) in enumerate(items)]
-        fut = self._submit(_gather_all(coros))
+        fut = self._submit(gather_all(coros))
         try:
             outs = fut.result()
         except BaseException:
@@ -273,23 +274,10 @@ class Pipeline:
             if isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt)
             else:
-                ids = self.tokenizer.encode(self._render_chat(prompt, name), add_special_tokens=False)
+                ids = self.tokenizer.encode(render_chat(self.tokenizer, prompt, name), add_special_tokens=False)
             params = copy.deepcopy(gen_config) if gen_config is not None else GenerationConfig()
             items.append((ids, self._engine.check_prompt(ids, params, name)))
         return items, single
-
-    def _render_chat(self, messages: Chat, name: str) -> str:
-        for j, msg in enumerate(messages):
-            if not isinstance(msg.get("role"), str):
-                raise ParamError(f"{name}[{j}].role", "each message needs a 'role' string")
-            if not isinstance(msg.get("content"), str):
-                raise ParamError(f"{name}[{j}].content", "each message needs a 'content' string")
-        import jinja2
-
-        try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except (jinja2.TemplateError, TypeError, ValueError) as exc:
-            raise ParamError(name, f"the chat template rejected the messages: {exc}") from None
 
     def _submit(self, coro: typing.Coroutine) -> Future:
         # Under the lock: once close() has begun, no coroutine reaches a loop that may be stopping
@@ -304,7 +292,7 @@ class Pipeline:
         # A generator: nothing is submitted until the first next(), so an iterator that is never
         # used never starts requests that nobody would abort.
         chunks: queue.SimpleQueue = queue.SimpleQueue()
-        fut = self._submit(_gather_all([self._run_req(i, ids, params, want_lp, chunks.put)
+        fut = self._submit(gather_all([self._run_req(i, ids, params, want_lp, chunks.put)
                                         for i, (ids, params) in enumerate(items)]))
         fut.add_done_callback(lambda f: chunks.put(_outcome(f)))
         try:
@@ -340,27 +328,28 @@ class Pipeline:
     async def _run_req(self, index: int, prompt_ids: list[int], params: SamplingParams, want_lp: bool,
                        emit: Callable[[Response], None] | None) -> Response:
         """One request. With `emit`, every chunk goes to it; else the whole result is returned."""
-        from lightserve.engine_client import ShuttingDown  # here: importing the pipeline stays free of zmq
-        out = Response(index, "", [], None, len(prompt_ids), 0, [] if want_lp else None)
+        from lightserve.engine_client import (
+            ShuttingDown,  # here: importing the pipeline stays free of zmq
+        )
+        out = Generation(len(prompt_ids))
         async with self._slots:
             self._num_in_flight += 1
             try:
                 async with contextlib.aclosing(self._engine.generate(prompt_ids, params)) as deltas:
                     async for delta in deltas:
-                        out.generated_tokens = delta.num_output
-                        if emit is None:
-                            _add_delta(out, delta)
-                        elif delta.text or delta.token_ids or delta.finish:
-                            emit(_add_delta(Response(index, "", [], None, len(prompt_ids), 0,
-                                                     [] if want_lp else None), delta))
+                        out.add(delta)
+                        if emit is not None and (delta.text or delta.token_ids or delta.finish):
+                            emit(Response(index, delta.text, delta.token_ids, delta.finish.api_name(), out.prompt_len,
+                                          delta.num_output, delta.logprobs if want_lp else None))
             except ShuttingDown:
                 if emit is None:
                     raise
                 # close() ended the drain: a stream ends like the server's, with an "abort" chunk.
-                emit(Response(index, "", [], "abort", len(prompt_ids), out.generated_tokens, [] if want_lp else None))
+                emit(Response(index, "", [], "abort", out.prompt_len, out.num_output, [] if want_lp else None))
             finally:
                 self._num_in_flight -= 1
-        return out
+        return Response(index, out.text, out.token_ids, out.finish.api_name(), out.prompt_len, out.num_output,
+                        out.logprobs if want_lp else None)
 
     async def _shutdown(self) -> None:
         """The drain: calls in flight get shutdown_grace_s, then the rest are aborted."""
@@ -418,28 +407,6 @@ def _describe(value: Any) -> str:
 
 def _asks_logprobs(gen_config: SamplingParams | None) -> bool:
     return gen_config is not None and gen_config.top_logprobs > 0
-
-
-def _add_delta(out: Response, delta: ReqDelta) -> Response:
-    out.text += delta.text
-    out.token_ids.extend(delta.token_ids)
-    if out.logprobs is not None:
-        out.logprobs.extend(delta.logprobs)
-    out.generated_tokens = delta.num_output
-    out.finish_reason = delta.finish.api_name()
-    return out
-
-
-async def _gather_all(coros: list[typing.Coroutine]) -> list[Any]:
-    """gather, but the first failure (or our own cancellation) cancels the siblings, so no request
-    keeps running for a caller that has already got its error."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _outcome(fut: Future) -> object:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
 import tempfile
-import signal
 import threading
 import traceback
 from multiprocessing.connection import Connection

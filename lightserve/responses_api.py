@@ -13,32 +13,35 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_server import (
+from lightserve.api_schema import StrictModel
+from lightserve.chat_messages import normalize_message
+from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
+from lightserve.engine_client import EngineDead, RequestTimeout
+from lightserve.front import (
     ApiError,
-    EventStream,
+    ApiRouter,
     Front,
-    StrictModel,
     check_model,
     dumps,
     encode_text,
-    generate_one,
     get_front,
     grammar_of,
     json_response,
     make_checked,
     parse_model,
     read_json,
-    render_chat,
     request_params,
-    start_generation,
+)
+from lightserve.front_streams import (
+    EventStream,
+    Item,
+    generate_one,
+    start_stream,
     until_disconnect,
 )
-from lightserve.chat_messages import normalize_message
-from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
-from lightserve.engine_client import EngineDead, RequestTimeout
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.metrics import ReqTimer
@@ -52,7 +55,7 @@ from lightserve.responses_input import (
 
 logger = get_logger(__name__)
 
-router = APIRouter()
+router = ApiRouter(generation=True)
 
 STORE_MAX_ITEMS = 1024   # stored conversations; the oldest are dropped first
 STORE_TTL_S = 3600.0     # how long a stored conversation can be continued
@@ -106,7 +109,7 @@ async def create_response(request: Request) -> Response:
                        "tool_choice")
     kind, grammar = grammar_of("text.format", forced if forced is not None else schema, json_object=json_object)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    prompt = render_chat(front, system + messages, "input", tools=plan.prompt_tools)
+    prompt = front.render_chat(system + messages, "input", tools=plan.prompt_tools)
     prompt_ids = await encode_text(front, prompt, "input", add_special_tokens=False)
     max_tokens = front.max_model_len if req.max_output_tokens is None else req.max_output_tokens
     params = make_checked(front, prompt_ids, request_params(req, front.sampling_defaults, max_new_tokens=max_tokens,
@@ -116,8 +119,8 @@ async def create_response(request: Request) -> Response:
     keep = None if req.store is False else (store, messages)
 
     if req.stream:
-        timer, gen, first = await start_generation(request, front, prompt_ids, params)
-        return EventStream(_events(front, builder, output, first, gen, len(prompt_ids), timer, keep))
+        (timer,), items, (_, first) = await start_stream(request, front, [prompt_ids], [params])
+        return EventStream(_events(front, builder, output, first, items, len(prompt_ids), timer, keep))
 
     g = await until_disconnect(request, generate_one(front, prompt_ids, params))
     builder.add(output.feed(g.text, final=True))
@@ -234,7 +237,7 @@ class _OutputBuilder:
 
 
 async def _events(front: Front, builder: _OutputBuilder, output: ChatOutput, first: ReqDelta,
-                  gen: AsyncIterator[ReqDelta], prompt_len: int, timer: ReqTimer,
+                  items: AsyncIterator[Item], prompt_len: int, timer: ReqTimer,
                   keep: tuple[ResponseStore, list[dict]] | None) -> AsyncIterator[bytes]:
     delta: ReqDelta | None = first
     ended = False
@@ -253,7 +256,8 @@ async def _events(front: Front, builder: _OutputBuilder, output: ChatOutput, fir
                 _keep(keep, builder.head["id"], output)
             if events:
                 yield b"".join(events)
-            delta = None if done else await anext(gen, None)
+            item = None if done else await anext(items, None)
+            delta = None if item is None else item[1]
     except (RequestTimeout, EngineDead) as exc:
         ended = True
         timer.on_finish("error")
@@ -266,7 +270,7 @@ async def _events(front: Front, builder: _OutputBuilder, output: ChatOutput, fir
     finally:
         if not ended:
             timer.on_finish("disconnect")
-        await gen.aclose()
+        await items.aclose()
 
 
 def _skeleton(front: Front, req: ResponsesRequest, plan: ToolPlan) -> dict:

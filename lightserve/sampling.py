@@ -9,7 +9,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 import numpy as np
@@ -174,9 +174,6 @@ class SamplingParams:
     def stop_bytes(self) -> bytes:
         return json.dumps(self.stop).encode() if self.stop else b""
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 def check_grammar(kind: GrammarKind, text: str) -> None:
     """Parse a grammar without a tokenizer (the worker compiles it); ValueError with xgrammar's message."""
@@ -219,7 +216,3 @@ def generation_defaults(folder: str) -> dict[str, float | int]:
 
 def _is_token_id(t: object, vocab_size: int | None) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0 and (vocab_size is None or t < vocab_size)
-
-
-def is_greedy(temperature: float, top_k: int) -> bool:
-    return temperature <= 0.0 or top_k == 1

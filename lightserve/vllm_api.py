@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_server import get_front, json_response
+from lightserve.front import ApiRouter, get_front, json_response
 
-router = APIRouter()
+router = ApiRouter()
 
 
 @router.get("/version")

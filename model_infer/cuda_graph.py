@@ -14,7 +14,6 @@ import time
 import torch
 
 from lightserve.log import get_logger
-
 from lightserve.model_infer.forward_batch import ForwardBatch
 from lightserve.model_infer.kv_cache import KVCache
 
@@ -56,7 +55,7 @@ class GraphInputs:
             input_ids=self.input_ids[:g], positions=self.positions[:g], kv_locs=self.kv_locs[:g],
             req_rows=self.req_rows[:g], prefix_lens=self.prefix_lens[:g], extend_lens=self.extend_lens[:g],
             seq_lens=self.seq_lens[:g], q_start_locs=self.q_start_locs[:g], logits_indices=self.logits_indices[:g],
-            num_decode=g, num_decode_tokens=g, max_seq_len=self.max_seq_len, max_extend_len=0,
+            num_decode=g, max_seq_len=self.max_seq_len, max_extend_len=0,
             req_to_token=self.req_to_token)
 
     def load(self, batch: ForwardBatch, g: int) -> None:

@@ -23,7 +23,6 @@ class ForwardBatch:
     q_start_locs: torch.Tensor   # [B] int32, offset of each request's first new token in [T]
     logits_indices: torch.Tensor  # [B] int64, index in [T] of each request's last new token
     num_decode: int              # requests [0, num_decode) are decodes (extend_len == 1)
-    num_decode_tokens: int       # == num_decode; tokens [0, num_decode) belong to decodes
     max_seq_len: int             # max(seq_lens)
     max_extend_len: int          # max(extend_lens) over the extend requests (0 if none)
     req_to_token: torch.Tensor   # [num_rows, max_req_total_len] int32, KV row of every token

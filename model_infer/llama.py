@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightserve.model_infer.model_config import ModelConfig
-from lightserve.model_infer.rope import build_cos_sin_cache
-from lightserve.model_infer.weights import LayerWeights, ModelWeights, load_weights
 
 from lightserve import kernels
 from lightserve.kernels.cpu import library as cpu_kernels
+from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_infer.rope import build_cos_sin_cache
+from lightserve.model_infer.weights import LayerWeights, ModelWeights, load_weights
 
 if TYPE_CHECKING:
     from lightserve.model_infer.forward_batch import ForwardBatch
@@ -201,7 +201,7 @@ class _AttentionInputs:
         self.has_extend = batch.num_reqs > nd
         self.extend_req_rows = batch.req_rows[nd:]  # [num_extend]
         # q[num_decode:] starts at token num_decode, so extend offsets are rebased to it.
-        self.extend_q_start_locs = batch.q_start_locs[nd:] - batch.num_decode_tokens  # [num_extend]
+        self.extend_q_start_locs = batch.q_start_locs[nd:] - nd  # [num_extend]
         self.extend_prefix_lens = batch.prefix_lens[nd:]  # [num_extend]
         self.extend_lens = batch.extend_lens[nd:]  # [num_extend]
         return self

@@ -127,7 +127,8 @@ def process_logits(logits: torch.Tensor, slots: np.ndarray, params: np.ndarray, 
     sel, rows = rows_of(bias)
     if sel.size:
         apply_logit_bias(logits, rows, t(params["logit_bias_ids"][sel], torch.int64),
-                         t(params["logit_bias_values"][sel], torch.float32), t(params["num_logit_bias"][sel], torch.int64))
+                         t(params["logit_bias_values"][sel], torch.float32), t(params["num_logit_bias"][sel],
+                                                                               torch.int64))
     sel, rows = rows_of(allowed)
     if sel.size:
         mask_to_allowed(logits, rows, t(params["allowed_token_ids"][sel], torch.int64),

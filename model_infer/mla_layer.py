@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
+from lightserve import kernels
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.kernels.mla_attention import (
     mla_decode,
     mla_prefill_attention,
     store_latent,
 )
-from torch import Tensor
-
-from lightserve import kernels
 
 if TYPE_CHECKING:
     from lightserve.kernels.linear import OneDNNLinear, PackedLinear
@@ -186,8 +186,10 @@ def load_mla_weights(tensors: Mapping[str, Tensor], layer_prefix: str, config: M
     perm = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)]) if cfg.rope_interleave \
         else torch.arange(rope)
     name = f"{layer_prefix}self_attn.{{}}".format
-    get = lambda n: tensors[name(n)].to(device, dtype)
-    opt = lambda n: get(n) if cfg.attention_bias and name(n) in tensors else None
+    def get(n):
+        return tensors[name(n)].to(device, dtype)
+    def opt(n):
+        return get(n) if cfg.attention_bias and name(n) in tensors else None
 
     def q_rows(weight: Tensor) -> Tensor:  # [H * (Dn + Dr), K] -> this rank's heads, rope rows de-interleaved
         w = weight.view(cfg.num_heads, nope + rope, -1)[own]

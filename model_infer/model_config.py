@@ -52,12 +52,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"architecture {self.architecture!r} is not supported; lightserve serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {self.architecture!r} is not supported; "
+                f"lightserve serves {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not supported; expected one of {SUPPORTED_ROPE_TYPES}")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}")
+            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_kv_heads}")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 

@@ -9,10 +9,9 @@ import os
 import numpy as np
 import torch
 
+from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan
-
-from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.model_infer.forward_batch import ForwardBatch
 from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.kv_cache import KVCache
@@ -118,7 +117,6 @@ class ModelRunner:
             q_start_locs=q_start_t,
             logits_indices=logits_idx_t.long(),
             num_decode=nd,
-            num_decode_tokens=nd,
             max_seq_len=int(seq_lens.max()),
             max_extend_len=int(extend[nd:].max()) if extend.shape[0] > nd else 0,
             req_to_token=table,

@@ -24,6 +24,9 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import Tensor
+
+from lightserve import kernels
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.kernels.moe import (
     ExpertLinear,
@@ -35,9 +38,6 @@ from lightserve.kernels.moe import (
     shard_expert_weights,
     topk_softmax,
 )
-from torch import Tensor
-
-from lightserve import kernels
 
 
 class Routing(Enum):
@@ -150,7 +150,8 @@ def load_moe_weights(tensors: Mapping[str, Tensor], layer_prefix: str, config: M
                                for e in range(cfg.num_experts)])  # [E, 2I/tp, H]
         down = torch.stack([tensors[expert(e, down_name)][:, rows] for e in range(cfg.num_experts)])  # [E, H, I/tp]
         experts = ExpertWeights(gate_up, down)
-    to = lambda t: t.to(device, dtype).contiguous()
+    def to(t):
+        return t.to(device, dtype).contiguous()
     grouped = cfg.routing is Routing.GROUPED_SIGMOID
     gate = tensors[f"{layer_prefix}{module}.gate.weight"].to(device, torch.float32 if grouped else dtype)
     weights = MoEWeights(gate, ExpertWeights(to(experts.gate_up), to(experts.down)))

@@ -10,6 +10,9 @@ the whole [B, V] matrix; measured here at B=64, V=49152 it cost ~16x more than i
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
+import numpy as np
 import torch
 
 _U64 = 1 << 64
@@ -25,38 +28,49 @@ _MIX2 = _signed(0x94D049BB133111EB)
 _NUM_CANDIDATES = 1024  # tokens per row considered by top-k/top-p before falling back to a full sort
 
 
-def sample(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ps: torch.Tensor,
-    top_ks: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    min_ps: torch.Tensor | None = None,
-    raw_logits: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class SamplingTensors:
+    """The sampler's per-row parameters of one batch: [B] host tensors of any numeric dtype, each
+    field but `step` named as its SamplingParams / PARAMS_DTYPE field, so `from_params` builds them
+    from the batch's shm records without naming any. A new sampling parameter is a field here and
+    its use in `sample`."""
+    temperature: torch.Tensor        # <= 0: greedy
+    top_p: torch.Tensor              # 1: off
+    top_k: torch.Tensor              # <= 0 or >= V: off; 1: greedy
+    seed: torch.Tensor               # int64
+    step: torch.Tensor               # index of the token being sampled in its request: a fresh draw per step
+    min_p: torch.Tensor | None = None  # 0 / None: off
+
+    @classmethod
+    def from_params(cls, params: np.ndarray, steps: np.ndarray) -> SamplingTensors:
+        """params [B]: PARAMS_DTYPE records (lightserve/sampling.py); steps [B]: each row's output count."""
+        names = [f.name for f in fields(cls) if f.name != "step"]
+        return cls(step=torch.from_numpy(steps.astype(np.int64)),
+                   **{name: torch.from_numpy(params[name].copy()) for name in names})
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors,
+           raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
-    logits [B, V] float32; temperatures [B] float32 (<= 0 means greedy); top_ps [B] float32 (1 = off);
-    top_ks [B] int64 (<= 0 or >= V = off, 1 = greedy); seeds [B] int64; steps [B] int64 (the index of
-    the token being sampled within its request, so every step gets a fresh draw). The parameters are
-    host tensors of any numeric dtype: every decision on them (all greedy? which rows filter?) is
-    made on the host and they reach logits' device by non-blocking copies, so on a GPU the only waits
-    are the caller's read of the result and a top_p row's full-sort check. min_ps [B] float32 (0 =
-    off): drop tokens whose probability is below min_p times the top token's (after temperature).
-    raw_logits [B, V]: the model's logits before any processing (penalties, bias), for logprobs;
-    None means `logits`.
+    logits [B, V] float32; params: one row each (SamplingTensors). Every decision on the parameters
+    (all greedy? which rows filter?) is made on the host and they reach logits' device by
+    non-blocking copies, so on a GPU the only waits are the caller's read of the result and a top_p
+    row's full-sort check. min_p drops tokens whose probability is below min_p times the top token's
+    (after temperature). raw_logits [B, V]: the model's logits before any processing (penalties,
+    bias), for logprobs; None means `logits`.
     Returns next_ids [B] int64 and logprobs [B] float32: log_softmax of the raw (untempered) logits
     at the chosen token. Does not modify its inputs.
     """
     dev = logits.device
     vocab = logits.shape[1]
     # Host copies in fixed dtypes (the parameters usually come from numpy arrays of any int/float width).
-    temperatures = temperatures.to("cpu", torch.float32)
-    top_ps = top_ps.to("cpu", torch.float32)
-    top_ks = top_ks.to("cpu", torch.int64)
+    temperatures = params.temperature.to("cpu", torch.float32)
+    top_ps = params.top_p.to("cpu", torch.float32)
+    top_ks = params.top_k.to("cpu", torch.int64)
     top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
-    min_ps = torch.zeros_like(temperatures) if min_ps is None else min_ps.to("cpu", torch.float32)
+    seeds, steps = params.seed, params.step
+    min_ps = torch.zeros_like(temperatures) if params.min_p is None else params.min_p.to("cpu", torch.float32)
     greedy = (temperatures <= 0) | (top_ks == 1)  # [B] bool, on the host
     raw = logits if raw_logits is None else raw_logits
     all_greedy = bool(greedy.all())

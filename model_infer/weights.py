@@ -24,8 +24,8 @@ import torch
 from safetensors import safe_open
 
 if TYPE_CHECKING:
-    from lightserve.model_infer.model_config import ModelConfig
     from lightserve.kernels.linear import OneDNNLinear, PackedLinear
+    from lightserve.model_infer.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ import math
 from typing import Iterable
 
 from lightserve.config import AdmissionPolicy
-
 from lightserve.router.req import Req
 
 INIT_RATIO = 0.7

@@ -3,9 +3,8 @@ worker rank and waits for rank 0's StepDone before planning the next step."""
 from __future__ import annotations
 
 import contextlib
-from multiprocessing.connection import Connection
-
 import time
+from multiprocessing.connection import Connection
 
 import zmq
 
@@ -13,9 +12,8 @@ from lightserve.config import ServerConfig
 from lightserve.log import get_logger
 from lightserve.messages import AbortReq, AddReq, ReqReleased, Shutdown, StepDone, decode, encode
 from lightserve.procutil import child_process, report_ready
-from lightserve.shm.req_pool import ReqPool
-
 from lightserve.router.scheduler import Scheduler, StepRecord
+from lightserve.shm.req_pool import ReqPool
 
 logger = get_logger(__name__)
 

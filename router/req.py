@@ -20,7 +20,6 @@ class Req:
     shm_index: int
     prompt_len: int
     max_new_tokens: int
-    arrival_step: int = 0
     status: ReqStatus = ReqStatus.WAITING
     num_output: int = 0            # output tokens published by rank 0 (router's copy)
     computed_len: int = 0          # tokens whose KV is in the cache (prefix hit + computed)
@@ -30,10 +29,9 @@ class Req:
     use_cache: bool = True         # False: per-request disable_prompt_cache
     prompt_logprobs: bool = False  # rank 0 needs the logits of every prompt position (never cache-matched
                                    # at first admission; a resume may match: its prompt logprobs are written)
-    group_id: int = 0              # != 0: one of n samples of one prompt (see Scheduler._must_wait)
+    group_id: int = 0              # != 0: one of n samples of one prompt (see groups.Groups.must_wait)
     prompt_cached: bool = False    # its prompt KV was put in the radix cache once computed (Scheduler._cache_prompt)
     dup_locs: np.ndarray | None = None  # own rows duplicating the tree's after a mid-run prompt insert
-    aborted: bool = False
 
     @property
     def seq_len(self) -> int:

@@ -1,8 +1,10 @@
 """Scheduler: continuous batching over the KV allocator and the radix prefix cache.
 
-`plan_step` builds the next BatchPlan (decodes first, then prefill chunks, then newly admitted
-requests, within --batch_max_tokens); `finish_step` reads what rank 0 published in shm and retires
-finished requests. Every state change of a Req happens in one named method here. No sockets: the
+`plan_step` chooses the next step's requests (decodes first, then prefill chunks, then newly admitted
+requests, within --batch_max_tokens) and their KV rows, and plan_builder.build_plan turns them into
+a BatchPlan; `finish_step` reads what rank 0 published in shm and retires finished requests. The n
+samples of one prompt are held by `Groups` (groups.py). Every state change of a Req happens in one
+named method here. No sockets: the
 router process (process.py) moves messages; tests drive this class directly.
 """
 from __future__ import annotations
@@ -16,11 +18,12 @@ import numpy as np
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan, FinishReason
-from lightserve.shm.req_pool import Owner, ReqPool
-
 from lightserve.router.admission import Admission
+from lightserve.router.groups import Groups
 from lightserve.router.kv_allocator import KVAllocator
+from lightserve.router.plan_builder import build_plan
 from lightserve.router.req import Req, ReqStatus
+from lightserve.shm.req_pool import Owner, ReqPool
 
 if TYPE_CHECKING:
     from lightserve.router.radix_cache import RadixCache
@@ -38,15 +41,6 @@ class StepRecord:
     """What the router remembers of a step in flight."""
     plan: BatchPlan
     reqs: list[Req]
-
-
-@dataclass
-class Group:
-    """The n samples of one prompt: the leader prefills it alone; once its prompt KV is in the radix
-    cache (`ready`), the siblings are admitted and match it, computing one token each."""
-    leader: Req
-    members: int = 0
-    ready: bool = False
 
 
 @dataclass
@@ -70,7 +64,7 @@ class Scheduler:
         self.by_slot: dict[int, Req] = {}
         self.step = 0
         self.released: list[tuple[int, int, FinishReason]] = []  # aborts the detokenizer must hear of
-        self.groups: dict[int, Group] = {}
+        self.groups = Groups()
         self.counters = dict(pauses_total=0, resumes_total=0, prompt_tokens_total=0,
                              prompt_tokens_cached_total=0, generation_tokens_total=0, max_batch_size=0,
                              last_batch_size=0)
@@ -96,12 +90,11 @@ class Scheduler:
             return
         params = self.pool.params[shm_index]
         req = Req(req_id=req_id, shm_index=shm_index, prompt_len=int(self.pool.prompt_len[shm_index]),
-                  max_new_tokens=int(params["max_new_tokens"]), arrival_step=self.step,
+                  max_new_tokens=int(params["max_new_tokens"]),
                   use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]),
                   group_id=int(params["group_id"]), prompt_logprobs=int(params["prompt_logprobs"]) >= 0)
         if req.group_id and req.use_cache and not req.prompt_logprobs:
-            group = self.groups.setdefault(req.group_id, Group(leader=req))
-            group.members += 1
+            self.groups.join(req)
         else:
             req.group_id = 0  # without the cache the samples cannot share the prompt: run them alone
         self.pool.cached_len[shm_index] = 0
@@ -152,7 +145,7 @@ class Scheduler:
         computing = [r for r in self.running if self._computes_cacheable_prompt(r)]  # usually 0-2 requests
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
-            if self._must_wait(req) or self._prefix_in_flight(req, computing):
+            if self.groups.must_wait(req) or self._prefix_in_flight(req, computing):
                 held.append(self.waiting.popleft())
                 continue
             n = self._admit(req, budget, reserved)
@@ -169,11 +162,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         if not decodes and not chunks:
             return None
-        return self._build_plan(decodes, decode_locs, chunks, fills)
-
-    def _must_wait(self, req: Req) -> bool:
-        group = self.groups.get(req.group_id) if req.group_id else None
-        return group is not None and group.leader is not req and not group.ready
+        self.step += 1
+        plan = build_plan(self.pool, self.step, decodes, decode_locs, chunks, fills)
+        batch_size = len(plan.shm_indices)
+        self.counters["last_batch_size"] = batch_size
+        self.counters["max_batch_size"] = max(self.counters["max_batch_size"], batch_size)
+        return StepRecord(plan, decodes + [r for r, _ in chunks])
 
     @staticmethod
     def _computes_cacheable_prompt(req: Req) -> bool:
@@ -286,56 +280,6 @@ class Scheduler:
         self.running.append(req)
         return n
 
-    def _build_plan(self, decodes: list[Req], decode_locs: np.ndarray, chunks: list[tuple[Req, int]],
-                    fills: list[Req]) -> StepRecord:
-        reqs = decodes + [r for r, _ in chunks]
-        shm = np.fromiter((r.shm_index for r in reqs), np.int32, len(reqs))
-        prefix = np.fromiter((r.computed_len for r in reqs), np.int32, len(reqs))
-        extend = np.fromiter((1 for _ in decodes), np.int32, len(decodes))
-        extend = np.concatenate([extend, np.fromiter((n for _, n in chunks), np.int32, len(chunks))])
-        seq = np.fromiter((r.seq_len for r in reqs), np.int32, len(reqs))
-        sample = prefix + extend == seq
-        # Decode input ids in one gather; prefill chunks as slices of the prompt (+ outputs on resume).
-        ids = [self.pool.token_ids[shm[: len(decodes)], prefix[: len(decodes)]]]
-        locs = [decode_locs]
-        for i, (req, n) in enumerate(chunks, start=len(decodes)):
-            ids.append(self.pool.token_ids[req.shm_index, prefix[i]: prefix[i] + n])
-            locs.append(req.kv_locs[prefix[i]: prefix[i] + n])
-        for i, req in enumerate(decodes):
-            req.ensure_capacity(req.computed_len + 1)
-            req.kv_locs[req.computed_len] = decode_locs[i]
-        prompt_logit_idx = self._prompt_logit_indices(chunks, len(decodes))
-        fill_rows = np.concatenate([np.full(r.cached_len, r.shm_index, np.int32) for r in fills]) if fills else None
-        fill_pos = np.concatenate([np.arange(r.cached_len, dtype=np.int32) for r in fills]) if fills else None
-        fill_locs = np.concatenate([r.kv_locs[: r.cached_len] for r in fills]) if fills else None
-        self.step += 1
-        plan = BatchPlan(
-            step=self.step, shm_indices=shm, req_ids=np.fromiter((r.req_id for r in reqs), np.int64, len(reqs)),
-            prefix_lens=prefix, extend_lens=extend, sample=sample,
-            input_ids=np.concatenate(ids).astype(np.int32, copy=False),
-            kv_locs=np.concatenate(locs).astype(np.int32, copy=False), num_decode=len(decodes),
-            **({} if not fills else dict(fill_rows=fill_rows, fill_pos=fill_pos, fill_locs=fill_locs)),
-            **({} if prompt_logit_idx is None else dict(prompt_logit_idx=prompt_logit_idx)))
-        self.counters["last_batch_size"] = len(reqs)
-        self.counters["max_batch_size"] = max(self.counters["max_batch_size"], len(reqs))
-        return StepRecord(plan, reqs)
-
-    @staticmethod
-    def _prompt_logit_indices(chunks: list[tuple[Req, int]], num_decode: int) -> np.ndarray | None:
-        """Indices in the step's token array [T] of the tokens at prompt positions p < prompt_len - 1
-        of requests that asked for prompt logprobs: their logits give the logprob of prompt token p + 1.
-        (The last prompt token's logits are the sampling row, already computed.)"""
-        if not any(req.prompt_logprobs for req, _ in chunks):
-            return None
-        out, start = [], num_decode
-        for req, n in chunks:
-            if req.prompt_logprobs:
-                end = min(req.computed_len + n, req.prompt_len - 1)  # exclusive, in sequence positions
-                if end > req.computed_len:
-                    out.append(np.arange(start, start + end - req.computed_len, dtype=np.int32))
-            start += n
-        return np.concatenate(out) if out else None
-
     # ---- after the step -------------------------------------------------------------------------------
     def finish_step(self, record: StepRecord) -> None:
         """Rank 0 has published the step's tokens: advance every request, retire finished ones."""
@@ -353,9 +297,7 @@ class Scheduler:
             elif (req.use_cache and not req.prompt_cached and req.computed_len >= req.prompt_len - 1
                   and req.status is ReqStatus.RUNNING):
                 self._cache_prompt(req)
-                group = self.groups.get(req.group_id) if req.group_id else None
-                if group is not None and group.leader is req:
-                    group.ready = True
+                self.groups.on_prompt_cached(req)
         self.admission.on_step()
 
     # ---- state changes ------------------------------------------------------------------------------
@@ -372,13 +314,7 @@ class Scheduler:
     def _retire(self, req: Req) -> None:
         if req.status is ReqStatus.RUNNING:
             self._give_back_kv(req)
-        if req.group_id:
-            group = self.groups[req.group_id]
-            group.members -= 1
-            if group.leader is req:
-                group.ready = True  # its KV went to the cache (or it never ran): siblings go ahead
-            if group.members == 0:
-                del self.groups[req.group_id]
+        self.groups.leave(req)
         del self.by_slot[req.shm_index]
         self.pool.release(Owner.ROUTER, req.shm_index)
 
@@ -386,8 +322,6 @@ class Scheduler:
         """Hand the request's computed KV to the prefix cache (or the allocator) and unlock its prefix."""
         n = req.computed_len
         locs = req.kv_locs[:n]
-        allocated_beyond = req.kv_locs[n: n]  # rows are allocated per step and always computed by now
-        assert allocated_beyond.size == 0
         if req.use_cache and self.cache is not None:
             ids = self.pool.token_ids[req.shm_index, :n]
             present = self.cache.insert(ids, locs)

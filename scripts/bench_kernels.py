@@ -17,14 +17,14 @@ from dataclasses import asdict, dataclass
 from functools import partial
 
 import torch
+
+from lightserve import kernels
 from lightserve.kernels.activation import silu_and_mul_triton
 from lightserve.kernels.decode_attention import decode_attention_triton
 from lightserve.kernels.kv_store import store_kv_triton
 from lightserve.kernels.prefill_attention import prefill_attention_triton
 from lightserve.kernels.rmsnorm import add_rmsnorm_triton, rmsnorm_triton
 from lightserve.kernels.rotary import rotary_emb_triton
-
-from lightserve import kernels
 
 
 @dataclass(frozen=True)

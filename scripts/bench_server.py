@@ -88,7 +88,8 @@ def main() -> int:
             after = metrics(url)
             if i < args.warmup_runs:
                 continue
-            row = {"label": args.label, "server": args.server, "start_s": round(start_s, 2), "run": i - args.warmup_runs,
+            row = {"label": args.label, "server": args.server, "start_s": round(start_s, 2),
+                   "run": i - args.warmup_runs,
                    "output_tok_s": agg["output_throughput"], "duration_s": agg.get("duration_s"),
                    "ttft_p50_ms": agg["ttft_ms"]["p50"], "itl_p50_ms": agg.get("itl_ms", {}).get("p50"),
                    "tpot_p50_ms": agg.get("tpot_ms", {}).get("p50"), "completed": agg["completed"],

@@ -85,7 +85,8 @@ class PromptMaker:
 
     def __init__(self, tokenizer_path: str, rng: np.random.Generator):
         self.rng = rng
-        self._encode, self._encode_batch, self._decode, self._decode_each, vocab_size, special = _load_tokenizer(tokenizer_path)
+        (self._encode, self._encode_batch, self._decode, self._decode_each, vocab_size,
+         special) = _load_tokenizer(tokenizer_path)
         self.pool = self._build_pool(vocab_size, special)
 
     def encode(self, text: str) -> list[int]:
@@ -131,7 +132,8 @@ class PromptMaker:
 
 
 def _load_tokenizer(path: str) -> tuple[Callable, Callable, Callable, Callable, int, set[int]]:
-    """(encode, encode_batch, decode, decode_each (one text per id), vocab_size, special ids). Uses `tokenizers` on tokenizer.json directly
+    """(encode, encode_batch, decode, decode_each (one text per id), vocab_size, special ids).
+    Uses `tokenizers` on tokenizer.json directly
     (0.5 s) and falls back to transformers' AutoTokenizer (5+ s to import) for other folders."""
     p = Path(path).expanduser()
     tok_file = p / "tokenizer.json" if p.is_dir() else p
@@ -532,7 +534,8 @@ def aggregate(records: list[RequestRecord], duration: float, per_turn: bool = Fa
     }
     if per_turn:
         turns = sorted({r.turn for r in ok})
-        agg["ttft_ms_by_turn"] = {str(t): _stats_ms([r.ttft for r in ok if r.turn == t and r.ttft is not None]) for t in turns}
+        agg["ttft_ms_by_turn"] = {str(t): _stats_ms([r.ttft for r in ok if r.turn == t and r.ttft is not None])
+                                  for t in turns}
     return agg
 
 
@@ -561,7 +564,8 @@ def format_table(result: dict) -> str:
         f"{'Benchmark duration (s):':<36}{agg['duration_s']:.2f}",
         f"{'Total input tokens:':<36}{agg['total_input_tokens']}",
         f"{'Total output tokens:':<36}{agg['total_output_tokens']}",
-        *([f"{'Cached input tokens (usage):':<36}{agg['cached_input_tokens']}"] if agg.get("cached_input_tokens") is not None
+        *([f"{'Cached input tokens (usage):':<36}{agg['cached_input_tokens']}"]
+          if agg.get("cached_input_tokens") is not None
           else []),
         f"{'Request throughput (req/s):':<36}{agg['request_throughput']:.2f}",
         f"{'Input token throughput (tok/s):':<36}{agg['input_throughput']:.2f}",
@@ -587,7 +591,8 @@ def format_table(result: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKEND_PATHS), default="openai")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send; default: first id of GET /v1/models")
@@ -607,7 +612,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-ids", action="store_true", help="openai backend: send prompts as token-id lists")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second; inf = all at once")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Poisson arrivals per second; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--warmup", type=int, default=0, help="requests sent first and discarded")
     p.add_argument("--seed", type=int, default=0)

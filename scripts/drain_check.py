@@ -175,7 +175,8 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, i: int, 
     stream = i >= 2  # the first two are the non-streaming ones
     if kind == "lightllm":
         path = "/generate_stream" if stream else "/generate"
-        body = {"inputs": f"Story {i}: once upon a time", "parameters": {"max_new_tokens": max_tokens, "ignore_eos": True}}
+        body = {"inputs": f"Story {i}: once upon a time", "parameters": {"max_new_tokens": max_tokens,
+                                                                         "ignore_eos": True}}
     elif kind == "chat":
         path = "/v1/chat/completions"
         body = {"model": model, "messages": [{"role": "user", "content": f"Tell story {i}."}], "max_tokens": max_tokens,

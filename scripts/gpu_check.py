@@ -101,7 +101,8 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         if (out / "model.safetensors").is_file() or (out / "model.safetensors.index.json").is_file():
             continue
         cfg = dict(config, **SMALL[name]) if small else dict(config)
-        hf_config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
+        hf_config = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures",
+                                                                                          "model_type")})
         hf_config.architectures = cfg["architectures"]
         t0 = time.perf_counter()
         torch.manual_seed(0)
@@ -147,7 +148,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
             if last:
                 ours[r].append(logits[0].float().cpu())
     graph_mismatches, graph_steps = 0, 0
-    for step in range(shapes.decode_steps):
+    for _ in range(shapes.decode_steps):
         for r in range(len(seqs)):
             seqs[r].append(int(ours[r][-1].argmax()))
         rows = list(range(len(seqs)))
@@ -310,7 +311,8 @@ def cmd_timings(args: argparse.Namespace) -> int:
     for d in report["decode"]:
         print(f"(d) decode batch {d['batch']:>3} ctx {d['context']:>5}: {d['step_ms']:7.2f} ms/step, "
               f"{d['tok_s']:9.0f} tok/s, outside forward {d['outside_share']:.1%}"
-              + (f", attention {d['attn_gb_s']:.0f} GB/s = {d['attn_hbm_share']:.0%} of HBM" if d.get("attn_gb_s") else ""))
+              + (f", attention {d['attn_gb_s']:.0f} GB/s = {d['attn_hbm_share']:.0%} of HBM"
+                 if d.get("attn_gb_s") else ""))
     p = report["prefill"]
     print(f"(d) prefill {p['tokens']} tokens: {p['ms']:.1f} ms, {p['tok_s']:.0f} tok/s; KV {report['kv_size']} tokens "
           f"({report['kv_gib']:.1f} GiB); graphs {report.get('graph_capture_s', 0):.1f} s, "
@@ -319,7 +321,6 @@ def cmd_timings(args: argparse.Namespace) -> int:
 
 
 def _time_decode(runner, batch: int, ctx: int, row_len: int, steps: int, attention) -> dict:
-    device = runner.device
     rows = list(range(batch))
     ids = np.random.default_rng(batch).integers(3, runner.model_config.vocab_size, batch)
     plan = _plan(rows, [ctx - 1] * batch, [[int(i)] for i in ids], row_len, sample=[True] * batch)

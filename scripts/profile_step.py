@@ -28,8 +28,8 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-
 from bench_cpu_kernels import cpu_caption, read_bandwidth  # scripts/, beside this file
+
 from lightserve import kernels
 from lightserve.config import AdmissionPolicy
 from lightserve.engine_procs import preload_tcmalloc
@@ -37,7 +37,7 @@ from lightserve.kernels.cpu import library
 from lightserve.messages import decode, encode
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
-from lightserve.model_infer.process import OutputWriter
+from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.model_prep import ensure_default_model
 from lightserve.router.admission import Admission
 from lightserve.router.kv_allocator import KVAllocator
@@ -48,7 +48,8 @@ from lightserve.shm.req_pool import ReqPool
 
 GROUPS = {  # aten op name fragment -> op group
     "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)", "mkldnn_linear": "linear (GEMM)",
-    "decode_attention_cpu": "attention", "prefill_attention_cpu": "attention", "linear_cpu": "linear (GEMM)", "rmsnorm_cpu": "norms",
+    "decode_attention_cpu": "attention", "prefill_attention_cpu": "attention", "linear_cpu": "linear (GEMM)",
+    "rmsnorm_cpu": "norms",
     "silu_and_mul_cpu": "activation", "rotary_cpu": "rotary", "argmax_logsumexp_cpu": "sampling",
     "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
     "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
@@ -198,6 +199,7 @@ def main() -> None:
         op_time = defaultdict(float)
         ungrouped = defaultdict(float)  # aten ops outside GROUPS, to spot what else costs
         from transformers import AutoTokenizer
+
         from lightserve.detokenizer.incremental import IncrementalDecoder
         tok = AutoTokenizer.from_pretrained(model_dir)
         decoders = [IncrementalDecoder(tok, [], True) for _ in range(b)]

@@ -196,7 +196,8 @@ class Soak:
     # ---- the end state --------------------------------------------------------------------------------
     async def metrics(self) -> dict[str, float]:
         timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(headers=self.headers, timeout=timeout) as s, s.get(self.url + "/metrics") as resp:
+        async with aiohttp.ClientSession(headers=self.headers,
+                                         timeout=timeout) as s, s.get(self.url + "/metrics") as resp:
             text = await resp.text()
         out = {}
         for line in text.splitlines():
@@ -320,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, count in sorted(soak.outcomes.items()):
         print(f"  {count:6d}  {key}")
     print(f"  total {sum(soak.outcomes.values())}, lost {lost}, wrong {wrong}")
-    print(f"  idle: KV free {m['kv_tokens_free']:g} + cached {m['kv_tokens_cached']:g} / total {m['kv_tokens_total']:g};"
+    print(f"  idle: KV free {m['kv_tokens_free']:g} + cached {m['kv_tokens_cached']:g} "
+          f"/ total {m['kv_tokens_total']:g};"
           f" slots free {m['req_slots_free']:g}/{m['req_slots_total']:g}; running {m['requests_running']:g};"
           f" in front {m['requests_in_front']:g}; pauses {m['pauses_total']:g}")
     print(f"  launcher {launcher}: children before {before}, after {after}" if launcher

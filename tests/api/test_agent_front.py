@@ -74,7 +74,8 @@ def test_round_trip_with_tool_result(client, engine, tokenizer):
     engine.script = ["It is ", "sunny."]
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
     done = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=[WEATHER])
     msg = done.choices[0].message

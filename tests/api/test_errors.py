@@ -128,7 +128,8 @@ CASES = [
     (CHAT, chat(tools=[FN], tool_choice="required", parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
     (CHAT, chat(tools=[FN], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice"),
     (CHAT, chat(response_format={"type": "xml"}), 400, "response_format"),
-    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 3}}}), 400, "response_format"),
+    (CHAT, chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 3}}}), 400,
+     "response_format"),
     (CHAT, chat(temperature=[1]), 400, "temperature"),
     # LightLLM routes
     (GEN, b"{", 400, "body"),

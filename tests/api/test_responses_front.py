@@ -58,7 +58,8 @@ def test_create_text_and_parameters(client, engine, tokenizer):
 def test_reasoning_and_function_call_streamed_equals_whole(client, engine):
     engine.script = THINK_AND_CALL
     whole = client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=[TOOL])
-    expected = [("reasoning", "Need weather."), ("message", "On it."), ("function_call", "get_weather", {"city": "Paris"})]
+    expected = [("reasoning", "Need weather."), ("message", "On it."), ("function_call", "get_weather",
+                                                                        {"city": "Paris"})]
     assert _summary(whole) == expected
     assert whole.output[2].call_id.startswith("call_") and whole.usage.output_tokens_details.reasoning_tokens > 0
 

@@ -55,7 +55,8 @@ async def test_lightllm_generate(engine, tokenizer):
         assert engine.calls[-1][1].temperature == 0.0  # do_sample defaults to false: greedy
         r = await client.post("/generate", json={"inputs": "hello", "parameters": {
             "max_new_tokens": 2, "do_sample": True, "return_details": True, "stop_sequences": "x"}})
-        assert r.json()["tokens"] == [{"id": 100, "text": " t0", "logprob": -0.5}, {"id": 101, "text": " t1", "logprob": -0.5}]
+        assert r.json()["tokens"] == [{"id": 100, "text": " t0", "logprob": -0.5},
+                                      {"id": 101, "text": " t1", "logprob": -0.5}]
         params = engine.calls[-1][1]
         assert params.temperature == 1.0 and params.stop == ["x"]
 
@@ -139,7 +140,8 @@ async def test_engine_errors_map_to_statuses(engine, tokenizer):
                             (RequestTimeout("too slow"), 408)):
             engine.fail = exc
             for path, body in (("/v1/completions", {"prompt": "x"}), ("/generate_stream", {"inputs": "x"}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})):
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                         "stream": True})):
                 r = await client.post(path, json=body)
                 assert r.status_code == status, (path, r.text)
                 assert ("error" in r.json())

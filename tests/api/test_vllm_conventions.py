@@ -37,7 +37,8 @@ async def test_vllm_metric_names(engine, tokenizer):
     assert value["vllm:num_requests_running"].value == 3
     assert value["vllm:num_requests_waiting"].value == 2 + 1 + 5
     assert value["vllm:kv_cache_usage_perc"].value == pytest.approx(0.25)
-    assert (families["vllm:prompt_tokens"].type, value["vllm:prompt_tokens"].name) == ("counter", "vllm:prompt_tokens_total")
+    assert (families["vllm:prompt_tokens"].type, value["vllm:prompt_tokens"].name) == ("counter",
+                                                                                       "vllm:prompt_tokens_total")
     assert value["vllm:prompt_tokens"].value == 500 and value["vllm:generation_tokens"].value == 77
     assert value["vllm:prefix_cache_queries"].value == 500 and value["vllm:prefix_cache_hits"].value == 120
     assert value["vllm:num_preemptions"].value == 4

@@ -168,5 +168,6 @@ def _exercise(engine: FakeEngine, tok, front, router, rank0) -> None:
     rank0.send(tokens_ready([plain, stopped], [101, 102]))  # stale: 101 left the slot, 102 ended
     rank0.send(tokens_ready([plain], [105]))
     (d,) = recv(front).deltas
-    assert (d.req_id, d.text, d.finish, d.num_output) == (105, "<|im_start|>ok<|im_end|>", FinishReason.STOP, len(reply))
+    assert (d.req_id, d.text, d.finish, d.num_output) == (105, "<|im_start|>ok<|im_end|>", FinishReason.STOP,
+                                                          len(reply))
     assert front.poll(300) == 0 and router.poll(0) == 0  # nothing else was sent

@@ -6,6 +6,7 @@ import random
 import re
 
 import pytest
+
 from lightserve.detokenizer.incremental import REPLACEMENT_CHAR, IncrementalDecoder
 
 ADVERSARIAL_TEXTS = [

@@ -6,7 +6,6 @@ import random
 
 from lightserve.detokenizer.req_stream import ReqStream
 from lightserve.detokenizer.stop_strings import StopChecker
-
 from lightserve.messages import FinishReason
 
 

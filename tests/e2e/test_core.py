@@ -12,8 +12,8 @@ import openai
 import pytest
 import torch
 
-from tests.greedy_check import greedy_mismatch
 from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
+from tests.greedy_check import greedy_mismatch
 
 PROMPTS = [
     "What is the capital of France?",

@@ -57,7 +57,7 @@ def test_degenerate_sampling_equals_greedy(server):
     prompts = ["The capital of France is", "def add(a, b):"]
     greedy = _many(lambda p: _ids(server, p, max_new_tokens=8), [(p,) for p in prompts])
     for variant in (dict(top_k=1), dict(temperature=1e-5), dict(min_p=1.0)):
-        got = _many(lambda p: _ids(server, p, max_new_tokens=8, do_sample=True, seed=3, **variant),
+        got = _many(lambda p, variant=variant: _ids(server, p, max_new_tokens=8, do_sample=True, seed=3, **variant),
                     [(p,) for p in prompts])
         assert got == greedy, variant
 
@@ -205,7 +205,8 @@ def test_echo_and_prompt_logprobs_match_transformers(server, tokenizer):
     lp = choice["logprobs"]
     assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(want, abs=2e-3)
-    assert "".join(lp["tokens"]) == choice["text"] and lp["text_offset"][-1] == len(choice["text"]) - len(lp["tokens"][-1])
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"][-1] == len(choice["text"]) - len(lp["tokens"][-1])
     for j in range(1, len(ids)):
         assert max(lp["top_logprobs"][j].values()) == pytest.approx(ref[j - 1].max().item(), abs=2e-3)
     # vLLM's prompt_logprobs: the prompt token itself plus the 2 best, keyed by token id
@@ -216,7 +217,8 @@ def test_echo_and_prompt_logprobs_match_transformers(server, tokenizer):
         ranked = sorted((v["rank"], int(t)) for t, v in plp[j].items() if "rank" in v)
         assert [t for _, t in ranked] == ref[j - 1].topk(2).indices.tolist()
     # echo while generating, streamed: the prompt comes first, then the same tokens as without echo
-    plain = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0}).json()["choices"][0]["text"]
+    plain = _post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5,
+                                              "temperature": 0}).json()["choices"][0]["text"]
     with httpx.stream("POST", server.url + "/v1/completions", timeout=TIMEOUT,
                       json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True, "stream": True}) as resp:
         texts = [json.loads(line[6:])["choices"][0]["text"] for line in resp.iter_lines()

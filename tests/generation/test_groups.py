@@ -1,4 +1,4 @@
-"""n samples of one prompt (router/scheduler.py Group): the leader prefills the prompt alone, the
+"""n samples of one prompt (router/groups.py): the leader prefills the prompt alone, the
 siblings wait, then match its KV in the radix cache and compute one token each; no KV row leaks.
 Pure logic: the Scheduler on a local pool with rank 0 simulated."""
 from __future__ import annotations

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lightserve.model_infer.logits_process import process_logits
+from lightserve.model_infer.sampler import SamplingTensors, sample
 from lightserve.model_infer.token_history import TokenHistory
-from lightserve.model_infer.sampler import sample
 from lightserve.sampling import PARAMS_DTYPE, ParamError, SamplingParams
 
 VOCAB = 50
@@ -78,10 +78,10 @@ def test_min_p_one_is_greedy_and_min_p_keeps_the_top_token():
     logits = torch.randn(32, VOCAB)
     n = logits.shape[0]
     args = (torch.full((n,), 1.5), torch.ones(n), torch.full((n,), -1), torch.arange(n), torch.zeros(n))
-    ids, _ = sample(logits, *args, min_ps=torch.ones(n))
+    ids, _ = sample(logits, SamplingTensors(*args, min_p=torch.ones(n)))
     assert torch.equal(ids, logits.argmax(-1))
     # min_p=0.5: every sample's probability is at least half the top token's
-    ids, _ = sample(logits, *args, min_ps=torch.full((n,), 0.5))
+    ids, _ = sample(logits, SamplingTensors(*args, min_p=torch.full((n,), 0.5)))
     probs = torch.softmax(logits / 1.5, -1)
     assert (probs.gather(1, ids[:, None]).squeeze(1) >= 0.5 * probs.max(-1).values - 1e-6).all()
 
@@ -91,8 +91,8 @@ def test_logprobs_come_from_raw_logits_when_given():
     processed = raw.clone()
     processed[:, 3] += 100
     n = 2
-    ids, lps = sample(processed, torch.zeros(n), torch.ones(n), torch.full((n,), -1), torch.zeros(n), torch.zeros(n),
-                      raw_logits=raw)
+    greedy = SamplingTensors(torch.zeros(n), torch.ones(n), torch.full((n,), -1), torch.zeros(n), torch.zeros(n))
+    ids, lps = sample(processed, greedy, raw_logits=raw)
     assert ids.tolist() == [3, 3]
     torch.testing.assert_close(lps, torch.log_softmax(raw, -1)[:, 3])
 

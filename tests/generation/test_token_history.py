@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from lightserve.model_infer.token_history import TokenHistory
 
 CPU = torch.device("cpu")

@@ -1,9 +1,9 @@
 """silu_and_mul: the Triton kernel against the reference, the reference against silu written out."""
 import pytest
 import torch
+
 from lightserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from lightserve.kernels.cpu import variant_library
-
 from tests.kernels.kernel_cases import DEVICE, TOL, c_library_variants
 
 

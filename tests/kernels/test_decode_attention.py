@@ -2,22 +2,22 @@
 over ragged sequence lengths, GQA and split counts that leave some splits empty."""
 import pytest
 import torch
+
 from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.decode_attention import (
-    decode_attention_cpu,
-    decode_attention_ref,
     SPLIT_BUCKETS,
     _default_num_splits,
+    decode_attention_cpu,
+    decode_attention_ref,
     decode_attention_triton,
 )
-
 from tests.kernels.kernel_cases import (
     DEVICE,
     HEAD_LAYOUTS,
     KERNEL_CASES,
     TOL,
-    make_kv_batch,
     c_library_variants,
+    make_kv_batch,
     naive_attention,
 )
 

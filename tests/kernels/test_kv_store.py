@@ -1,8 +1,8 @@
 """store_kv: the Triton kernel and the reference against a per-token copy, from strided views of a fused qkv."""
 import pytest
 import torch
-from lightserve.kernels.kv_store import store_kv_ref, store_kv_triton
 
+from lightserve.kernels.kv_store import store_kv_ref, store_kv_triton
 from tests.kernels.kernel_cases import DEVICE
 
 

@@ -6,7 +6,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 # Runs in a child: an int32 offset wraps to a negative address and crashes the process (SIGSEGV in the
 # interpreter), which must fail this test, not end the test session.

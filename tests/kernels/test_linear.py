@@ -4,9 +4,9 @@ panel partial, bias and strided input rows; what it declines falls back to F.lin
 import pytest
 import torch
 import torch.nn.functional as F
+
 from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.linear import linear, linear_cpu, linear_ref, pack_linear_weight, unpack_linear_weight
-
 from tests.kernels.kernel_cases import c_library_variants, portable_library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the CPU path is F.linear")

@@ -2,6 +2,7 @@
 Triton latent decode kernel against the reference, over ragged lengths, masked head blocks and empty splits."""
 import pytest
 import torch
+
 from lightserve.kernels.mla_attention import (
     mla_decode,
     mla_decode_attention_ref,
@@ -10,7 +11,6 @@ from lightserve.kernels.mla_attention import (
     store_latent,
     warm_up_mla_decode_attention,
 )
-
 from tests.kernels.kernel_cases import DEVICE, TOL, make_kv_batch
 
 SEQ_LENS = [1, 23, 70, 16]
@@ -63,7 +63,8 @@ def test_prefill_matches_naive_attention_with_cached_prefixes():
     starts = [sum(extend[:i]) for i in range(len(extend))]
     q_nope = torch.randn(sum(extend), num_heads, NOPE, generator=g).to(DEVICE)
     q_pe = torch.randn(sum(extend), num_heads, ROPE, generator=g).to(DEVICE)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)
+    def i32(xs):
+        return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
     out = mla_prefill_attention(q_nope, q_pe, batch.k_cache, kv_b, VDIM, batch.req_to_token, batch.req_rows,
                                 i32(starts), i32(prefix_lens), i32(extend), meta["sm_scale"])
     for req, (start, n, p) in enumerate(zip(starts, extend, prefix_lens)):

@@ -2,6 +2,7 @@
 per-expert reference, the block layout the Triton path uses, and TP shards summing to the whole."""
 import pytest
 import torch
+
 from lightserve.kernels.cpu import library
 from lightserve.kernels.linear import (
     onednn_available,
@@ -20,7 +21,6 @@ from lightserve.kernels.moe import (
     topk_softmax,
     warm_up_fused_experts,
 )
-
 from tests.kernels.kernel_cases import DEVICE, TOL
 
 

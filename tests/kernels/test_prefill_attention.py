@@ -2,6 +2,7 @@
 the reference, over ragged requests with cached prefixes and GQA."""
 import pytest
 import torch
+
 from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.prefill_attention import (
     prefill_attention,
@@ -9,7 +10,6 @@ from lightserve.kernels.prefill_attention import (
     prefill_attention_ref,
     prefill_attention_triton,
 )
-
 from tests.kernels.kernel_cases import (
     DEVICE,
     HEAD_LAYOUTS,

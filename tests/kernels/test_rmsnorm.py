@@ -1,6 +1,7 @@
 """rmsnorm / add_rmsnorm: the Triton kernel against the reference, the reference against HF's LlamaRMSNorm code."""
 import pytest
 import torch
+
 from lightserve.kernels.cpu import variant_library
 from lightserve.kernels.rmsnorm import (
     add_rmsnorm_ref,
@@ -8,7 +9,6 @@ from lightserve.kernels.rmsnorm import (
     rmsnorm_ref,
     rmsnorm_triton,
 )
-
 from tests.kernels.kernel_cases import DEVICE, TOL, c_library_variants
 
 EPS = 1e-6
@@ -70,7 +70,8 @@ def test_add_rmsnorm_triton_matches_reference(num_tokens, hidden, dtype):
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 100), (200, 576)])  # 100: a tail past 16 lanes; 200 x 576: parallel
+# 100: a tail past 16 lanes; 200 x 576: parallel
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 64), (7, 100), (200, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", c_library_variants())
 def test_rmsnorm_c_kernel_matches_reference(num_tokens, hidden, dtype, variant):

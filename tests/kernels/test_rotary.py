@@ -2,9 +2,9 @@
 reference, on strided q/k views of a fused qkv output."""
 import pytest
 import torch
+
 from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.rotary import rotary_emb, rotary_emb_cpu, rotary_emb_ref, rotary_emb_triton
-
 from tests.kernels.kernel_cases import DEVICE, TOL, c_library_variants
 
 BASE = 100000.0  # SmolLM2's rope_theta

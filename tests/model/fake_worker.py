@@ -3,6 +3,7 @@ in order, and turns (req_row, new token ids) lists into ForwardBatch objects."""
 from __future__ import annotations
 
 import torch
+
 from lightserve.model_infer.forward_batch import ForwardBatch
 from lightserve.model_infer.kv_cache import KVCache, fill_req_to_token
 from lightserve.model_infer.llama import LlamaForCausalLM
@@ -45,8 +46,12 @@ class FakeWorker:
             token_rows += [row] * len(new_ids)
             cached += new_locs
         assert all(n == 1 for n in extend_lens[:num_decode])
-        long = lambda xs: torch.tensor(xs, dtype=torch.int64)
-        i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+        def long(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64)
+
+        def i32(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int32)
+
         fill_req_to_token(self.kv_cache, long(token_rows), long(positions), long(kv_locs))
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         if all_logits:
@@ -64,7 +69,6 @@ class FakeWorker:
             q_start_locs=i32(q_start_locs),
             logits_indices=logits_indices,
             num_decode=num_decode,
-            num_decode_tokens=num_decode,
             max_seq_len=max(seq_lens),
             max_extend_len=max(extend_lens[num_decode:], default=0),
             req_to_token=self.kv_cache.req_to_token,

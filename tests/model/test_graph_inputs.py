@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from lightserve.messages import BatchPlan
 from lightserve.model_infer.cuda_graph import GraphInputs, capture_sizes
 from lightserve.model_infer.host_staging import HostStaging

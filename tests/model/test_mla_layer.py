@@ -3,6 +3,7 @@ decode, a chunk after a cached prefix and a fresh prompt, with and without q_lor
 default or yarn rope (mscale != mscale_all_dim, so both the cos/sin factor and the softmax scale matter)."""
 import pytest
 import torch
+
 from lightserve.model_infer.forward_batch import ForwardBatch
 from lightserve.model_infer.kv_cache import fill_req_to_token
 from lightserve.model_infer.latent_kv_cache import LatentKVCache
@@ -65,8 +66,10 @@ def _step(cache, cached, items, num_decode):
         cached[row] += range(next_loc, next_loc + end - start)
         rows += [row] * (end - start)
         next_loc += end - start
-    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)
+    def i64(xs):
+        return torch.tensor(xs, dtype=torch.int64)
+    def i32(xs):
+        return torch.tensor(xs, dtype=torch.int32)
     fill_req_to_token(cache, i64(rows), i64(positions), i64(kv_locs))
     seq_lens = [p + e for p, e in zip(prefix, extend)]
     return ForwardBatch(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightserve.model_infer.llama import LlamaForCausalLM
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.rope import build_cos_sin_cache

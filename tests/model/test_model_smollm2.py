@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.greedy_check import greedy_mismatch
 from lightserve.model_infer.llama import LlamaForCausalLM
-
 from lightserve.model_prep import ensure_default_model
+from tests.greedy_check import greedy_mismatch
 
 from .fake_worker import FakeWorker
 

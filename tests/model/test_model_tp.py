@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from lightserve.model_infer.llama import LlamaForCausalLM
 
 from .fake_worker import FakeWorker

@@ -2,6 +2,7 @@
 from transformers 5's fused names and from the per-expert checkpoint names, whole and as TP shards."""
 import pytest
 import torch
+
 from lightserve.model_infer.moe_layers import MoEBlock, MoEConfig, load_moe_weights
 
 PREFIX = "model.layers.0."

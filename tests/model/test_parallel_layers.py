@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from lightserve.kernels import linear  # plain or packed (CPU float32) weights
 from lightserve.model_infer.llama import LlamaForCausalLM
 

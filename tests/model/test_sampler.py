@@ -4,32 +4,33 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightserve.kernels.cpu import library
 from lightserve.model_infer.sampler import (
+    SamplingTensors,
     _filter_top_k_top_p,
     greedy_cpu,
     sample,
     uniform_from_seed,
 )
-
 from tests.kernels.kernel_cases import portable_library
 
 
 def _params(batch: int, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed0: int = 0):
     return {
-        "temperatures": torch.full((batch,), temperature),
-        "top_ps": torch.full((batch,), top_p),
-        "top_ks": torch.full((batch,), top_k, dtype=torch.int64),
-        "seeds": torch.arange(seed0, seed0 + batch, dtype=torch.int64),
-        "steps": torch.zeros(batch, dtype=torch.int64),
+        "temperature": torch.full((batch,), temperature),
+        "top_p": torch.full((batch,), top_p),
+        "top_k": torch.full((batch,), top_k, dtype=torch.int64),
+        "seed": torch.arange(seed0, seed0 + batch, dtype=torch.int64),
+        "step": torch.zeros(batch, dtype=torch.int64),
     }
 
 
 def test_greedy_is_argmax_and_top_k_1_is_greedy():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
-    ids, _ = sample(logits, **_params(6, temperature=0.0))
+    ids, _ = sample(logits, SamplingTensors(**_params(6, temperature=0.0)))
     assert torch.equal(ids, logits.argmax(-1))
-    ids, _ = sample(logits, **_params(6, temperature=0.7, top_k=1))
+    ids, _ = sample(logits, SamplingTensors(**_params(6, temperature=0.7, top_k=1)))
     assert torch.equal(ids, logits.argmax(-1))
 
 
@@ -37,7 +38,7 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(1)) * 3
     ref = torch.log_softmax(logits, -1)
     for params in (_params(5, temperature=0.0), _params(5, temperature=0.5, top_p=0.8, top_k=10)):
-        ids, logprobs = sample(logits, **params)
+        ids, logprobs = sample(logits, SamplingTensors(**params))
         torch.testing.assert_close(logprobs, ref.gather(1, ids[:, None]).squeeze(1))
 
 
@@ -45,29 +46,29 @@ def test_same_seed_same_tokens_whatever_the_batch():
     gen = torch.Generator().manual_seed(2)
     row = torch.randn(1, 100, generator=gen)
     others = torch.randn(7, 100, generator=gen)
-    mine = {"temperatures": torch.tensor([0.9]), "top_ps": torch.tensor([0.95]), "top_ks": torch.tensor([50]),
-                "seeds": torch.tensor([1234]), "steps": torch.tensor([3])}
-    alone, _ = sample(row, **mine)
+    mine = {"temperature": torch.tensor([0.9]), "top_p": torch.tensor([0.95]), "top_k": torch.tensor([50]),
+            "seed": torch.tensor([1234]), "step": torch.tensor([3])}
+    alone, _ = sample(row, SamplingTensors(**mine))
     # The same request at index 5 of a batch whose other rows are greedy, filtered or plain.
     p = _params(8, temperature=1.0, seed0=10)
-    p["temperatures"][0] = 0.0
-    p["top_ks"][1] = 5
-    p["top_ps"][2] = 0.5
+    p["temperature"][0] = 0.0
+    p["top_k"][1] = 5
+    p["top_p"][2] = 0.5
     logits = torch.cat([others[:5], row, others[5:]])
     for key in p:
         p[key][5] = mine[key][0]
-    batched, _ = sample(logits, **p)
+    batched, _ = sample(logits, SamplingTensors(**p))
     assert batched[5] == alone[0]
 
 
 def test_different_seeds_and_steps_give_different_draws():
     logits = torch.zeros(64, 1000)  # uniform: every draw is as random as it gets
-    a, _ = sample(logits, **_params(64, seed0=0))
-    b, _ = sample(logits, **_params(64, seed0=64))
+    a, _ = sample(logits, SamplingTensors(**_params(64, seed0=0)))
+    b, _ = sample(logits, SamplingTensors(**_params(64, seed0=64)))
     assert (a != b).sum() > 55
     p = _params(64, seed0=0)
-    p["steps"] += 1
-    c, _ = sample(logits, **p)
+    p["step"] += 1
+    c, _ = sample(logits, SamplingTensors(**p))
     assert (a != c).sum() > 55
     u = uniform_from_seed(torch.arange(100000), torch.zeros(100000, dtype=torch.int64))
     assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.005
@@ -77,13 +78,14 @@ def test_temperature_1_draws_follow_softmax():
     num_draws, vocab = 40000, 8
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5])
     # Many requests with distinct seeds, one row each: the draws of one step over many seeds.
-    ids, _ = sample(logits.expand(num_draws, vocab).contiguous(), **_params(num_draws))
+    ids, _ = sample(logits.expand(num_draws, vocab).contiguous(), SamplingTensors(**_params(num_draws)))
     counts = torch.bincount(ids, minlength=vocab).double()
     expected = torch.softmax(logits.double(), -1) * num_draws
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 30.0, (chi2, counts, expected)  # 7 degrees of freedom: p(chi2 > 30) < 1e-4
 
-    ids, _ = sample((logits * 2).expand(num_draws, vocab).contiguous(), **_params(num_draws, temperature=2.0))
+    ids, _ = sample((logits * 2).expand(num_draws, vocab).contiguous(),
+                    SamplingTensors(**_params(num_draws, temperature=2.0)))
     counts = torch.bincount(ids, minlength=vocab).double()
     assert float(((counts - expected) ** 2 / expected).sum()) < 30.0
 
@@ -91,18 +93,18 @@ def test_temperature_1_draws_follow_softmax():
 def test_top_p_and_top_k_exclude_the_tail():
     probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
     logits = probs.log().expand(4000, 5).contiguous()
-    ids, _ = sample(logits, **_params(4000, top_p=0.75))  # nucleus {0, 1}: 0.5 < 0.75 <= 0.8
+    ids, _ = sample(logits, SamplingTensors(**_params(4000, top_p=0.75)))  # nucleus {0, 1}: 0.5 < 0.75 <= 0.8
     assert set(ids.tolist()) == {0, 1}
-    ids, _ = sample(logits, **_params(4000, top_p=0.45))  # token 0 alone reaches 0.45
+    ids, _ = sample(logits, SamplingTensors(**_params(4000, top_p=0.45)))  # token 0 alone reaches 0.45
     assert set(ids.tolist()) == {0}
-    ids, _ = sample(logits, **_params(4000, top_k=3))
+    ids, _ = sample(logits, SamplingTensors(**_params(4000, top_k=3)))
     assert set(ids.tolist()) == {0, 1, 2}
     # Top-p over the renormalized top 3 (0.56, 0.33, 0.11): 0.85 drops token 2, which raw probs would keep.
-    ids, _ = sample(logits, **_params(4000, top_k=3, top_p=0.85))
+    ids, _ = sample(logits, SamplingTensors(**_params(4000, top_k=3, top_p=0.85)))
     assert set(ids.tolist()) == {0, 1}
     # Shuffled vocabulary order: filtering follows probability, not position.
     perm = torch.tensor([3, 0, 4, 2, 1])
-    ids, _ = sample(logits[:, perm], **_params(4000, top_p=0.75))
+    ids, _ = sample(logits[:, perm], SamplingTensors(**_params(4000, top_p=0.75)))
     assert set(perm[ids].tolist()) == {0, 1}
 
 
@@ -150,9 +152,9 @@ def test_fused_greedy_kernel_matches_torch(portable):
     ids, lse = greedy_cpu(logits, lib=lib)
     assert torch.equal(ids, logits.argmax(-1)) and int(ids[3]) == 10
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
-    ids, logprobs = sample(logits, **_params(70, temperature=0.0))
+    ids, logprobs = sample(logits, SamplingTensors(**_params(70, temperature=0.0)))
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1),
                                rtol=1e-5, atol=1e-5)
     logits[7, 5] = float("nan")
     assert greedy_cpu(logits, lib=lib) is None
-    assert torch.equal(sample(logits, **_params(70, temperature=0.0))[0], logits.argmax(-1))
+    assert torch.equal(sample(logits, SamplingTensors(**_params(70, temperature=0.0)))[0], logits.argmax(-1))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.weights import TPShards, load_weights
 
 from .tiny_models import make_tiny_model
 
 # SmolLM2's head counts (9 query heads, 3 kv heads), shrunk; vocab 100 is not a multiple of 3 or 9.
-SHAPE = {"hidden_size": 72, "intermediate_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 100}
+SHAPE = {"hidden_size": 72, "intermediate_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "vocab_size": 100}
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,12 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
                   "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
     if kind == "llama3":
         cfg = transformers.LlamaConfig(**{**common, **overrides}, tie_word_embeddings=True, rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
     elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**{**common, **overrides}, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        cfg = transformers.Qwen2Config(**{**common, **overrides}, rope_parameters={"rope_type": "default",
+                                                                                   "rope_theta": 1e6})
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(**{**common, **overrides}, head_dim=24, tie_word_embeddings=True)
     elif kind == "mistral":

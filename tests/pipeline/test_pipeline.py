@@ -191,7 +191,7 @@ def test_chat_prompts(pipe):
             continue
         with pytest.raises(TypeError, match="prompts must be"):
             pipe.infer(bad)
-    with pytest.raises(ValueError, match=r"prompt\[0\]\.content"):
+    with pytest.raises(ValueError, match=r"prompt\.0\.content"):
         pipe.infer([{"role": "user"}])
 
 

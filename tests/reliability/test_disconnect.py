@@ -76,7 +76,8 @@ def test_disconnect_while_queued_for_a_slot(server):
             body = _body(6, 6) | {"stream_options": {"include_usage": True}}
             holders.append(await RawRequest.post(server.url, C, body))
         await _in_thread(wait_metric, server.url, lambda m: m["req_slots_free"] == 0, WAIT_S)
-        queued = await RawRequest.post(server.url, "/generate", {"inputs": "hello", "parameters": {"max_new_tokens": 4}})
+        queued = await RawRequest.post(server.url, "/generate", {"inputs": "hello",
+                                                                 "parameters": {"max_new_tokens": 4}})
         await _in_thread(wait_metric, server.url, lambda m: m["requests_queued"] == 1, WAIT_S)
         queued.abort()
         await _in_thread(wait_metric, server.url, lambda m: m["requests_queued"] == 0, WAIT_S)

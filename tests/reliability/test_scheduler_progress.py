@@ -7,15 +7,15 @@ import secrets
 
 import numpy as np
 import pytest
+
+from lightserve.config import AdmissionPolicy
+from lightserve.messages import FinishReason
 from lightserve.router.admission import Admission
 from lightserve.router.kv_allocator import KVAllocator
 from lightserve.router.radix_cache import RadixCache
 from lightserve.router.scheduler import Limits, Scheduler
-from lightserve.shm.req_pool import Owner, ReqPool
-
-from lightserve.config import AdmissionPolicy
-from lightserve.messages import FinishReason
 from lightserve.sampling import SamplingParams
+from lightserve.shm.req_pool import Owner, ReqPool
 
 MAX_STEPS = 5000
 
@@ -51,7 +51,8 @@ def _run_rank0(pool: ReqPool, plan) -> None:
 
 def _step(sched: Scheduler, pool: ReqPool, steps: int) -> None:
     record = sched.plan_step()
-    assert record is not None, (f"stuck at step {steps}: running {[(r.shm_index, r.computed_len) for r in sched.running]}, "
+    assert record is not None, (f"stuck at step {steps}: running "
+                                f"{[(r.shm_index, r.computed_len) for r in sched.running]}, "
                                 f"waiting {len(sched.waiting)}, KV free {sched.allocator.num_free}")
     _run_rank0(pool, record.plan)
     sched.finish_step(record)
@@ -73,7 +74,8 @@ def _drive(sched: Scheduler, pool: ReqPool) -> int:
     steps = 0
     while sched.has_work():
         record = sched.plan_step()
-        assert record is not None, (f"stuck at step {steps}: running {[(r.shm_index, r.computed_len) for r in sched.running]}, "
+        assert record is not None, (f"stuck at step {steps}: running "
+                                f"{[(r.shm_index, r.computed_len) for r in sched.running]}, "
                                     f"waiting {len(sched.waiting)}, KV free {sched.allocator.num_free}")
         _run_rank0(pool, record.plan)
         sched.finish_step(record)

@@ -10,7 +10,6 @@ import secrets
 
 import zmq
 import zmq.asyncio
-from lightserve.shm.req_pool import ReqPool
 
 from lightserve.config import ServerConfig
 from lightserve.engine_client import EngineClient
@@ -24,6 +23,7 @@ from lightserve.messages import (
 )
 from lightserve.procutil import remove_instance_files
 from lightserve.sampling import SamplingParams
+from lightserve.shm.req_pool import ReqPool
 
 RECV_TIMEOUT_S = 30
 

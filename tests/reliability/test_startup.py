@@ -31,7 +31,8 @@ def leftovers():
     """Files named like a crashed launcher's (dead pid) and like a live one's (this test's pid)."""
     dead = _dead_pid()
     stale = [Path(f"/dev/shm/lightserve-{dead}-abcdef-reqs"), Path(f"/tmp/lightserve-{dead}-abcdef-router")]
-    live = [Path(f"/dev/shm/lightserve-{os.getpid()}-abcdef-reqs"), Path(f"/tmp/lightserve-{os.getpid()}-abcdef-router")]
+    live = [Path(f"/dev/shm/lightserve-{os.getpid()}-abcdef-reqs"),
+            Path(f"/tmp/lightserve-{os.getpid()}-abcdef-router")]
     for path in stale + live:
         path.write_bytes(b"\0" * 4096)
     yield stale, live

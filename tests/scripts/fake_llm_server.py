@@ -81,11 +81,13 @@ class FakeServer:
         prompt = body["prompt"]
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         for i in range(n):
-            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}], "usage": None}
+            chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}],
+                     "usage": None}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await asyncio.sleep(self.delay_s)
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}}
+            usage = {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": n,
+                                              "total_tokens": prompt_tokens + n}}
             await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -100,7 +102,8 @@ class FakeServer:
         first = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
         await resp.write(b"data: " + json.dumps(first).encode() + b"\n\n")
         for i in range(n):  # no usage chunk: the client must count chunks
-            chunk = {"choices": [{"index": 0, "delta": {"content": f" c{i}"}, "finish_reason": "length" if i == n - 1 else None}]}
+            chunk = {"choices": [{"index": 0, "delta": {"content": f" c{i}"},
+                                  "finish_reason": "length" if i == n - 1 else None}]}
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await asyncio.sleep(self.delay_s)
         await resp.write(b"data: [DONE]\n\n")
@@ -141,7 +144,8 @@ def make_tiny_tokenizer(path: Path) -> str:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=800, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False
     )
     tk.train_from_iterator(corpus, trainer)
     tk.save(str(path))

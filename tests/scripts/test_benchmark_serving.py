@@ -139,11 +139,13 @@ def test_shared_prefix_and_multi_turn(tiny_tokenizer: str, tmp_path: Path) -> No
         ])
         # Each turn carries every earlier user message and answer: 1, 3, 5 messages.
         assert sorted(srv.chat_message_counts) == [1, 1, 1, 3, 3, 3, 5, 5, 5]
-        assert any(m["role"] == "assistant" and m["content"] == " c0 c1 c2 c3 c4" for b in srv.bodies for m in b["messages"])
+        assert any(m["role"] == "assistant" and m["content"] == " c0 c1 c2 c3 c4"
+                   for b in srv.bodies for m in b["messages"])
     agg = res["aggregates"]
     assert agg["completed"] == 9 and agg["total_output_tokens"] == 45
     assert set(agg["ttft_ms_by_turn"]) == {"0", "1", "2"}
-    assert sorted((r["conversation"], r["turn"]) for r in res["requests"]) == [(c, t) for c in range(3) for t in range(3)]
+    assert sorted((r["conversation"], r["turn"]) for r in res["requests"]) == [(c,
+                                                                                t) for c in range(3) for t in range(3)]
 
 
 def test_prompts_retokenize_exactly_with_real_tokenizer() -> None:
@@ -170,7 +172,8 @@ def test_prompts_retokenize_exactly_with_real_tokenizer() -> None:
 def test_shared_prefix_groups(tiny_tokenizer: str) -> None:
     """--num-prefixes k: request i uses prefix i mod k (the router benchmark's multi-tenant load)."""
     args = bs.parse_args(["--tokenizer", tiny_tokenizer, "--dataset", "shared-prefix", "--num-prompts", "6",
-                          "--prefix-len", "20", "--num-prefixes", "3", "--suffix-len-min", "2", "--suffix-len-max", "4"])
+                          "--prefix-len", "20", "--num-prefixes", "3", "--suffix-len-min", "2",
+                          "--suffix-len-max", "4"])
     convs, _ = bs.build_workload(args, bs.PromptMaker(tiny_tokenizer, np.random.default_rng(5)))
     heads = [c.turns[0].token_ids[:20] for c in convs]
     assert [heads.index(h) for h in heads] == [0, 1, 2, 0, 1, 2]

@@ -57,7 +57,8 @@ def setup(tmp_path: Path) -> dict:
 
 
 def _run(setup: dict, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = ["bash", str(SCRIPT), "--only", "lightserve", "--port", str(setup["port"]), "--model-dir", str(setup["model"]),
+    cmd = ["bash", str(SCRIPT), "--only", "lightserve", "--port", str(setup["port"]), "--model-dir",
+           str(setup["model"]),
            "--python", str(setup["python"]), "--out", str(setup["out"]), *extra]
     env = {**os.environ, "START_TIMEOUT": "60"}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

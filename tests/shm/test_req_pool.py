@@ -83,7 +83,7 @@ def _writer(name: str, slot: int, req_id: int, ready) -> None:
     import torch
 
     from lightserve.messages import BatchPlan
-    from lightserve.model_infer.process import OutputWriter
+    from lightserve.model_infer.output_writer import OutputWriter
 
     pool = ReqPool.attach(name)
     writer = OutputWriter(pool, SimpleNamespace(eos_token_ids=(), vocab_size=VOCAB), "", _NoSocket(), _NoSocket())

@@ -1,0 +1,263 @@
+"""What every HTTP route shares: `Front` (the app's state), the route modules' `ApiRouter` (which
+declares their error shape and whether they count as generation routes), and the request helpers
+below both the app module and the route modules: body reading, model and prompt checks, and the
+mapping of a request onto SamplingParams. Streams and generation live in front_streams.py.
+
+Error convention: every bad input is 400 (schema and type errors too, never 422), with the field
+named in `param`; 401 auth, 404 unknown model or route, 408 timeout, 413 body too large, 503 engine
+overloaded (Retry-After: 1) or dead; in an SSE stream that already started, an error event ends it.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ValidationError
+from starlette.responses import Response
+
+from lightserve.chat_messages import render_chat
+from lightserve.generation import Generation
+from lightserve.sampling import GrammarKind, ParamError, SamplingParams
+
+if TYPE_CHECKING:
+    from lightserve.config import ServerConfig
+    from lightserve.drain import Drain
+    from lightserve.engine_client import EngineClient
+    from lightserve.metrics import FrontMetrics
+
+try:
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    loads = orjson.loads
+except ImportError:  # pragma: no cover - orjson is optional
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def loads(data: bytes) -> Any:
+        return json.loads(data.decode("utf-8"))
+
+INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
+_INT32 = (-(2**31), 2**31 - 1)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ErrorStyle(Enum):
+    OPENAI = "openai"      # {"error": {"message", "type", "param", "code"}}
+    LIGHTLLM = "lightllm"  # {"error": message, "param": field}
+
+
+class ApiRouter(APIRouter):
+    """A route module's router. `error_style`: the shape of its routes' error bodies; `generation`:
+    its routes are generation requests (counted in requests_total, drained on shutdown)."""
+
+    def __init__(self, error_style: ErrorStyle = ErrorStyle.OPENAI, generation: bool = False):
+        super().__init__()
+        self.error_style = error_style
+        self.generation = generation
+
+
+class ApiError(Exception):
+    """A request the front refuses; rendered in the route's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+@dataclass
+class Front:
+    """Everything a route needs, held on app.state.front (no module globals)."""
+    config: ServerConfig
+    engine: EngineClient
+    tokenizer: Any
+    model_name: str
+    health: Callable[[], str | None]
+    metrics: FrontMetrics
+    drain: Drain
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+    max_prompt_chars: int = 0  # a longer text surely exceeds the context; refused before tokenizing
+    model_dir: str = ""
+    probe: asyncio.Future | None = None  # the /health_generate probe in progress, shared by concurrent calls
+    model_names: tuple[str, ...] = ()  # every name a request may give (--served_model_name aliases)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_req_total_len
+
+    def render_chat(self, messages: Any, param: str = "messages", tools: list[dict] | None = None) -> str:
+        return render_chat(self.tokenizer, messages, param, tools, self.config.tool_call_parser)
+
+
+def get_front(request: Request) -> Front:
+    return request.app.state.front
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+async def read_json(request: Request) -> dict:
+    """The body as a JSON object, refusing bodies over --max_body_bytes (declared or streamed)."""
+    limit = get_front(request).config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise _too_large(limit) if declared.isdigit() else ApiError(400, "bad Content-Length header", "body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    if size == 0:
+        raise ApiError(400, "the request body is empty; expected a JSON object", "body", "invalid_json")
+    try:
+        data = loads(b"".join(chunks))
+    except ValueError as exc:  # includes invalid UTF-8
+        raise ApiError(400, f"the body is not valid JSON: {exc}", "body", "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object", "body", "invalid_json")
+    return data
+
+
+def parse_model(cls: type[M], data: dict) -> M:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in err["loc"]) or "body"
+        raise ApiError(400, err["msg"], param) from None
+
+
+def check_model(front: Front, model: str | None) -> None:
+    if model is not None and model not in front.model_names:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{front.model_name}`.",
+                       "model", "model_not_found")
+
+
+async def encode_text(front: Front, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    if len(text) > front.max_prompt_chars:
+        raise ApiError(400, f"the prompt is longer than this server's context ({front.max_model_len} tokens)", param)
+    encode = front.tokenizer.encode
+    if len(text) < INLINE_ENCODE_CHARS:
+        return encode(text, add_special_tokens=add_special_tokens)
+    # Safe off-loop: encoding without truncation/padding never mutates the Rust tokenizer.
+    return await asyncio.to_thread(encode, text, add_special_tokens=add_special_tokens)
+
+
+def request_params(src: Any, defaults: dict[str, Any] | None = None, **given: Any) -> SamplingParams:
+    """SamplingParams from an HTTP request model: each field named like a SamplingParams field that
+    the client set (not None), then `given`, the fields this API names or converts its own way.
+    Unset, a field takes `defaults` (the model's generation_config.json), else temperature is 1
+    (both APIs sample unless told otherwise), the rest SamplingParams' defaults."""
+    values: dict[str, Any] = {"temperature": 1.0, **(defaults or {})}
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(src, f.name, None)
+        if value is not None:
+            values[f.name] = list(value) if isinstance(value, tuple) else value
+    values.update(given)
+    return SamplingParams(**values)
+
+
+def make_checked(front: Front, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
+                 names: dict[str, str]) -> SamplingParams:
+    """engine.check_prompt plus the edge's own bounds; ParamError fields renamed to the API's names."""
+    try:
+        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"):
+            value = getattr(params, name)
+            if isinstance(value, int) and not _INT32[0] <= value <= _INT32[1]:
+                raise ParamError(name, "is out of range")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if isinstance(value, int) and value > front.config.max_top_logprobs:
+                raise ParamError(name, f"must be <= {front.config.max_top_logprobs} (--max_top_logprobs)")
+        if isinstance(params.max_new_tokens, int) and params.max_new_tokens > front.max_model_len:
+            raise ParamError("max_new_tokens", f"must be <= {front.max_model_len}, this server's context length")
+        return front.engine.check_prompt(prompt_ids, params, prompt_param)
+    except ParamError as exc:
+        raise ApiError(400, exc.message, names.get(exc.param, exc.param)) from None
+
+
+def grammar_of(param: str, json_schema: Any = None, regex: Any = None, ebnf: Any = None,
+               json_object: bool = False) -> tuple[GrammarKind, str]:
+    """The one structured-output constraint of a request, from whichever API field named it."""
+    given = [(k, v) for k, v in ((GrammarKind.JSON_SCHEMA, json_schema), (GrammarKind.REGEX, regex),
+                                 (GrammarKind.EBNF, ebnf)) if v is not None]
+    if json_object:
+        given.append((GrammarKind.JSON_OBJECT, ""))
+    if len(given) > 1:
+        raise ApiError(400, "give at most one of response_format, guided_json, regular_constraint/guided_regex "
+                            "and guided_grammar", param)
+    if not given:
+        return GrammarKind.NONE, ""
+    kind, value = given[0]
+    if kind is GrammarKind.JSON_SCHEMA and not isinstance(value, str):
+        if not isinstance(value, dict):
+            raise ApiError(400, "the JSON schema must be an object or a string", param)
+        value = json.dumps(value)
+    if not isinstance(value, str):
+        raise ApiError(400, "must be a string", param)
+    return kind, value
+
+
+def stop_list(stop: Any, param: str) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise ApiError(400, "must be a string or a list of strings", param)
+
+
+def token_text(front: Front, token_id: int) -> str:
+    return front.tokenizer.decode([token_id])
+
+
+def check_n(front: Front, value: int | None, param: str) -> int:
+    """The validated n (or best_of); 1 when not given."""
+    if value is None:
+        return 1
+    if value < 1:
+        raise ApiError(400, "must be >= 1", param)
+    if value > front.config.max_n:
+        raise ApiError(400, f"must be <= {front.config.max_n} (--max_n)", param)
+    return value
+
+
+def samples_of(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies of one prompt's params sharing a group id, so the router prefills the prompt once and
+    the samples diverge after it. A given seed becomes seed + i: the samples must differ."""
+    if n == 1:
+        return [params]
+    group_id = secrets.randbits(62) + 1
+    return [dataclasses.replace(params, group_id=group_id, seed=None if params.seed is None else params.seed + i)
+            for i in range(n)]
+
+
+def best_of(outs: list[Generation], n: int) -> list[Generation]:
+    """The n generations with the highest cumulative logprob (OpenAI's best_of), in their order."""
+    if len(outs) == n:
+        return outs
+    keep = sorted(range(len(outs)), key=lambda i: -sum(outs[i].logprobs))[:n]
+    return [outs[i] for i in sorted(keep)]
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", "body", "request_too_large")

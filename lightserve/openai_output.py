@@ -1,0 +1,74 @@
+"""The pieces of OpenAI's response bodies that need more than a field: logprobs in the completions
+and chat shapes, the echoed prompt, vLLM's prompt_logprobs, and usage. Called by openai_api.py.
+"""
+from __future__ import annotations
+
+from lightserve.front import Front, token_text
+from lightserve.generation import Generation
+
+
+def completion_logprobs(front: Front, texts: list[str], logprobs: list[float],
+                         top: list[list[tuple[int, float]]], offset: int) -> tuple[dict, int]:
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    top_dicts = [{token_text(front, i): lp for i, lp in alts} for alts in top] if top else None
+    return {"tokens": texts, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": top_dicts}, offset
+
+
+def with_echo(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
+               prompt_top: list[list[tuple[int, float]]] | None, text: str, logprobs: dict | None,
+               want_logprobs: bool) -> tuple[str, dict | None, int]:
+    """The prompt prepended to a choice's text and, with logprobs, to its token lists (the first
+    prompt token has no logprob: None, as OpenAI gives it). Returns (text, logprobs, next offset)."""
+    prompt_text = front.tokenizer.decode(prompt_ids)
+    if not want_logprobs:
+        return prompt_text + text, logprobs, 0
+    texts = [token_text(front, t) for t in prompt_ids]
+    lps: list[float | None] = [None] + (prompt_lps if prompt_lps is not None else [None] * (len(prompt_ids) - 1))
+    tops = [None] + [{token_text(front, t): lp for t, lp in alts} for alts in (prompt_top or [[]] * (len(lps) - 1))]
+    head, offset = completion_logprobs(front, texts, lps, [], 0)
+    head["top_logprobs"] = tops
+    tail = logprobs or {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": None}
+    merged = {"tokens": head["tokens"] + tail["tokens"],
+              "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+              "text_offset": head["text_offset"] + [o + offset for o in tail["text_offset"]],
+              "top_logprobs": tops + (tail["top_logprobs"] or [{} for _ in tail["tokens"]])}
+    return prompt_text + text, merged, offset + sum(len(t) for t in tail["tokens"])
+
+
+def vllm_prompt_logprobs(front: Front, prompt_ids: list[int], prompt_lps: list[float] | None,
+                          prompt_top: list[list[tuple[int, float]]] | None) -> list[dict | None] | None:
+    """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank?, decoded_token}}
+    holding the prompt token itself and its alternatives (rank given for the alternatives)."""
+    if prompt_lps is None:
+        return None
+    out: list[dict | None] = [None]
+    for tok, lp, alts in zip(prompt_ids[1:], prompt_lps, prompt_top or [[]] * len(prompt_lps)):
+        entry = {str(t): {"logprob": a, "rank": r, "decoded_token": token_text(front, t)}
+                 for r, (t, a) in enumerate(alts, start=1)}
+        entry.setdefault(str(tok), {"logprob": lp, "decoded_token": token_text(front, tok)})
+        out.append(entry)
+    return out
+
+
+def chat_logprobs(front: Front, texts: list[str], logprobs: list[float], top: list[list[tuple[int, float]]]) -> dict:
+    def alt(i: int, lp: float) -> dict:
+        text = token_text(front, i)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                "top_logprobs": [alt(i, a) for i, a in top[j]] if j < len(top) else []}
+               for j, (t, lp) in enumerate(zip(texts, logprobs))]
+    return {"content": content, "refusal": None}
+
+
+def usage(outs: list[Generation]) -> dict:
+    return usage_dict(sum(g.prompt_len for g in outs), sum(g.num_output for g in outs),
+                       sum(g.cached_len for g in outs))
+
+
+def usage_dict(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,130 @@
+"""OutputWriter: rank 0's output side of a step. It samples the step's logits, writes each new token,
+its logprob and the finish status into the request's shm slot (in the pool's documented write
+order), and tells the router (StepDone) and the detokenizer (TokensReady). Called by the worker loop
+(process.py) after every forward.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from lightserve.messages import BatchPlan, FinishReason, StepDone, TokensReady, encode
+from lightserve.model_infer.grammar import GrammarSet
+from lightserve.model_infer.logits_process import needs_processing, process_logits
+from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_infer.sampler import SamplingTensors, sample
+from lightserve.model_infer.token_history import TokenHistory
+from lightserve.shm.req_pool import ReqPool
+
+
+class OutputWriter:
+    """Rank 0: sample, publish tokens in shm, notify the router and the detokenizer."""
+
+    def __init__(self, pool: ReqPool, model_config: ModelConfig, model_dir: str, to_router, to_detok,
+                 device: torch.device | None = None, reasoning_parser: str | None = None):
+        """`to_router`/`to_detok`: connected zmq PUSH sockets (anything with send/close in tests);
+        `device`: where the logits live (the penalties' token history is kept there); `reasoning_parser`:
+        --reasoning_parser, whose reasoning a request's grammar waits out (model_infer/grammar.py)."""
+        self.pool = pool
+        self.history = TokenHistory(pool.token_ids, device or torch.device("cpu"))
+        self.eos_ids = np.array(model_config.eos_token_ids or [-1], np.int32)
+        # req_id each slot was last seen with: a new id means a new occupant, whose counters reset.
+        self.slot_req = np.full(pool.num_slots, -1, np.int64)
+        self.to_router = to_router
+        self.to_detok = to_detok
+        self.grammars = GrammarSet(model_dir, model_config.vocab_size, reasoning_parser)
+
+    def close(self) -> None:
+        self.to_router.close(linger=0)
+        self.to_detok.close(linger=0)
+
+    def write(self, plan: BatchPlan, logits: torch.Tensor, forward_s: float) -> None:
+        pool = self.pool
+        fresh = self.slot_req[plan.shm_indices] != plan.req_ids
+        if fresh.any():
+            slots = plan.shm_indices[fresh]
+            pool.num_output[slots] = 0
+            pool.finish[slots] = FinishReason.NONE
+            self.slot_req[slots] = plan.req_ids[fresh]
+            self.grammars.drop(slots)
+            self.history.reset(slots)
+        idx = plan.shm_indices[plan.sample]                      # [S] slots that sample this step
+        if plan.prompt_logit_idx.size:
+            # Before any new token's count is published: a reader that sees the first output token
+            # then sees every prompt logprob too.
+            self._publish_prompt_logprobs(plan, logits[idx.size:])
+        if idx.size:
+            self._sample_and_publish(idx, logits[: idx.size])
+        self.to_router.send(encode(StepDone(plan.step, forward_s)), copy=False)
+        if idx.size:
+            self.to_detok.send(encode(TokensReady(idx, plan.req_ids[plan.sample])), copy=False)
+
+    def _publish_prompt_logprobs(self, plan: BatchPlan, logits: torch.Tensor) -> None:
+        """logits [E, vocab]: the distribution after each token of plan.prompt_logit_idx. Token t at
+        sequence position p scores prompt token p + 1: its logprob goes to logprobs[slot, p + 1] and
+        the slot's prompt_logprobs alternatives to top_ids/top_logprobs[slot, p + 1] (positions below
+        prompt_len, so they never meet the output tokens' entries)."""
+        pool = self.pool
+        tok = plan.prompt_logit_idx.astype(np.int64)                              # [E] index in [T]
+        q_start = np.cumsum(plan.extend_lens, dtype=np.int64) - plan.extend_lens  # [B]
+        b = np.searchsorted(q_start, tok, side="right") - 1                       # [E] request of each
+        slots = plan.shm_indices[b]
+        target_pos = plan.prefix_lens[b] + (tok - q_start[b]) + 1                # [E]
+        targets = torch.from_numpy(pool.token_ids[slots, target_pos].astype(np.int64)).to(logits.device)
+        logp = torch.log_softmax(logits, dim=-1)                                  # [E, vocab]
+        pool.logprobs[slots, target_pos] = logp.gather(1, targets[:, None])[:, 0].cpu().numpy()
+        k_each = np.minimum(pool.params["prompt_logprobs"][slots], pool.max_top_logprobs)
+        k = int(k_each.max())
+        if k > 0:
+            vals, ids = logp.topk(k, dim=-1)                                      # [E, k]
+            pool.top_ids[slots, target_pos, :k] = ids.cpu().numpy().astype(np.int32)
+            pool.top_logprobs[slots, target_pos, :k] = vals.cpu().numpy()
+
+    def _sample_and_publish(self, idx: np.ndarray, logits: torch.Tensor) -> None:
+        pool = self.pool
+        params = pool.params[idx]                                # [S] structured copy
+        num_out = pool.num_output[idx].astype(np.int64)          # [S]
+        prompt_lens = pool.prompt_len[idx].astype(np.int64)      # [S]
+        # Logprobs (chosen and top-N) are of the model's own distribution, before any processing:
+        # processing works on a copy (and most steps, with no row to process, need none).
+        raw = logits
+        grammar_rows = np.flatnonzero(params["grammar_kind"] != 0)
+        if grammar_rows.size or needs_processing(params, num_out):
+            logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, self.history, self.eos_ids)
+            if grammar_rows.size:
+                self.grammars.mask(logits, idx, grammar_rows, params["grammar_kind"], pool)
+        next_ids, logprobs = sample(logits, SamplingTensors.from_params(params, num_out),
+                                    raw_logits=None if logits is raw else raw)
+        pos = prompt_lens + num_out                              # where each new token goes
+        self.history.append(idx, pos, next_ids)
+        # One read-back for both (the step's one wait for the GPU): ids < 2**53 are exact in float64.
+        both = torch.stack([next_ids.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()   # [2, S]
+        ids = both[0].astype(np.int32)
+        lps = both[1].astype(np.float32)
+        top_k = np.minimum(params["top_logprobs"], pool.max_top_logprobs)
+        top_rows = np.flatnonzero(top_k > 0)
+        if top_rows.size:
+            k = int(top_k.max())
+            rows_t = torch.from_numpy(top_rows).to(raw.device)
+            top_vals, top_ids = torch.log_softmax(raw[rows_t], dim=-1).topk(k, dim=-1)   # [R, k]
+            pool.top_ids[idx[top_rows], pos[top_rows], :k] = top_ids.cpu().numpy().astype(np.int32)
+            pool.top_logprobs[idx[top_rows], pos[top_rows], :k] = top_vals.cpu().numpy()
+        if grammar_rows.size:
+            self.grammars.accept(idx[grammar_rows], ids[grammar_rows])
+        new_count = (num_out + 1).astype(np.int32)
+        # Finish status, vectorized over the batch.
+        allow_stop = new_count >= params["min_new_tokens"]
+        # A finished grammar (its matcher accepted eos) ends the request like eos does.
+        is_eos = np.isin(ids, self.eos_ids) & ((params["ignore_eos"] == 0) | (params["grammar_kind"] != 0))
+        stop_slots = np.arange(params["stop_token_ids"].shape[1]) < params["num_stop_token_ids"][:, None]
+        is_stop_id = ((params["stop_token_ids"] == ids[:, None]) & stop_slots).any(axis=1)
+        at_length = (new_count >= params["max_new_tokens"]) | (pos + 1 >= pool.max_len)
+        finish = np.where(allow_stop & (is_eos | is_stop_id), FinishReason.STOP,
+                          np.where(at_length, FinishReason.LENGTH, FinishReason.NONE)).astype(np.uint8)
+        # Write order (shm/req_pool.py): token and logprob, then the count, then the finish status.
+        pool.token_ids[idx, pos] = ids
+        pool.logprobs[idx, pos] = lps
+        pool.num_output[idx] = new_count
+        pool.finish[idx] = finish
+        if grammar_rows.size:
+            self.grammars.drop(idx[finish != FinishReason.NONE])

@@ -35,7 +35,8 @@ from lightserve.config import AdmissionPolicy
 from lightserve.engine_procs import preload_tcmalloc
 from lightserve.kernels.cpu import library
 from lightserve.messages import decode, encode
-from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_config import ModelConfig
+from lightserve.model_infer.models import read_model_config
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.process import OutputWriter
 from lightserve.model_prep import ensure_default_model
@@ -146,7 +147,7 @@ def main() -> None:
     _rerun_under_tcmalloc()
     torch.set_num_threads(args.threads)
     model_dir = str(ensure_default_model())
-    mc = ModelConfig.from_dir(model_dir)
+    mc = read_model_config(model_dir)
     b, ctx = args.batch, args.context
     if args.prefix and not args.prefill:
         ap.error("--prefix needs --prefill")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.greedy_check import greedy_mismatch
-from lightserve.model_infer.llama import LlamaForCausalLM
+from lightserve.model_infer.models.llama import LlamaForCausalLM
 
 from lightserve.model_prep import ensure_default_model
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightserve.model_infer.llama import LlamaForCausalLM
+from lightserve.model_infer.models.llama import LlamaForCausalLM
 
 from .fake_worker import FakeWorker
 from .tiny_models import make_tiny_model

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightserve.kernels import linear  # plain or packed (CPU float32) weights
-from lightserve.model_infer.llama import LlamaForCausalLM
+from lightserve.model_infer.models.llama import LlamaForCausalLM
 
 from .tiny_models import make_tiny_model
 

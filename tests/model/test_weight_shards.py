@@ -80,3 +80,22 @@ def test_refuses_tp_that_splits_a_kv_group():
     base.update(num_attention_heads=12, num_key_value_heads=4)
     with pytest.raises(ValueError, match="multiple"):
         TPShards.for_rank(config_from_dict(base), 0, 6)
+
+
+def test_phi3_fused_projections_are_cut_per_rank(tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj are one matrix each: a rank's q, k, v (and gate, up) rows are cut
+    from inside it, and they equal the same rows of the unsharded load."""
+    model_dir = make_tiny_model("phi3", tmp_path, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    config = read_model_config(model_dir)
+    d = config.head_dim
+    full = load_weights(model_dir, config, torch.float32)
+    shards = [load_weights(model_dir, config, torch.float32, tp_rank=r, tp_size=2) for r in range(2)]
+    for i, layer in enumerate(full.layers):
+        want = _split_qkv(layer.qkv_proj, 4, 2, d)
+        got = [_split_qkv(s.layers[i].qkv_proj, 2, 1, d) for s in shards]
+        for j in range(3):  # q, k, v
+            assert torch.equal(torch.cat([g[j] for g in got]), want[j])
+        gate, up = layer.gate_up_proj.chunk(2)
+        assert torch.equal(torch.cat([s.layers[i].gate_up_proj.chunk(2)[0] for s in shards]), gate)
+        assert torch.equal(torch.cat([s.layers[i].gate_up_proj.chunk(2)[1] for s in shards]), up)
+        assert torch.equal(torch.cat([s.layers[i].down_proj for s in shards], dim=1), layer.down_proj)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightserve.model_infer.models.base import DecoderLM
 from lightserve.model_infer.models.llama import LlamaForCausalLM
-from lightserve.model_infer.models import config_from_dict, read_model_config
+from lightserve.model_infer.models import config_from_dict
 
 from .fake_worker import FakeWorker
 from .tiny_models import ARCHS, make_tiny_model

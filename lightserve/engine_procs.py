@@ -78,7 +78,10 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         if config.nnodes > 1:
             raise StartError("--nccl_port must be given when --nnodes > 1 (every node must use the same one)")
         nccl_port = _free_port_block(config.tp + 1)
-    _check_tp_fits(model_config, config.tp, check_tp)
+    try:  # the model family's rules, before any rank starts (and hangs its peers)
+        check_tp(model_config, config.tp)
+    except ValueError as exc:
+        raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
     return config_with(config, model_dir=model_dir, model=model_config, device=device, data_type=dtype,
                        batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
                        max_req_total_len=max_len, nccl_port=nccl_port,
@@ -94,18 +97,6 @@ def check_shm_room(needed: int, shm_dir: Path = SHM_DIR) -> None:
         raise StartError(f"the request pool needs {needed / 2**20:.0f} MiB of {shm_dir} but {free / 2**20:.0f} MiB "
                          "are free: lower --req_pool_size, --max_req_total_len or --max_top_logprobs, or enlarge "
                          f"{shm_dir} (docker: --shm-size)")
-
-
-def _check_tp_fits(model_config, tp: int, check_tp) -> None:
-    """Refuse a --tp the weights cannot be split by, before any rank starts (and hangs its peers). The
-    rules are the model family's (`check_tp`: models.check_tp)."""
-    if model_config.num_heads % tp != 0:
-        raise StartError(f"--tp {tp} does not divide the model's {model_config.num_heads} attention heads "
-                         f"({model_config.num_kv_heads} KV heads); use a divisor of {model_config.num_heads}")
-    try:
-        check_tp(model_config, tp)
-    except ValueError as exc:
-        raise StartError(f"--tp {tp} cannot split this model: {exc}") from None
 
 
 TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",

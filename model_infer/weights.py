@@ -53,7 +53,8 @@ class TPShards:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
         if hq % tp_size != 0:
-            raise ValueError(f"tp_size {tp_size} must divide num_attention_heads {hq}")
+            raise ValueError(f"{tp_size} ranks do not divide the model's {hq} attention heads "
+                             f"(num_attention_heads; {hk} KV heads): use a divisor of {hq}")
         if config.intermediate_size % tp_size != 0:
             raise ValueError(f"tp_size {tp_size} must divide intermediate_size {config.intermediate_size}")
         if tp_size <= hk:

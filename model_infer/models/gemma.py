@@ -98,14 +98,14 @@ class GemmaForCausalLM(DecoderLM):
                  tp_group=None) -> None:
         super().__init__(config, weights, tp_rank, tp_size, tp_group)
         # HF keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype before the multiply.
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32).to(self.dtype)
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32, device=self.device).to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         cfg, w = self.config, self.weights
         eps = cfg.rms_norm_eps
         attn = AttentionInputs.from_batch(batch)
-        hidden = self._embed(batch.input_ids) * self.embed_scale.to(self.device)  # [T, hidden], a fresh tensor
+        hidden = self._embed(batch.input_ids) * self.embed_scale  # [T, hidden], a fresh tensor
         residual = hidden
         for i, layer in enumerate(w.layers):
             if i == 0:

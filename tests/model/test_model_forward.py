@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from lightserve.model_infer.models.base import DecoderLM
-from lightserve.model_infer.models.llama import LlamaForCausalLM
 from lightserve.model_infer.models import config_from_dict
 
 from .fake_worker import FakeWorker
@@ -110,7 +109,7 @@ def test_config_refuses_other_architectures():
         config_from_dict({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4})
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3"])
 def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
     """The bf16 CPU forward (C norms, rotary, activation and attention on bf16 activations and KV) against
     transformers in bf16: a ragged prefill and decode steps. The two round in different places (attention
@@ -120,7 +119,7 @@ def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
 
     model_dir = make_tiny_model(arch, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    ours = LlamaForCausalLM.load(model_dir, dtype=torch.bfloat16)
+    ours = DecoderLM.load(model_dir, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, ours.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 40, 2)]
     worker = FakeWorker(ours)

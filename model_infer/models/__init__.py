@@ -47,6 +47,8 @@ def config_from_dict(cfg: dict) -> ModelConfig:
     arch = architectures[0] if architectures else "<none>"
     family = family_of(arch)
     towers = [key for key in _TOWER_KEYS if cfg.get(key) is not None]
+    if cfg.get("text_config") is not None:  # a multimodal layout, even without its tower's config
+        towers.append("text_config")
     if towers:
         raise ValueError(f"{arch}: multimodal checkpoints are not supported ({', '.join(towers)} found); "
                          "lightserve serves the text model only")

@@ -23,6 +23,7 @@ def test_every_architecture_has_its_family():
 @pytest.mark.parametrize("cfg, match", [
     ({"architectures": ["Gemma3ForConditionalGeneration"]}, "Gemma3ForConditionalGeneration.*not supported"),
     ({"architectures": ["Gemma3ForCausalLM"], "vision_config": {"hidden_size": 8}}, "multimodal.*vision_config"),
+    ({"architectures": ["Gemma3ForCausalLM"], "text_config": {"hidden_size": 8}}, "multimodal.*text_config"),
     ({"architectures": ["Gemma2ForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
     ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act"),
     ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor"),

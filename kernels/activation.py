@@ -33,7 +33,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, inter, BLOCK: tl.
     g = gate.to(tl.float32)
     if GELU:  # 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (e^2u + 1) (no libdevice tanh in the interpreter)
         u = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
-        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+        # tanh(30) is 1 in float32: the clamp changes nothing but keeps exp finite
+        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(tl.minimum(2.0 * u, 60.0)) + 1.0))
     else:
         act = g / (1.0 + tl.exp(-g))
     # Round the activation to the input dtype before the multiply, as torch's two separate ops do.

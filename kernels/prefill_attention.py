@@ -70,9 +70,9 @@ def softcap_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sm_scal
 @triton.jit
 def _softcap_log2(qk, softcap_scale, softcap_out):
     # softcap * tanh(s * sm_scale / softcap), in log2 units; tanh from exp (no libdevice in the interpreter),
-    # 1 - 2 / (e^2x + 1): exact at both ends (e^2x = inf gives 1, 0 gives -1).
+    # 1 - 2 / (e^2x + 1), with 2x clamped at 60 (tanh(30) is 1 in float32) so that exp stays finite.
     x = qk * softcap_scale
-    return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * softcap_out
+    return (1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * x, 60.0)) + 1.0)) * softcap_out
 
 
 @triton.jit

@@ -8,9 +8,10 @@ setup(
     version="0.1.0",
     description="Multi-process LLM server with token-level KV cache, continuous batching and a radix prefix cache",
     python_requires=">=3.10",
-    packages=["lightserve"] + [f"lightserve.{c}" for c in COMPONENTS] + ["lightserve.kernels.cpu"],
+    packages=["lightserve"] + [f"lightserve.{c}" for c in COMPONENTS]
+    + ["lightserve.kernels.cpu", "lightserve.model_infer.models"],
     package_dir={"lightserve": "lightserve", **{f"lightserve.{c}": c for c in COMPONENTS},
-                 "lightserve.kernels.cpu": "kernels/cpu"},
+                 "lightserve.kernels.cpu": "kernels/cpu", "lightserve.model_infer.models": "model_infer/models"},
     package_data={"lightserve.kernels.cpu": ["*.c", "*.h"]},  # built on first use (kernels/cpu/__init__.py)
     install_requires=[
         "torch>=2.4,<2.15",

@@ -118,7 +118,8 @@ class Detokenizer:
         return delta
 
 
-def run_detokenizer(config: ServerConfig, model_dir: str, ready: Connection) -> None:
+def run_detokenizer(config: ServerConfig, ready: Connection) -> None:
+    model_dir = config.model_dir
     with child_process("detokenizer", config, ready) as stop:
         from transformers import AutoTokenizer  # slow import: only in the process that needs it
 

@@ -12,7 +12,12 @@ if __name__ == "kernels":
     __file__ = None
     __path__ = []
 else:
-    from lightserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from lightserve.kernels.activation import (
+        gelu_tanh_and_mul,
+        gelu_tanh_and_mul_ref,
+        silu_and_mul,
+        silu_and_mul_ref,
+    )
     from lightserve.kernels.decode_attention import decode_attention, decode_attention_ref
     from lightserve.kernels.kv_store import store_kv, store_kv_ref
     from lightserve.kernels.linear import (
@@ -38,6 +43,7 @@ else:
 
     __all__ = [
         "OneDNNLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref",
+        "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref",
         "linear", "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_onednn_weight",
         "prefill_attention_ref", "rmsnorm", "rmsnorm_ref", "rotary_emb", "rotary_emb_ref", "silu_and_mul",
         "silu_and_mul_ref", "store_kv", "store_kv_ref",

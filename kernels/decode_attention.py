@@ -4,6 +4,7 @@ Called by the model's attention in a decode step. On GPU it is flash-decoding: s
 chunks and writes a partial softmax per chunk, stage 2 merges the chunks. On CPU a C kernel streams each
 request's K/V rows in place (kernels/cpu/decode_attention.c); the torch reference, batched SDPA over a
 gathered copy, is the test oracle and the fallback where no C compiler is available.
+`window` and `softcap` are prefill_attention's (0 = off): a windowed request reads only its last `window` rows.
 """
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightserve.kernels.prefill_attention import c_kv_layout, dot_precision
+from lightserve.kernels.prefill_attention import (
+    _softcap_log2,
+    c_kv_layout,
+    dot_precision,
+    softcap_args,
+    softcap_attention_ref,
+)
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 64
@@ -26,7 +33,7 @@ SPLIT_BUCKETS = tuple(1 << i for i in range(_MAX_SPLITS.bit_length()))  # (1, 2,
 
 def decode_attention_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    max_seq_len: int, sm_scale: float,
+    max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0,
 ) -> Tensor:
     """Gather every request's K/V padded to max_seq_len, mask the padding, one SDPA call for the whole batch.
 
@@ -39,14 +46,24 @@ def decode_attention_ref(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     locs = req_to_token.index_select(0, req_rows.long())[:, :max_seq_len].long()  # [B, L]
-    valid = torch.arange(max_seq_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    key_pos = torch.arange(max_seq_len, device=q.device)[None, :]  # [1, L]
+    valid = key_pos < seq_lens[:, None]  # [B, L]
     # Slots past a request's length may point at rows never written (NaN from torch.empty); aim them at the
     # request's first token, always written, so masked-out scores never multiply a NaN value.
     locs = torch.where(valid, locs, locs[:, :1]).view(-1)  # [B * L]
+    if window > 0:
+        valid &= key_pos >= seq_lens[:, None] - window
     k = k_cache.index_select(0, locs).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
     v = v_cache.index_select(0, locs).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
     # One query token: the group's query heads act as query rows of their KV head, so no K/V repeat.
     qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hk, group, D]
+    if softcap > 0:
+        # Query rows of the group against their own KV head: a group of 1 per head in the eager formula.
+        out = softcap_attention_ref(qg.reshape(batch * num_kv_heads, 1, -1, head_dim),
+                                    k.transpose(1, 2).reshape(batch * num_kv_heads, 1, max_seq_len, head_dim),
+                                    v.transpose(1, 2).reshape(batch * num_kv_heads, 1, max_seq_len, head_dim),
+                                    valid.repeat_interleave(num_kv_heads, 0)[:, None, None], sm_scale, softcap)
+        return out.reshape(batch, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None], scale=sm_scale
     )  # [B, Hk, group, D]
@@ -57,11 +74,12 @@ def decode_attention_ref(
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr,
     req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
-    qk_scale,
+    qk_scale, window, softcap_scale, softcap_out,
     q_stride_b, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, r2t_stride,
     num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     # int64 program ids: every offset below is computed in 64 bits.
     req = tl.program_id(0).to(tl.int64)
@@ -69,9 +87,12 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
     row = tl.load(req_rows_ptr + req).to(tl.int64)
+    first = 0
+    if USE_WINDOW:  # the query sits at seq_len - 1 and sees its last `window` keys only
+        first = tl.maximum(seq_len - window, 0)
     # Chunks are whole BLOCK_N tiles so only the sequence's last tile is partial.
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * chunk
     end = tl.minimum(start + chunk, seq_len)
 
     # All query heads of the GQA group in one tile, so each K/V tile is loaded once for the group.
@@ -93,7 +114,10 @@ def _decode_split_kernel(
         locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
         k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
         k = tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        if USE_SOFTCAP:
+            qk = _softcap_log2(tl.dot(q, k, input_precision=PRECISION), softcap_scale, softcap_out)
+        else:
+            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile in the loop has a valid key
         alpha = tl.exp2(m_i - m_new)
@@ -135,7 +159,8 @@ def _decode_merge_kernel(
 
 def decode_attention_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    max_seq_len: int, sm_scale: float, num_splits: int | None = None, block_n: int = 64,
+    max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0, num_splits: int | None = None,
+    block_n: int = 64,
 ) -> Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -153,18 +178,19 @@ def decode_attention_triton(
         return out
     group = num_heads // num_kv_heads
     if num_splits is None:
-        num_splits = _default_num_splits(q.device, batch * num_kv_heads, triton.cdiv(max_seq_len, block_n))
+        keys = min(max_seq_len, window) if window > 0 else max_seq_len
+        num_splits = _default_num_splits(q.device, batch * num_kv_heads, triton.cdiv(keys, block_n))
     assert num_splits in SPLIT_BUCKETS, num_splits  # the values warm_up_decode_attention compiles
     block_d = max(16, triton.next_power_of_2(head_dim))
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        req_to_token.stride(0), num_heads,
+        q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E, window,
+        *softcap_args(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), num_heads,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0, num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads,
@@ -175,20 +201,24 @@ def decode_attention_triton(
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    max_seq_len: int, sm_scale: float,
+    max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0,
 ) -> Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]; request b attends to its tokens 0 .. seq_lens[b] - 1 (seq_lens >= 1)."""
+    """q [B, Hq, D] -> [B, Hq, D]; request b attends to its tokens 0 .. seq_lens[b] - 1 (seq_lens >= 1), with a
+    window only to the last `window` of them."""
     if q.is_cuda:
-        return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale)
-    out = decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, sm_scale)
+        return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale,
+                                       window, softcap)
+    out = decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, sm_scale, window=window,
+                               softcap=softcap)
     if out is None:
-        out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale)
+        out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale,
+                                   window, softcap)
     return out
 
 
 def decode_attention_cpu(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    sm_scale: float, lib=None,
+    sm_scale: float, lib=None, window: int = 0, softcap: float = 0.0,
 ) -> Tensor | None:
     """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather.
     None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference.
@@ -211,19 +241,21 @@ def decode_attention_cpu(
             q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
             v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), rows.data_ptr(),
             lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0),
-            v_cache.stride(0), req_to_token.stride(0), sm_scale, torch.get_num_threads())
+            v_cache.stride(0), req_to_token.stride(0), sm_scale, window, softcap, torch.get_num_threads())
     if rc != 0:
         return None
     return out
 
 
-def warm_up_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor,
-                             req_rows: Tensor, seq_lens: Tensor) -> None:
+def warm_up_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor,
+                             seq_lens: Tensor, variants: set[tuple[int, float]] = frozenset({(0, 0.0)})) -> None:
     """Compile both kernels for every split count an eager step can pick, with the model's q/K/V shapes
-    and dtype (q [B, Hq, D]; the other arguments as decode_attention's). The outputs are discarded."""
-    for num_splits in SPLIT_BUCKETS:
-        decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, int(req_to_token.shape[1]),
-                                1.0, num_splits=num_splits)
+    and dtype (q [B, Hq, D]; the other arguments as decode_attention's), once per (window, softcap) the
+    model's layers use (each on/off combination is its own compile). The outputs are discarded."""
+    for window, softcap in variants:
+        for num_splits in SPLIT_BUCKETS:
+            decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens,
+                                    int(req_to_token.shape[1]), 1.0, window, softcap, num_splits=num_splits)
 
 
 def _default_num_splits(device: torch.device, num_programs: int, num_tiles: int) -> int:

@@ -2,6 +2,9 @@
 
 Called by the model's attention in a prefill step, after store_kv has written the new tokens' K/V. Each request
 b has prefix_lens[b] cached tokens and extend_lens[b] new ones; its KV rows are req_to_token[req_rows[b], :].
+Two variants are arguments of every version: `window` > 0 (sliding-window layers: the token at position p sees
+keys p - window + 1 .. p, as HF's `sliding_window_overlay`) and `softcap` > 0 (Gemma 2: scores become
+softcap * tanh(scores / softcap) before the mask). 0 turns either off, and the fast paths then run unchanged.
 """
 from __future__ import annotations
 
@@ -16,9 +19,11 @@ _LOG2E = 1.4426950408889634
 
 def prefill_attention_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
-    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
+    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """One SDPA call per request, the same call HF's sdpa attention makes (bit-identical in float32 on CPU).
+    """One SDPA call per request, the same call HF's sdpa attention makes (bit-identical in float32 on CPU);
+    with a softcap, HF's eager attention (SDPA has no softcap).
 
     A per-request loop is fine here: prefill is compute-bound, so the Python overhead per request is small.
     """
@@ -32,26 +37,53 @@ def prefill_attention_ref(
         k = k_cache.index_select(0, locs).transpose(0, 1)[None]  # [1, Hk, total, D]
         v = v_cache.index_select(0, locs).transpose(0, 1)[None]  # [1, Hk, total, D]
         qb = q[start:start + extend_len].transpose(0, 1)[None]  # [1, Hq, extend, D]
-        if prefix_len == 0:
+        if prefix_len == 0 and window == 0 and softcap == 0:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale, enable_gqa=True)
         else:
             # SDPA's is_causal aligns top-left; with a cached prefix, new token i sees keys 0 .. prefix_len + i.
             query_pos = torch.arange(prefix_len, total, device=q.device)[:, None]  # [extend, 1]
-            mask = torch.arange(total, device=q.device)[None, :] <= query_pos  # [extend, total]
-            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+            key_pos = torch.arange(total, device=q.device)[None, :]  # [1, total]
+            mask = key_pos <= query_pos  # [extend, total]
+            if window > 0:
+                mask &= key_pos > query_pos - window
+            if softcap > 0:
+                o = softcap_attention_ref(qb, k, v, mask, sm_scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
         out[start:start + extend_len] = o[0].transpose(0, 1)  # [extend, Hq, D]
     return out
+
+
+def softcap_attention_ref(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, sm_scale: float, softcap: float) -> Tensor:
+    """q [N, Hq, M, D], k/v [N, Hk, L, D], mask [.., M, L] bool (True = visible) -> [N, Hq, M, D]: HF's
+    eager_attention_forward with a softcap, op for op. Shared with decode_attention_ref."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [N, Hq, L, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * sm_scale  # [N, Hq, M, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+@triton.jit
+def _softcap_log2(qk, softcap_scale, softcap_out):
+    # softcap * tanh(s * sm_scale / softcap), in log2 units; tanh from exp (no libdevice in the interpreter),
+    # 1 - 2 / (e^2x + 1), with 2x clamped at 60 (tanh(30) is 1 in float32) so that exp stays finite.
+    x = qk * softcap_scale
+    return (1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * x, 60.0)) + 1.0)) * softcap_out
 
 
 @triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     req_to_token_ptr, req_rows_ptr, q_start_ptr, prefix_lens_ptr, extend_lens_ptr,
-    qk_scale,
+    qk_scale, window, softcap_scale, softcap_out,
     q_stride_t, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, o_stride_t, o_stride_h,
     r2t_stride,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -77,17 +109,29 @@ def _prefill_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # The last query row of this block sees keys up to prefix_len + its index; nothing past that is loaded.
     kv_end = prefix_len + tl.minimum(extend_len, start_m + BLOCK_M)
-    for start_n in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if USE_WINDOW:  # the block's first row sees nothing before prefix_len + start_m - window + 1
+        kv_start = tl.maximum(prefix_len + start_m - window + 1, 0)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
         k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
         k = tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if USE_SOFTCAP:
+            qk = _softcap_log2(tl.dot(q, k, input_precision=PRECISION), softcap_scale, softcap_out)
+        else:
+            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = (offs_n[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
+        if USE_WINDOW:
+            visible = visible & (offs_n[None, :] > prefix_len + offs_m[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-        # Key 0 is visible to every row, so m_new is finite from the first tile on and no NaN can appear.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if USE_WINDOW:
+            # A row may see no key of this tile yet (its window starts in a later one): keep its m finite
+            # so that alpha and p are exp2(-inf) = 0, not NaN.
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Without a window key 0 is visible to every row, so m_new is finite from the first tile on.
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -96,6 +140,8 @@ def _prefill_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if USE_WINDOW:  # rows past extend_len may have seen no key at all; they are never stored
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + (q_start + offs_m)[:, None] * o_stride_t + head * o_stride_h + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -103,8 +149,8 @@ def _prefill_attention_kernel(
 
 def prefill_attention_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
-    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
-    block_m: int | None = None, block_n: int | None = None,
+    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
+    softcap: float = 0.0, block_m: int | None = None, block_n: int | None = None,
 ) -> Tensor:
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -126,34 +172,37 @@ def prefill_attention_triton(
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
-        sm_scale * _LOG2E,
+        sm_scale * _LOG2E, window, *softcap_args(sm_scale, softcap),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        PRECISION=dot_precision(q.dtype), USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0,
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
     return out
 
 
 def prefill_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
-    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float,
+    prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """q [Tq, Hq, D] -> out [Tq, Hq, D]: new token i of request b attends to its tokens 0 .. prefix_lens[b] + i."""
+    """q [Tq, Hq, D] -> out [Tq, Hq, D]: new token i of request b attends to its tokens 0 .. prefix_lens[b] + i
+    (with a window, only the last `window` of them)."""
     if q.is_cuda:
         return prefill_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
-                                        extend_lens, max_extend_len, sm_scale)
+                                        extend_lens, max_extend_len, sm_scale, window, softcap)
     out = prefill_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
-                                sm_scale)
+                                sm_scale, window=window, softcap=softcap)
     if out is None:
         out = prefill_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
-                                    extend_lens, max_extend_len, sm_scale)
+                                    extend_lens, max_extend_len, sm_scale, window, softcap)
     return out
 
 
 def prefill_attention_cpu(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
-    prefix_lens: Tensor, extend_lens: Tensor, sm_scale: float, lib=None,
+    prefix_lens: Tensor, extend_lens: Tensor, sm_scale: float, lib=None, window: int = 0, softcap: float = 0.0,
 ) -> Tensor | None:
     """The C kernel (kernels/cpu/prefill_attention.c): every request of the step in one parallel loop,
     K/V read in place. None when it cannot run here (no compiler, an unsupported dtype or shape): use
@@ -175,7 +224,7 @@ def prefill_attention_cpu(
             v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_to_token.stride(0),
             *(t.data_ptr() for t in meta), out.data_ptr(), meta[0].shape[0], num_heads, k_cache.shape[1], head_dim,
-            k_cache.stride(0), v_cache.stride(0), sm_scale, torch.get_num_threads())
+            k_cache.stride(0), v_cache.stride(0), sm_scale, window, softcap, torch.get_num_threads())
     if rc != 0:
         return None
     return out.to(q.dtype)
@@ -186,6 +235,14 @@ def c_kv_layout(k_cache: Tensor, v_cache: Tensor) -> bool:
     bfloat16 [rows, Hk, D] with packed heads and the same strides for K and V. Shared with decode_attention."""
     return k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.stride(-1) == 1 \
         and k_cache.stride(-2) == k_cache.shape[-1] and v_cache.stride() == k_cache.stride()
+
+
+def softcap_args(sm_scale: float, softcap: float) -> tuple[float, float]:
+    """(softcap_scale, softcap_out) for _softcap_log2: the kernels' scores are raw q.k dots. Shared with
+    decode_attention."""
+    if softcap <= 0:
+        return 1.0, 1.0
+    return sm_scale / softcap, softcap * _LOG2E
 
 
 def dot_precision(dtype: torch.dtype) -> str:

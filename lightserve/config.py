@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
 from typing import Any, Sequence, get_args, get_origin
 
+from lightserve.model_config import ModelConfig
 from lightserve.reasoning_parsers import REASONING_PARSERS
 from lightserve.sampling import MAX_TOP_LOGPROBS
 from lightserve.tool_parsers import TOOL_PARSERS
@@ -90,6 +91,10 @@ class ServerConfig:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     start_timeout_s: float = field(default=600.0, metadata={"help": "seconds each child may take to report ready"})
     instance_id: str = field(default_factory=_new_instance_id, metadata={"help": "unique id of this launch (names shm and sockets)"})
+    # Resolved at start (engine_procs.resolve_config, then EngineProcs.start), never flags: the model's facts,
+    # read once from config.json, and the KV size every worker rank could allocate.
+    model: ModelConfig | None = field(default=None, metadata={"cli": False})
+    kv_size: int | None = field(default=None, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         def need(cond: bool, flag: str, msg: str) -> None:
@@ -124,6 +129,20 @@ class ServerConfig:
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
              f"must be one of {sorted(REASONING_PARSERS)}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", f"unknown level {self.log_level!r}")
+
+    # ---- the model's facts, once resolved ----
+    @property
+    def model_config(self) -> ModelConfig:
+        assert self.model is not None, "ServerConfig not resolved (engine_procs.resolve_config)"
+        return self.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.model_config.eos_token_ids
 
     # ---- derived names: unique per launch so two servers (or two tests) never collide ----
     @property
@@ -172,9 +191,7 @@ class ServerConfig:
 
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = argparse.ArgumentParser(prog="lightserve-launch", description="Start a lightserve LLM server.")
-    for f in fields(ServerConfig):
-        if f.name == "instance_id":
-            continue
+    for f in cli_fields():
         names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
         kind = str if f.metadata.get("nargs") else _base_type(f.type)
         default = f.default if f.default is not MISSING else None
@@ -189,7 +206,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         else:
             parser.add_argument(*names, dest=f.name, type=kind, default=default, help=f"{help_text} (default {default})")
     ns = parser.parse_args(argv)
-    for f in fields(ServerConfig):
+    for f in cli_fields():
         if f.metadata.get("nargs") and getattr(ns, f.name) is not None:
             setattr(ns, f.name, tuple(getattr(ns, f.name)))
     try:
@@ -197,6 +214,11 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable: parser.error exits
+
+
+def cli_fields() -> list:
+    """The ServerConfig fields that are flags (not the instance id nor the values resolved at start)."""
+    return [f for f in fields(ServerConfig) if f.name != "instance_id" and f.metadata.get("cli", True)]
 
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Device": Device, "DType": DType,

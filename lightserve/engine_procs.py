@@ -44,11 +44,13 @@ class Child:
     conn: Connection
 
 
-def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
-    """Fill in the defaults that need the machine or the model. Returns (config, model_dir)."""
+def resolve_config(config: ServerConfig) -> ServerConfig:
+    """Fill in the defaults that need the machine or the model: the model folder, its facts (config.json,
+    read here once for every process), device, dtype, batch sizes, ports. Raises StartError naming what
+    cannot be served."""
     import torch
 
-    from lightserve.model_infer.model_config import ModelConfig
+    from lightserve.model_infer.models import check_tp, read_model_config
 
     if config.model_dir is None:
         from lightserve.model_prep import ensure_default_model
@@ -57,7 +59,10 @@ def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
         model_dir = str(Path(config.model_dir).expanduser())
         if not (Path(model_dir) / "config.json").is_file():
             raise StartError(f"--model_dir {model_dir}: no config.json there (expected a Hugging Face model folder)")
-    model_config = ModelConfig.from_dir(model_dir)
+    try:
+        model_config = read_model_config(model_dir)
+    except (ValueError, KeyError) as exc:
+        raise StartError(f"--model_dir {model_dir}: {exc}") from None
     device = config.device
     if device is Device.AUTO:
         device = Device.CUDA if torch.cuda.is_available() else Device.CPU
@@ -73,12 +78,14 @@ def resolve_config(config: ServerConfig) -> tuple[ServerConfig, str]:
         if config.nnodes > 1:
             raise StartError("--nccl_port must be given when --nnodes > 1 (every node must use the same one)")
         nccl_port = _free_port_block(config.tp + 1)
-    _check_tp_fits(model_config, config.tp)
-    resolved = replace(config, device=device, data_type=dtype, batch_max_tokens=batch_max,
-                           chunked_prefill_size=config.chunked_prefill_size or batch_max,
-                           max_req_total_len=max_len, nccl_port=nccl_port,
-                           served_model_name=config.served_model_name or (Path(model_dir).name,))
-    return resolved, model_dir
+    try:  # the model family's rules, before any rank starts (and hangs its peers)
+        check_tp(model_config, config.tp)
+    except ValueError as exc:
+        raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
+    return replace(config, model_dir=model_dir, model=model_config, device=device, data_type=dtype,
+                   batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
+                   max_req_total_len=max_len, nccl_port=nccl_port,
+                   served_model_name=config.served_model_name or (Path(model_dir).name,))
 
 
 def check_shm_room(needed: int, shm_dir: Path = SHM_DIR) -> None:
@@ -90,19 +97,6 @@ def check_shm_room(needed: int, shm_dir: Path = SHM_DIR) -> None:
         raise StartError(f"the request pool needs {needed / 2**20:.0f} MiB of {shm_dir} but {free / 2**20:.0f} MiB "
                          "are free: lower --req_pool_size, --max_req_total_len or --max_top_logprobs, or enlarge "
                          f"{shm_dir} (docker: --shm-size)")
-
-
-def _check_tp_fits(model_config, tp: int) -> None:
-    """Refuse a --tp the weights cannot be split by, before any rank starts (and hangs its peers)."""
-    from lightserve.model_infer.weights import TPShards
-
-    if model_config.num_heads % tp != 0:
-        raise StartError(f"--tp {tp} does not divide the model's {model_config.num_heads} attention heads "
-                         f"({model_config.num_kv_heads} KV heads); use a divisor of {model_config.num_heads}")
-    try:
-        TPShards.for_rank(model_config, 0, tp)
-    except ValueError as exc:
-        raise StartError(f"--tp {tp} cannot split this model: {exc}") from None
 
 
 TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
@@ -138,16 +132,19 @@ class EngineProcs:
     """The engine's child processes and the request pool of one launch (node 0 runs them all;
     other nodes run only their worker ranks)."""
 
-    def __init__(self, config: ServerConfig, model_dir: str):
+    def __init__(self, config: ServerConfig):
+        """`config`: resolved (resolve_config): it carries the model folder and facts to every child."""
+        assert config.model is not None and config.model_dir is not None, "resolve_config first"
         self.config = config
-        self.model_dir = model_dir
+        self.model_dir = config.model_dir
         self.children: list[Child] = []
         self.pool: ReqPool | None = None
         self.kv_size = 0
         self._ctx = mp.get_context("spawn")
 
     def start(self) -> ServerConfig:
-        """Start everything; returns the config with max_req_total_len capped by the KV size."""
+        """Start everything; returns the config with the KV size the workers allocated (`kv_size`) and
+        max_req_total_len capped by it."""
         from lightserve.detokenizer.process import run_detokenizer
         from lightserve.model_infer.process import run_worker
         from lightserve.router.process import run_router
@@ -167,20 +164,21 @@ class EngineProcs:
             if config.device is Device.CPU:
                 preload_tcmalloc()
             first = config.node_rank * config.ranks_per_node
-            workers = [self._spawn(f"worker-tp{rank}", run_worker, config, self.model_dir, rank)
+            workers = [self._spawn(f"worker-tp{rank}", run_worker, config, rank)
                        for rank in range(first, first + config.ranks_per_node)]
             _restore_env("LD_PRELOAD", saved_preload)  # the caller's own environment stays as it was
             # The detokenizer needs nothing from the workers: it loads its tokenizer while they load
             # the model (start-up time is mostly imports, and they overlap).
-            detok = [self._spawn("detokenizer", run_detokenizer, config, self.model_dir)] \
+            detok = [self._spawn("detokenizer", run_detokenizer, config)] \
                 if config.is_master_node else []
             infos = self._wait_ready(workers)
             if not config.is_master_node:
                 return config
             self.kv_size = min(info["kv_size"] for info in infos)
-            config = replace(config, max_req_total_len=min(config.max_req_total_len, self.kv_size))
+            config = replace(config, kv_size=self.kv_size,
+                             max_req_total_len=min(config.max_req_total_len, self.kv_size))
             self.config = config
-            self._wait_ready([self._spawn("router", run_router, config, self.kv_size), *detok])
+            self._wait_ready([self._spawn("router", run_router, config), *detok])
             return config
         except BaseException:
             self.stop()

@@ -58,12 +58,12 @@ def serve(config: ServerConfig) -> int:
     t0 = time.monotonic()
     procs = None
     try:
-        config, model_dir = resolve_config(config)
-        logger.info("model %s, device %s, dtype %s, tp %d", model_dir, config.device.value,
-                    config.data_type.value, config.tp)
-        procs = EngineProcs(config, model_dir)
+        config = resolve_config(config)
+        logger.info("model %s (%s), device %s, dtype %s, tp %d", config.model_dir, config.model.architecture,
+                    config.device.value, config.data_type.value, config.tp)
+        procs = EngineProcs(config)
         # The front's own slow part (transformers import, tokenizer load) overlaps the engine start.
-        front_prep = _FrontPrep(model_dir, config) if config.is_master_node else None
+        front_prep = _FrontPrep(config) if config.is_master_node else None
         config = procs.start()
     except StartError as exc:
         logger.error("start-up failed: %s", exc)
@@ -136,20 +136,21 @@ class _FrontPrep:
     """Imports the HTTP front and loads its tokenizer on a thread, while the engine processes start
     (the launcher's main thread only waits for them then)."""
 
-    def __init__(self, model_dir: str, config: ServerConfig):
+    def __init__(self, config: ServerConfig):
         self._result: tuple | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(model_dir, config), name="front-prep", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(config,), name="front-prep", daemon=True)
         self._thread.start()
 
-    def _run(self, model_dir: str, config: ServerConfig) -> None:
+    def _run(self, config: ServerConfig) -> None:
         try:
             import uvicorn  # noqa: F401 - imported for its cost, here
             from transformers import AutoTokenizer
 
             import lightserve.api_server  # noqa: F401
-            from lightserve.model_infer.model_config import ModelConfig
             from lightserve.sampling import generation_defaults
+
+            model_dir = config.model_dir
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
             if config.chat_template is not None:
@@ -159,7 +160,7 @@ class _FrontPrep:
             defaults = generation_defaults(source) if source is not None else {}
             if defaults:
                 logger.info("default sampling params from %s/generation_config.json: %s", source, defaults)
-            self._result = (tokenizer, ModelConfig.from_dir(model_dir).vocab_size, defaults)
+            self._result = (tokenizer, config.vocab_size, defaults)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread by get()
             self._error = exc
 

@@ -74,7 +74,7 @@ async def server_info(request: Request) -> Response:
     return json_response({"served_model_name": front.model_name, "model_path": front.model_dir or front.model_name,
                           "tokenizer_path": front.model_dir or None, "tp_size": cfg.tp, "dp_size": 1,
                           "nnodes": cfg.nnodes, "context_length": front.max_model_len,
-                          "max_total_num_tokens": cfg.max_total_token_num,
+                          "max_total_num_tokens": cfg.kv_size or cfg.max_total_token_num,
                           "max_running_requests": cfg.running_max_req_size,
                           "chunked_prefill_size": cfg.chunked_prefill_size,
                           "disable_radix_cache": cfg.disable_prompt_cache,

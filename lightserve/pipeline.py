@@ -86,7 +86,7 @@ def pipeline(model_dir: str | os.PathLike | None = None, **server_args: Any) -> 
 def make_config(model_dir: str | os.PathLike | None = None, **server_args: Any) -> ServerConfig:
     """pipeline()'s settings as a ServerConfig: enum strings converted, unknown names refused."""
     hints = typing.get_type_hints(ServerConfig)
-    names = [f.name for f in fields(ServerConfig) if f.name != "model_dir"]
+    names = [f.name for f in fields(ServerConfig) if f.name != "model_dir" and f.metadata.get("cli", True)]
     server_args.setdefault("log_level", "warning")
     for key, value in list(server_args.items()):
         if key not in names:
@@ -109,7 +109,6 @@ class Pipeline:
         from transformers import AutoTokenizer
 
         from lightserve.engine_procs import EngineProcs, resolve_config
-        from lightserve.model_infer.model_config import ModelConfig
 
         self._lock = threading.Lock()       # guards _closed against submissions racing close()
         self._closed = False
@@ -125,15 +124,14 @@ class Pipeline:
         self._slots: asyncio.Semaphore | None = None  # created on the loop (_open)
         atexit.register(self.close)  # before start(): a failed or interrupted start still cleans up
         try:
-            config, model_dir = resolve_config(config)
-            self._procs = EngineProcs(config, model_dir)
+            self._procs = EngineProcs(resolve_config(config))
             self.config: ServerConfig = self._procs.start()
-            self.model_dir = model_dir
+            self.model_dir = model_dir = self.config.model_dir
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
             # NOTE: the first encode resets any truncation/padding stored in tokenizer.json (a write
             # to the Rust tokenizer); doing it here, on one thread, leaves later encodes read-only.
             self.tokenizer.encode("warm up")
-            vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+            vocab_size = self.config.vocab_size
             self._loop = _new_event_loop()
             self._loop_thread = threading.Thread(target=self._run_loop, name="lightserve-pipeline-loop", daemon=True)
             self._loop_thread.start()

@@ -1,4 +1,5 @@
-"""ForwardBatch: one step's inputs as device tensors, built by the worker from a BatchPlan.
+"""ForwardBatch: one step's inputs as device tensors, built from a BatchPlan by `make_forward_batch`
+(the worker's ModelRunner and the model tests' FakeWorker both call it).
 
 The model reads everything it needs from this object; there is no module-level context.
 Batch order: the `num_decode` decode requests come first (one new token each), then the
@@ -7,8 +8,14 @@ extend (prefill) requests, each with `extend_len` new tokens after `prefix_len` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from lightserve.messages import BatchPlan
+    from lightserve.model_infer.host_staging import HostStaging
 
 
 @dataclass
@@ -34,3 +41,43 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: HostStaging) -> ForwardBatch:
+    """The step's device tensors. Writes `req_to_token` first: the plan's prefix rows (fill_*) and the KV row
+    of every new token, which attention then reads. Logits rows: the sampling requests' last tokens ([S]),
+    then plan.prompt_logit_idx ([E])."""
+    extend = plan.extend_lens
+    num_tokens = int(plan.input_ids.shape[0])
+    q_start = np.cumsum(extend, dtype=np.int32) - extend                        # [B]
+    # Token t of request b sits at position prefix[b] + (t - q_start[b]).
+    positions = np.repeat(plan.prefix_lens - q_start, extend) + np.arange(num_tokens, dtype=np.int32)
+    rows = np.repeat(plan.shm_indices, extend)                                 # [T]
+    seq_lens = plan.prefix_lens + extend                                       # [B]
+    logits_idx = np.concatenate([(q_start + extend - 1)[plan.sample], plan.prompt_logit_idx]).astype(np.int32)
+    # Every integer array of the step in one host-to-device copy (pinned and asynchronous on CUDA).
+    (input_ids, positions_t, kv_locs, rows_t, req_rows, prefix_lens, extend_t, seq_lens_t, q_start_t,
+     logits_idx_t, fill_rows, fill_pos, fill_locs) = staging.upload(
+        [plan.input_ids, positions, plan.kv_locs, rows, plan.shm_indices, plan.prefix_lens, extend, seq_lens,
+         q_start, logits_idx, plan.fill_rows, plan.fill_pos, plan.fill_locs])
+    if plan.fill_rows.size:
+        req_to_token[fill_rows.long(), fill_pos.long()] = fill_locs
+    positions_t = positions_t.long()
+    req_to_token[rows_t.long(), positions_t] = kv_locs
+    nd = plan.num_decode
+    return ForwardBatch(
+        input_ids=input_ids.long(),
+        positions=positions_t,
+        kv_locs=kv_locs.long(),
+        req_rows=req_rows,
+        prefix_lens=prefix_lens,
+        extend_lens=extend_t,
+        seq_lens=seq_lens_t,
+        q_start_locs=q_start_t,
+        logits_indices=logits_idx_t.long(),
+        num_decode=nd,
+        num_decode_tokens=nd,
+        max_seq_len=int(seq_lens.max()),
+        max_extend_len=int(extend[nd:].max()) if extend.shape[0] > nd else 0,
+        req_to_token=req_to_token,
+    )

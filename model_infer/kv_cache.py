@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightserve.model_infer.model_config import ModelConfig
+    from lightserve.model_config import ModelConfig
 
 
 class KVCache:

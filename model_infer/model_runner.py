@@ -5,6 +5,7 @@ Owned by the worker process; it knows nothing of sockets or shared memory.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,11 +13,13 @@ import torch
 from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan
-from lightserve.model_infer.forward_batch import ForwardBatch
+from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.kv_cache import KVCache
-from lightserve.model_infer.llama import LlamaForCausalLM
-from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_infer.models import load_model
+
+if TYPE_CHECKING:
+    from lightserve.model_config import ModelConfig
 
 logger = get_logger(__name__)
 
@@ -32,8 +35,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
-        self.model = LlamaForCausalLM.load(model_dir, dtype=dtype, device=device,
-                                           tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+        self.model = load_model(model_config, model_dir, dtype=dtype, device=device,
+                                tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
         shards = self.model.weights.shards
         per_token = KVCache.bytes_per_token(model_config, shards.num_kv_heads, dtype)
         self.kv_size = kv_size or _auto_kv_size(per_token, device, ranks_per_node)
@@ -55,7 +58,7 @@ class ModelRunner:
     def forward(self, plan: BatchPlan) -> torch.Tensor:
         """Run one step; returns float32 logits [S + E, vocab]: the S requests with plan.sample, then
         the E tokens of plan.prompt_logit_idx."""
-        batch = self._make_batch(plan)
+        batch = make_forward_batch(plan, self.kv_cache.req_to_token, self.staging)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         return self.model.forward(batch, self.kv_cache)
@@ -72,7 +75,7 @@ class ModelRunner:
                          prefix_lens=np.zeros(2, np.int32), extend_lens=np.array([1, chunk], np.int32),
                          sample=np.ones(2, bool), input_ids=np.zeros(1 + chunk, np.int32),
                          kv_locs=np.full(1 + chunk, scratch, np.int32), num_decode=1)
-        self.model.forward(self._make_batch(plan), self.kv_cache)
+        self.model.forward(make_forward_batch(plan, self.kv_cache.req_to_token, self.staging), self.kv_cache)
         shards = self.model.weights.shards
         hq, hk, d = shards.num_heads, shards.num_kv_heads, self.model_config.head_dim
         # q as the model passes it: a [1, Hq, D] view of the fused qkv output (its row stride matters to
@@ -81,46 +84,9 @@ class ModelRunner:
         q = qkv[:, :hq * d].view(1, hq, d)
         one = torch.ones(1, dtype=torch.int32, device=self.device)
         warm_up_decode_attention(q, self.kv_cache.k_caches[0], self.kv_cache.v_caches[0],
-                                 self.kv_cache.req_to_token, one * 0, one)
+                                 self.kv_cache.req_to_token, one * 0, one, self.model.attention_variants())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def _make_batch(self, plan: BatchPlan) -> ForwardBatch:
-        extend = plan.extend_lens
-        num_tokens = int(plan.input_ids.shape[0])
-        q_start = np.cumsum(extend, dtype=np.int32) - extend                        # [B]
-        # Token t of request b sits at position prefix[b] + (t - q_start[b]).
-        positions = np.repeat(plan.prefix_lens - q_start, extend) + np.arange(num_tokens, dtype=np.int32)
-        rows = np.repeat(plan.shm_indices, extend)                                 # [T]
-        seq_lens = plan.prefix_lens + extend                                       # [B]
-        # Sampling rows first ([S]), then the prompt-logprob rows ([E]) rank 0 asked for.
-        logits_idx = np.concatenate([(q_start + extend - 1)[plan.sample], plan.prompt_logit_idx])
-        # Every integer array of the step in one host-to-device copy (pinned and asynchronous on CUDA).
-        (input_ids, positions_t, kv_locs, rows_t, req_rows, prefix_lens, extend_t, seq_lens_t, q_start_t,
-         logits_idx_t, fill_rows, fill_pos, fill_locs) = self.staging.upload(
-            [plan.input_ids, positions, plan.kv_locs, rows, plan.shm_indices, plan.prefix_lens, extend, seq_lens,
-             q_start, logits_idx, plan.fill_rows, plan.fill_pos, plan.fill_locs])
-        table = self.kv_cache.req_to_token
-        if plan.fill_rows.size:
-            table[fill_rows.long(), fill_pos.long()] = fill_locs
-        positions_t = positions_t.long()
-        table[rows_t.long(), positions_t] = kv_locs
-        nd = plan.num_decode
-        return ForwardBatch(
-            input_ids=input_ids.long(),
-            positions=positions_t,
-            kv_locs=kv_locs.long(),
-            req_rows=req_rows,
-            prefix_lens=prefix_lens,
-            extend_lens=extend_t,
-            seq_lens=seq_lens_t,
-            q_start_locs=q_start_t,
-            logits_indices=logits_idx_t.long(),
-            num_decode=nd,
-            max_seq_len=int(seq_lens.max()),
-            max_extend_len=int(extend[nd:].max()) if extend.shape[0] > nd else 0,
-            req_to_token=table,
-        )
 
 
 def _auto_kv_size(bytes_per_token: int, device: torch.device, ranks_per_node: int) -> int:

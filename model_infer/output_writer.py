@@ -9,9 +9,9 @@ import numpy as np
 import torch
 
 from lightserve.messages import BatchPlan, FinishReason, StepDone, TokensReady, encode
+from lightserve.model_config import ModelConfig
 from lightserve.model_infer.grammar import GrammarSet
 from lightserve.model_infer.logits_process import needs_processing, process_logits
-from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.sampler import SamplingTensors, sample
 from lightserve.model_infer.token_history import TokenHistory
 from lightserve.shm.req_pool import ReqPool

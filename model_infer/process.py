@@ -16,7 +16,6 @@ import zmq
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan, Shutdown, decode
-from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.procutil import child_process, report_ready
@@ -35,7 +34,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connection) -> None:
+def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
+    """`config`: resolved: its model_dir and model facts (read once by the launcher) say what to load."""
+    model_dir, model_config = config.model_dir, config.model_config
     with child_process(f"worker-tp{tp_rank}", config, ready) as stop:
         device = torch.device("cuda", tp_rank % config.ranks_per_node) if config.device.value == "cuda" \
             else torch.device("cpu")
@@ -45,7 +46,6 @@ def run_worker(config: ServerConfig, model_dir: str, tp_rank: int, ready: Connec
         else:
             torch.cuda.set_device(device)
         tp_group = _init_tp_group(config, tp_rank, device)
-        model_config = ModelConfig.from_dir(model_dir)
         pool = ReqPool.attach(config.shm_name) if tp_rank == 0 else None
         runner = ModelRunner(model_dir, model_config, torch_dtype(config.data_type.value), device, tp_rank,
                              config.tp, tp_group, num_req_rows=config.req_pool_size,

@@ -1,7 +1,9 @@
-"""ModelWeights: one tensor-parallel rank's shard of a Llama-family checkpoint, loaded from safetensors.
+"""ModelWeights: one tensor-parallel rank's shard of a checkpoint, loaded from safetensors.
 
-Called once by the worker (through `LlamaForCausalLM.load`). Each rank reads only its slices
-(`safe_open(...).get_slice`), so a rank never holds the full q/k/v or MLP matrices.
+Called once by the worker (through the model's `load`). The generic part lives here: the reader, the shard
+ranges and the weight containers. Each family module (`model_infer/models/`) names its HF tensors and says
+which ranges a rank reads. Each rank reads only its slices (`safe_open(...).get_slice`), so a rank never
+holds the full q/k/v or MLP matrices.
 
 Sharding (`TPShards` computes every range):
   q/k/v, gate/up   column-parallel: rank r keeps its heads / its I/tp rows; fused into one matrix each.
@@ -15,7 +17,6 @@ g = Hq/Hk query heads is split evenly over m consecutive ranks.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ from safetensors import safe_open
 
 if TYPE_CHECKING:
     from lightserve.kernels.linear import OneDNNLinear, PackedLinear
-    from lightserve.model_infer.model_config import ModelConfig
+    from lightserve.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class TPShards:
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
         if hq % tp_size != 0:
-            raise ValueError(f"tp_size {tp_size} must divide num_attention_heads {hq}")
+            raise ValueError(f"{tp_size} ranks do not divide the model's {hq} attention heads "
+                             f"(num_attention_heads; {hk} KV heads): use a divisor of {hq}")
         if config.intermediate_size % tp_size != 0:
             raise ValueError(f"tp_size {tp_size} must divide intermediate_size {config.intermediate_size}")
         if tp_size <= hk:
@@ -82,17 +84,19 @@ class TPShards:
 class LayerWeights:
     # The four projections are [N, K] tensors as loaded; a model on CPU replaces them with the same
     # weights packed for its GEMM: kernels.PackedLinear in float32, kernels.OneDNNLinear in bfloat16
-    # (see LlamaForCausalLM).
-    input_norm: torch.Tensor            # [hidden]
+    # (see models/base.py). Norm weights are stored as the multiplier: Gemma's (1 + w) is added at load.
+    input_norm: torch.Tensor            # [hidden], before attention
     qkv_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [(Hq_local + 2*Hk_local) * D, hidden]; rows q | k | v
     qkv_bias: torch.Tensor | None       # [(Hq_local + 2*Hk_local) * D]
     q_norm: torch.Tensor | None         # [D] (Qwen3)
     k_norm: torch.Tensor | None         # [D] (Qwen3)
     o_proj: torch.Tensor | PackedLinear | OneDNNLinear    # [hidden, Hq_local * D]
     o_bias: torch.Tensor | None         # [hidden], full; added once after the all-reduce
-    post_attn_norm: torch.Tensor        # [hidden]
+    post_attn_norm: torch.Tensor        # [hidden], before the MLP (HF Llama's post_attention_layernorm)
     gate_up_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [2 * I_local, hidden]; rows gate | up
     down_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [hidden, I_local]
+    attn_out_norm: torch.Tensor | None = None  # [hidden], on the attention output (Gemma)
+    mlp_out_norm: torch.Tensor | None = None   # [hidden], on the MLP output (Gemma)
 
 
 @dataclass
@@ -104,76 +108,7 @@ class ModelWeights:
     lm_head: torch.Tensor               # [Vp, hidden]; the same tensor as embed when tied
 
 
-def load_weights(
-    model_dir: str | Path,
-    config: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-    tp_rank: int = 0,
-    tp_size: int = 1,
-) -> ModelWeights:
-    """Load this rank's shard of every weight, cast to `dtype`, on `device`.
-
-    Raises ValueError for a tp_size the head counts do not allow, FileNotFoundError when the folder
-    has no *.safetensors, KeyError naming a missing tensor.
-    """
-    start = time.perf_counter()
-    shards = TPShards.for_rank(config, tp_rank, tp_size)
-    reader = _CheckpointReader(Path(model_dir), dtype, device)
-    try:
-        weights = _load(reader, config, shards)
-    finally:
-        reader.close()
-    logger.info("loaded weights (tp %d/%d, %s) in %.1fs", tp_rank, tp_size, dtype, time.perf_counter() - start)
-    return weights
-
-
-def _load(reader: _CheckpointReader, config: ModelConfig, sh: TPShards) -> ModelWeights:
-    d = config.head_dim
-    q_rows = (sh.q_head_start * d, (sh.q_head_start + sh.num_heads) * d)
-    kv_rows = (sh.kv_head_start * d, (sh.kv_head_start + sh.num_kv_heads) * d)
-    inter_rows = (sh.inter_start, sh.inter_start + sh.inter_size)
-    layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        qkv = torch.cat([
-            reader.rows(attn + "q_proj.weight", *q_rows),
-            reader.rows(attn + "k_proj.weight", *kv_rows),
-            reader.rows(attn + "v_proj.weight", *kv_rows),
-        ])
-        qkv_bias = None
-        if config.qkv_bias:
-            qkv_bias = torch.cat([
-                reader.rows(attn + "q_proj.bias", *q_rows),
-                reader.rows(attn + "k_proj.bias", *kv_rows),
-                reader.rows(attn + "v_proj.bias", *kv_rows),
-            ])
-        layers.append(LayerWeights(
-            input_norm=reader.full(p + "input_layernorm.weight"),
-            qkv_proj=qkv,
-            qkv_bias=qkv_bias,
-            q_norm=reader.full(attn + "q_norm.weight") if config.qk_norm else None,
-            k_norm=reader.full(attn + "k_norm.weight") if config.qk_norm else None,
-            o_proj=reader.cols(attn + "o_proj.weight", *q_rows),
-            o_bias=reader.full(attn + "o_proj.bias") if config.o_bias else None,
-            post_attn_norm=reader.full(p + "post_attention_layernorm.weight"),
-            gate_up_proj=torch.cat([
-                reader.rows(mlp + "gate_proj.weight", *inter_rows),
-                reader.rows(mlp + "up_proj.weight", *inter_rows),
-            ]),
-            down_proj=reader.cols(mlp + "down_proj.weight", *inter_rows),
-        ))
-    embed = _vocab_rows(reader, "model.embed_tokens.weight", config, sh)
-    # NOTE: a checkpoint without lm_head.weight is tied whatever its config says.
-    tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
-    lm_head = embed if tied else _vocab_rows(reader, "lm_head.weight", config, sh)
-    return ModelWeights(
-        shards=sh, embed=embed, layers=layers, final_norm=reader.full("model.norm.weight"), lm_head=lm_head
-    )
-
-
-def _vocab_rows(reader: _CheckpointReader, name: str, config: ModelConfig, sh: TPShards) -> torch.Tensor:
+def vocab_rows(reader: CheckpointReader, name: str, config: ModelConfig, sh: TPShards) -> torch.Tensor:
     if sh.tp_size == 1:
         return reader.full(name)  # [V, hidden]
     end = min(sh.vocab_start + sh.vocab_per_rank, config.vocab_size)
@@ -185,7 +120,7 @@ def _vocab_rows(reader: _CheckpointReader, name: str, config: ModelConfig, sh: T
     return padded
 
 
-class _CheckpointReader:
+class CheckpointReader:
     """Reads tensors, or row/column ranges of them, from all *.safetensors files of a folder."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -199,11 +134,19 @@ class _CheckpointReader:
     def has(self, name: str) -> bool:
         return name in self._where
 
-    def full(self, name: str) -> torch.Tensor:
-        return self._cast(self._handle(name).get_tensor(name))
+    def full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor, in the model dtype or in `dtype` (for math before the cast)."""
+        t = self._handle(name).get_tensor(name)
+        if dtype is not None:
+            return t.to(device=self.device, dtype=dtype).contiguous()
+        return self._cast(t)
 
     def rows(self, name: str, start: int, end: int) -> torch.Tensor:
         return self._cast(self._handle(name).get_slice(name)[start:end])
+
+    def row_ranges(self, name: str, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """Rows [a, b) of each range, concatenated (the pieces of a fused projection one rank owns)."""
+        return torch.cat([self.rows(name, a, b) for a, b in ranges])
 
     def cols(self, name: str, start: int, end: int) -> torch.Tensor:
         return self._cast(self._handle(name).get_slice(name)[:, start:end])

@@ -22,7 +22,9 @@ STEP_POLL_MS = 100
 STATS_LOG_S = 10.0
 
 
-def run_router(config: ServerConfig, kv_size: int, ready: Connection) -> None:
+def run_router(config: ServerConfig, ready: Connection) -> None:
+    """`config`: resolved and started (its kv_size is the workers' agreed KV size)."""
+    kv_size = config.kv_size
     with child_process("router", config, ready) as stop:
         pool = ReqPool.attach(config.shm_name)
         ctx = zmq.Context()

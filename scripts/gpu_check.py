@@ -124,12 +124,13 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 def cmd_runner(args: argparse.Namespace) -> int:
-    from lightserve.model_infer.model_config import ModelConfig
+    from lightserve.model_infer.forward_batch import make_forward_batch
     from lightserve.model_infer.model_runner import ModelRunner
+    from lightserve.model_infer.models import read_model_config
 
     shapes = Shapes.for_device(args.device)
     device, dtype = torch.device(args.device), _dtype(args.device)
-    cfg = ModelConfig.from_dir(args.model)
+    cfg = read_model_config(args.model)
     lens = (shapes.prefill_len, *shapes.extra_prompts)
     max_len = shapes.prefill_len + shapes.decode_steps + 8
     # One spare request row, so the graphs are captured at 1, 2 and 4 and the 3 decoding requests replay padded.
@@ -153,7 +154,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
             seqs[r].append(int(ours[r][-1].argmax()))
         rows = list(range(len(seqs)))
         plan = _plan(rows, [len(s) - 1 for s in seqs], [[s[-1]] for s in seqs], max_len, sample=[True] * len(seqs))
-        batch = runner._make_batch(plan)
+        batch = make_forward_batch(plan, runner.kv_cache.req_to_token, runner.staging)
         graphs = runner.graph_runner
         if graphs is not None and graphs.can_run(batch):
             # The replay against an eager forward of the same padded inputs: same kernels, same shapes.
@@ -277,13 +278,13 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_timings(args: argparse.Namespace) -> int:
     from lightserve.kernels.decode_attention import decode_attention_triton
-    from lightserve.model_infer.model_config import ModelConfig
     from lightserve.model_infer.model_runner import ModelRunner
+    from lightserve.model_infer.models import read_model_config
 
     shapes = Shapes.for_device(args.device)
     device, dtype = torch.device(args.device), _dtype(args.device)
     cuda = device.type == "cuda"
-    cfg = ModelConfig.from_dir(args.model)
+    cfg = read_model_config(args.model)
     max_batch, max_ctx = max(shapes.batches), max(max(shapes.contexts), shapes.timing_prefill)
     row_len = max_ctx + 8
     t0 = time.perf_counter()
@@ -342,7 +343,9 @@ def _time_decode(runner, batch: int, ctx: int, row_len: int, steps: int, attenti
 
 def _forward_only_s(runner, plan, steps: int) -> float:
     """The forward alone: graph replays (or eager forwards) of the step's batch, back to back."""
-    batch = runner._make_batch(plan)
+    from lightserve.model_infer.forward_batch import make_forward_batch
+
+    batch = make_forward_batch(plan, runner.kv_cache.req_to_token, runner.staging)
     graphs = runner.graph_runner
     if graphs is not None and graphs.can_run(batch):
         graphs.inputs.load(batch, _size(graphs, batch))

@@ -35,8 +35,9 @@ from lightserve.config import AdmissionPolicy
 from lightserve.engine_procs import preload_tcmalloc
 from lightserve.kernels.cpu import library
 from lightserve.messages import decode, encode
-from lightserve.model_infer.model_config import ModelConfig
+from lightserve.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
+from lightserve.model_infer.models import read_model_config
 from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.model_prep import ensure_default_model
 from lightserve.router.admission import Admission
@@ -147,7 +148,7 @@ def main() -> None:
     _rerun_under_tcmalloc()
     torch.set_num_threads(args.threads)
     model_dir = str(ensure_default_model())
-    mc = ModelConfig.from_dir(model_dir)
+    mc = read_model_config(model_dir)
     b, ctx = args.batch, args.context
     if args.prefix and not args.prefill:
         ap.error("--prefix needs --prefill")

@@ -23,17 +23,16 @@ LIBRARIES = ("lightserve.shm", "lightserve.kernels")
 # The words every process shares: settings, messages, sampling params, logging, the child-process
 # harness and the debug knobs. (config names the tool/reasoning parsers to validate its flags; rank 0's
 # grammar waits out the reasoning by the reasoning parser's own tags and rule.)
+# lightserve.model_config: the model facts, read once by the launcher and carried in the resolved config.
 SHARED = frozenset({"lightserve", "lightserve.config", "lightserve.messages", "lightserve.sampling", "lightserve.log",
-                    "lightserve.procutil", "lightserve.envs", "lightserve.reasoning_parsers"})
+                    "lightserve.procutil", "lightserve.envs", "lightserve.reasoning_parsers",
+                    "lightserve.model_config"})
 # Launcher-side modules of lightserve/ that import a process folder's module, and why: the launcher
-# starts each process's entry function, and sizes the launch from the model folder (its config and
-# the shard sizes of its weights) before any process runs.
+# starts each process's entry function, and reads the model folder through its family's module (the
+# config, and whether --tp can split the weights) before any process runs.
 LAUNCHER_IMPORTS = {
     "lightserve.engine_procs": {"lightserve.router.process", "lightserve.model_infer.process",
-                                "lightserve.detokenizer.process", "lightserve.model_infer.model_config",
-                                "lightserve.model_infer.weights"},
-    "lightserve.launch_server": {"lightserve.model_infer.model_config"},
-    "lightserve.pipeline": {"lightserve.model_infer.model_config"},
+                                "lightserve.detokenizer.process", "lightserve.model_infer.models"},
 }
 APP_MODULE = "lightserve.api_server"
 

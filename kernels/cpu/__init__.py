@@ -126,10 +126,10 @@ def load(path: Path) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
-                                     i64, i64, i64, ctypes.c_float, i32]
+                                     i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
     lib.prefill_attention.restype = ctypes.c_int
     lib.prefill_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                                      i32, i32, i32, i32, i64, i64, ctypes.c_float, i32]
+                                      i32, i32, i32, i32, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
     lib.linear_panel_width.restype = ctypes.c_int
     lib.linear_panel_width.argtypes = []
     lib.linear_packed.restype = ctypes.c_int

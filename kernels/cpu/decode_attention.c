@@ -15,6 +15,9 @@
 //   seq_lens     [B]                   int32, tokens to attend to (>= 1)
 //   out          [B, Hq, D]            q's dtype, contiguous
 // Query heads h*G .. h*G+G-1 share KV head h (G = Hq / Hk, grouped-query attention).
+// window > 0: the query (at seq_len - 1) sees only its last `window` tokens, so the tasks cover just
+// those rows. softcap > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2), one scalar pass
+// over the block's scores; with 0 the block runs exactly as before.
 //
 // Work: a task is one request's tokens [lo, hi), all heads. Requests are split into chunks when
 // there are few of them (batch 1 at 2,000 tokens is 8 tasks on 2 threads, not 1), so every thread
@@ -77,9 +80,9 @@ static inline __attribute__((always_inline)) void load_row(const void *p, int bf
 // state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi).
 // bf16, dim and group are compile-time constants in the instances below (a runtime group works too).
 static inline __attribute__((always_inline)) void attend(
-    const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo, int hi,
-    int num_kv_heads, int64_t kc_row, int64_t vc_row, float scale, float *state, const int bf16, const int dim,
-    const int group) {
+    const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo,
+    int hi, int num_kv_heads, int64_t kc_row, int64_t vc_row, float scale, float softcap, float *state,
+    const int bf16, const int dim, const int group) {
     enum { NV_MAX = MAX_DIM / VL };
     const int nv = dim / VL, esize = bf16 ? 2 : 4;
     const int gc = REG_BUDGET / nv < 1 ? 1 : REG_BUDGET / nv;  // heads per V pass
@@ -153,6 +156,8 @@ static inline __attribute__((always_inline)) void attend(
             for (int g = 0; g < group; g++) {
                 const int hg = h * group + g;
                 for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vreduce_lanes(&part[g][j0]) * scale);
+                if (softcap > 0.0f)
+                    for (int j = 0; j < BLOCK; j++) p[g][j] = tanhf(p[g][j] / softcap) * softcap;
                 float mx = m[hg];
                 for (int j = 0; j < n; j++) mx = p[g][j] > mx ? p[g][j] : mx;
                 alpha[g] = expf(m[hg] - mx);  // 0 on the first block: m is -inf
@@ -194,14 +199,14 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-typedef void (*task_fn)(const float *, const uint16_t *, const void *, const void *, const int32_t *, int, int, int, int64_t,
-                        int64_t, float, float *, int);
+typedef void (*task_fn)(const float *, const uint16_t *, const void *, const void *, const int32_t *, int, int, int,
+                        int64_t, int64_t, float, float, float *, int);
 
 #define TASK(BF, DIM, G)                                                                                  \
     static void task_##BF##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc, const int32_t *locs, \
                                         int lo, int hi, int hk, int64_t kc_row, int64_t vc_row, float scale,  \
-                                        float *state, int group) {                                        \
-        attend(qp, qb, kc, vc, locs, lo, hi, hk, kc_row, vc_row, scale, state, BF, DIM, G ? G : group);      \
+                                        float softcap, float *state, int group) {                         \
+        attend(qp, qb, kc, vc, locs, lo, hi, hk, kc_row, vc_row, scale, softcap, state, BF, DIM, G ? G : group); \
     }
 // Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
 #define TASKS(BF, DIM) TASK(BF, DIM, 0) TASK(BF, DIM, 1) TASK(BF, DIM, 2) TASK(BF, DIM, 3) TASK(BF, DIM, 4) \
@@ -223,16 +228,19 @@ static int longest_first(const void *a, const void *b) {
 int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
                      const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
-                     int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int num_threads) {
+                     int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int window, float softcap,
+                     int num_threads) {
     int group = num_heads / num_kv_heads;
     if (group > MAX_GROUP || num_heads > MAX_HEADS || (dim != 64 && dim != 128)) return -1;
+    // Request b reads its tokens [lo_b, seq_lens[b]): all of them, or the window's.
+#define WINDOW_LO(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
     // Chunk so that there are ~4 tasks per thread when requests are few, never under MIN_CHUNK tokens.
     int64_t total = 0;
-    for (int b = 0; b < batch; b++) total += seq_lens[b];
+    for (int b = 0; b < batch; b++) total += seq_lens[b] - WINDOW_LO(b);
     int64_t chunk = (total + 4 * num_threads - 1) / (4 * num_threads);
     chunk = chunk < MIN_CHUNK ? MIN_CHUNK : (chunk + BLOCK - 1) / BLOCK * BLOCK;
     int num_tasks = 0;
-    for (int b = 0; b < batch; b++) num_tasks += (int)((seq_lens[b] + chunk - 1) / chunk);
+    for (int b = 0; b < batch; b++) num_tasks += (int)((seq_lens[b] - WINDOW_LO(b) + chunk - 1) / chunk);
     const int64_t state_len = (int64_t)num_heads * (dim + 2);
     Task *tasks = malloc(sizeof(Task) * (size_t)num_tasks);
     int *first = malloc(sizeof(int) * (size_t)(batch + 1));  // request b's tasks: [first[b], first[b+1])
@@ -244,7 +252,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
     }
     for (int b = 0, t = 0; b < batch; b++) {
         first[b] = t;
-        for (int lo = 0; lo < seq_lens[b]; lo += (int)chunk, t++)
+        for (int lo = WINDOW_LO(b); lo < seq_lens[b]; lo += (int)chunk, t++)
             tasks[t] = (Task){b, lo, lo + (int)chunk < seq_lens[b] ? lo + (int)chunk : seq_lens[b]};
     }
     first[batch] = num_tasks;
@@ -277,9 +285,9 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                     memcpy(qb + hg * dim, (const uint16_t *)q + (int64_t)b * q_tok + (int64_t)hg * q_head,
                            sizeof(uint16_t) * dim);
             // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
-            int slot = first[b] + (int)(tk.lo / chunk);
-            fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi, num_kv_heads,
-               kc_row, vc_row, scale, state + slot * state_len, group);
+            int slot = first[b] + (int)((tk.lo - WINDOW_LO(b)) / chunk);
+            fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi,
+               num_kv_heads, kc_row, vc_row, scale, softcap, state + slot * state_len, group);
         }
         // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).
 #pragma omp for schedule(static)
@@ -311,4 +319,5 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
     }
     free(tasks), free(first), free(state), free(order);
     return 0;
+#undef WINDOW_LO
 }

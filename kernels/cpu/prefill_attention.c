@@ -15,7 +15,10 @@
 //   req_to_token [num_rows, max_len] int32, row stride r2t_row
 //   req_rows, q_start, prefix_lens, extend_lens  [B] int32
 //   out          [T, Hq, D]          q's dtype, contiguous
-// New token i of request b (q row q_start[b] + i) attends to the request's tokens 0 .. prefix_lens[b] + i.
+// New token i of request b (q row q_start[b] + i) attends to the request's tokens 0 .. prefix_lens[b] + i;
+// with window > 0 only to the last `window` of them (a task then starts at its first row's first key).
+// softcap > 0: scores s become softcap * tanh(s / softcap) before the mask (Gemma 2). Both are off at 0,
+// which leaves the loops as they were.
 // Query heads h*G .. h*G+G-1 share KV head h.
 //
 // One task = (request, KV head, block of BQ new tokens). Its R = BQ * G query rows (token-major:
@@ -97,6 +100,8 @@ typedef struct {
     int num_heads, dim, group, bq;
     int64_t q_tok, q_head, kc_row, vc_row, r2t_row;
     float scale;
+    int window;
+    float softcap;
 } Args;
 
 typedef struct {
@@ -131,8 +136,12 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
     }
     memset(s->o, 0, sizeof(float) * (size_t)RP * dim);
     const int kv_end = prefix + t0 + nt;  // keys past the block's last token are never loaded
+    // Keys before the first row's window are never loaded either. Each row's own first key then lies in
+    // the first block (it is kv_start + its token index < bq <= TARGET_R < BN), so m is finite from there on.
+    const int win = a->window;
+    const int kv_start = win > 0 && prefix + t0 + 1 > win ? prefix + t0 + 1 - win : 0;
     const float *kr[BN + KT], *vr[BN];
-    for (int n0 = 0; n0 < kv_end; n0 += BN) {
+    for (int n0 = kv_start; n0 < kv_end; n0 += BN) {
         const int nb = kv_end - n0 < BN ? kv_end - n0 : BN;
         for (int j = 0; j < nb; j++) {
             int64_t loc = locs[n0 + j];
@@ -152,11 +161,22 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
         for (int j0 = 0; j0 < nb; j0 += KT)
             for (int r0 = 0; r0 < RP; r0 += 16)
                 score_tile(kr + j0, s->qt + r0, MAXR, dim, s->st + j0 * MAXR + r0, MAXR);
+        if (a->softcap > 0.0f) {
+            const float cap = a->softcap;
+            for (int j = 0; j < nb; j++)
+                for (int r = 0; r < RP; r++) s->st[j * MAXR + r] = tanhf(s->st[j * MAXR + r] / cap) * cap;
+        }
         // Causal mask: only the keys past the block's first token position can be hidden.
         const int masked_from = prefix + t0 + 1 - n0;  // keys j >= this are hidden from some row
         for (int j = masked_from > 0 ? masked_from : 0; j < nb; j++)
             for (int r = 0; r < RP; r++)
                 if (n0 + j > pos[r]) s->st[j * MAXR + r] = -INFINITY;
+        if (win > 0) {  // window: keys at or before pos - window are hidden; only below the last row's edge
+            const int edge = prefix + t0 + nt - win - n0;  // keys j <= edge are hidden from some row
+            for (int j = 0; j < nb && j <= edge; j++)
+                for (int r = 0; r < RP; r++)
+                    if (n0 + j <= pos[r] - win) s->st[j * MAXR + r] = -INFINITY;
+        }
         // Online softmax down each row. Key 0 is visible to every row, so m is finite from the
         // first block on; a row whose keys in a later block are all hidden gets P = 0 there.
         float mx[MAXR];
@@ -213,7 +233,7 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
                       const int32_t *req_rows, const int32_t *q_start, const int32_t *prefix_lens,
                       const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
-                      float scale, int num_threads) {
+                      float scale, int window, float softcap, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || dim % 16 != 0 || dim > MAX_DIM)
         return -1;
     const int group = num_heads / num_kv_heads;
@@ -221,7 +241,7 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;
     Args a = {q, k_cache, v_cache, kv_bf16, act_bf16, req_to_token, req_rows, q_start, prefix_lens, extend_lens, out,
-              num_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, r2t_row, scale};
+              num_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, r2t_row, scale, window, softcap};
     // Tasks, the longest first (the last token block of each request sees the most keys), so the
     // dynamic schedule does not end with one long task on one thread.
     int64_t ntasks = 0;
@@ -233,7 +253,8 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
     for (int b = 0; b < batch; b++)
         for (int t0 = 0; t0 < extend_lens[b]; t0 += bq)
             for (int h = 0; h < num_kv_heads; h++, n++)
-                tasks[n] = (Task){(int64_t)prefix_lens[b] + t0, b, h, t0};
+                tasks[n] = (Task){window > 0 && prefix_lens[b] + t0 > window ? window : (int64_t)prefix_lens[b] + t0,
+                                  b, h, t0};
     qsort(tasks, ntasks, sizeof(Task), by_cost_desc);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)

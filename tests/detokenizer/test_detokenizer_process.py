@@ -76,7 +76,7 @@ def test_detokenizer_state_without_sockets(smol_tokenizer):
 
 @pytest.mark.timeout(300)
 def test_detokenizer_process(smol_dir, smol_tokenizer):
-    config = ServerConfig(log_level="warning")
+    config = ServerConfig(log_level="warning", model_dir=str(smol_dir))
     pool = ReqPool.create(config.shm_name, num_slots=4, max_len=128)
     ctx = zmq.Context()
     front, router, rank0 = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -85,7 +85,7 @@ def test_detokenizer_process(smol_dir, smol_tokenizer):
     rank0.connect(config.detok_addr)
     mp = multiprocessing.get_context("spawn")
     ready_recv, ready_send = mp.Pipe(duplex=False)
-    proc = mp.Process(target=run_detokenizer, args=(config, str(smol_dir), ready_send), daemon=True)
+    proc = mp.Process(target=run_detokenizer, args=(config, ready_send), daemon=True)
     proc.start()
     try:
         assert ready_recv.poll(READY_TIMEOUT_S), "detokenizer did not report ready"

@@ -51,16 +51,29 @@ def make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed=0) -> KVBatch:
                    list(seq_lens))
 
 
-def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[int], sm_scale: float) -> torch.Tensor:
-    """Dense float64 softmax attention of q [n, Hq, D] (at positions) over request req's tokens; causal."""
+def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[int], sm_scale: float,
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Dense float64 softmax attention of q [n, Hq, D] (at positions) over request req's tokens; causal, and
+    with window > 0 limited to the last `window` keys; with softcap > 0 scores are softcap * tanh(s / softcap)."""
     locs = batch.req_to_token[batch.req_rows[req], :batch.seq_lens[req]].long()
     group = q.shape[1] // batch.k_cache.shape[1]
     k = batch.k_cache[locs].double().repeat_interleave(group, dim=1)  # [L, Hq, D]; head h uses KV head h // group
     v = batch.v_cache[locs].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * sm_scale  # [Hq, n, L]
-    visible = torch.arange(len(locs), device=q.device)[None, :] <= torch.tensor(positions, device=q.device)[:, None]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    key_pos = torch.arange(len(locs), device=q.device)[None, :]
+    query_pos = torch.tensor(positions, device=q.device)[:, None]
+    visible = key_pos <= query_pos
+    if window > 0:
+        visible &= key_pos > query_pos - window
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v)  # [n, Hq, D]
+
+
+# (window, softcap) variants of the attention kernels: a window shorter than most requests, one longer than
+# some, a softcap with scores that reach it (sm_scale is raised in those cases), and both together.
+VARIANTS = [(8, 0.0), (40, 0.0), (0, 1.5), (5, 2.0)]
 
 
 def portable_library():

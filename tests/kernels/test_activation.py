@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lightserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from lightserve.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref, silu_and_mul_triton
 from lightserve.kernels.cpu import variant_library
 from tests.kernels.kernel_cases import DEVICE, TOL, c_library_variants
 
@@ -45,3 +45,18 @@ def test_silu_and_mul_c_kernel_matches_reference(num_tokens, inter, dtype, varia
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
     torch.testing.assert_close(out, silu_and_mul_ref(x), **tol)
     assert silu_and_mul_cpu(x.double()) is None
+
+
+@pytest.mark.parametrize("num_tokens, inter", [(1, 64), (5, 100)])
+@pytest.mark.parametrize("dtype", TOL)
+def test_gelu_tanh_and_mul_triton_matches_reference(num_tokens, inter, dtype):
+    x = torch.randn(num_tokens, 2 * inter, dtype=dtype, device=DEVICE) * 4
+    x[0, 0], x[0, 1] = -60.0, 60.0  # tanh's saturated ends
+    torch.testing.assert_close(silu_and_mul_triton(x, gelu=True), gelu_tanh_and_mul_ref(x), **TOL[dtype])
+
+
+def test_gelu_tanh_reference_is_the_tanh_formula():
+    x = torch.randn(4, 2 * 32, dtype=torch.float64) * 3
+    gate, up = x[:, :32], x[:, 32:]
+    expect = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3))) * up
+    torch.testing.assert_close(gelu_tanh_and_mul_ref(x), expect)

@@ -16,6 +16,7 @@ from tests.kernels.kernel_cases import (
     HEAD_LAYOUTS,
     KERNEL_CASES,
     TOL,
+    VARIANTS,
     c_library_variants,
     make_kv_batch,
     naive_attention,
@@ -133,3 +134,48 @@ def test_cpu_kernel_declines_what_it_does_not_support():
     batch, q, meta = _decode_case([5, 9], 4, 1, 80, torch.float32)  # head_dim 80: not compiled in
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
     assert decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu) is None
+
+
+W_SEQ_LENS = [1, 23, 70, 8, 300]  # shorter than, equal to and longer than the windows; 300: several C chunks
+
+
+def _variant_meta(meta, window, softcap):
+    scale = meta["sm_scale"] * (8.0 if softcap else 1.0)  # scores that reach the cap
+    return {**meta, "sm_scale": scale, "window": window, "softcap": softcap}
+
+
+@pytest.mark.parametrize("window, softcap", VARIANTS)
+def test_reference_window_and_softcap_match_naive_attention(window, softcap):
+    batch, q, meta = _decode_case(W_SEQ_LENS, 4, 2, 64, torch.float32)
+    meta = _variant_meta(meta, window, softcap)
+    out = decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta)
+    for req, seq_len in enumerate(W_SEQ_LENS):
+        expect = naive_attention(batch, req, q[req:req + 1], [seq_len - 1], meta["sm_scale"], window, softcap)
+        torch.testing.assert_close(out[req:req + 1], expect.float(), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("window, softcap", VARIANTS)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [(4, 1, 64, torch.float32),
+                                                                      (2, 2, 80, torch.float16)])
+def test_decode_triton_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim, dtype):
+    batch, q, meta = _decode_case(W_SEQ_LENS, num_heads, num_kv_heads, head_dim, dtype)
+    meta = _variant_meta(meta, window, softcap)
+    out = decode_attention_triton(q, batch.k_cache, batch.v_cache, **meta, num_splits=4, block_n=16)
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("window, softcap", VARIANTS)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [
+    (9, 3, 64, torch.float32), (8, 1, 128, torch.bfloat16),
+])
+def test_cpu_kernel_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim, dtype,
+                                                       variant):
+    lib = variant_library(variant)
+    batch, q, meta = _decode_case(W_SEQ_LENS, num_heads, num_kv_heads, head_dim, dtype)
+    meta = _variant_meta(meta, window, softcap)
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
+    out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
+    assert out is not None
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])

@@ -15,6 +15,7 @@ from tests.kernels.kernel_cases import (
     HEAD_LAYOUTS,
     KERNEL_CASES,
     TOL,
+    VARIANTS,
     c_library_variants,
     make_kv_batch,
     naive_attention,
@@ -122,3 +123,54 @@ def test_cpu_kernel_declines_what_it_does_not_support():
     # and the dispatch falls back to the reference
     torch.testing.assert_close(prefill_attention(q, batch.k_cache, batch.v_cache, **meta),
                                prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta))
+
+
+# Window and softcap: a fresh prompt longer than the window, a prefix longer than the window, a window that
+# starts inside a cached prefix, a 1-token extend; the query blocks of 16 and 48 rows cross window edges.
+W_REQS = [(0, 70), (50, 20), (3, 9), (33, 1)]
+
+
+def _variant_meta(meta, window, softcap):
+    # A softcap only matters where scores reach it: scale them up so that tanh saturates for some keys.
+    scale = meta["sm_scale"] * (8.0 if softcap else 1.0)
+    return {**meta, "sm_scale": scale, "window": window, "softcap": softcap}
+
+
+@pytest.mark.parametrize("window, softcap", VARIANTS)
+def test_reference_window_and_softcap_match_naive_attention(window, softcap):
+    batch, q, meta = _prefill_case(W_REQS, 4, 2, 64, torch.float32)
+    meta = _variant_meta(meta, window, softcap)
+    out = prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta)
+    start = 0
+    for req, (prefix_len, extend_len) in enumerate(W_REQS):
+        positions = list(range(prefix_len, prefix_len + extend_len))
+        expect = naive_attention(batch, req, q[start:start + extend_len], positions, meta["sm_scale"], window, softcap)
+        torch.testing.assert_close(out[start:start + extend_len], expect.float(), **TOL[torch.float32])
+        start += extend_len
+
+
+@pytest.mark.parametrize("window, softcap", VARIANTS)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [(4, 1, 64, torch.float32),
+                                                                      (2, 2, 80, torch.float16)])
+def test_prefill_triton_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim, dtype):
+    batch, q, meta = _prefill_case(W_REQS, num_heads, num_kv_heads, head_dim, dtype)
+    meta = _variant_meta(meta, window, softcap)
+    out = prefill_attention_triton(q, batch.k_cache, batch.v_cache, **meta, block_m=32, block_n=16)
+    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("window, softcap", VARIANTS)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [
+    (9, 3, 64, torch.float32), (2, 2, 64, torch.float32), (4, 1, 128, torch.bfloat16),
+])
+def test_cpu_kernel_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim, dtype,
+                                                       variant):
+    lib = variant_library(variant)
+    batch, q, meta = _prefill_case(C_REQS, num_heads, num_kv_heads, head_dim, dtype)
+    meta = _variant_meta(meta, window, softcap)
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
+    out = prefill_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
+    assert out is not None
+    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])

@@ -1,22 +1,28 @@
 """A minimal stand-in for the worker process, for the model tests: owns a KVCache, hands out KV rows
-in order, and turns (req_row, new token ids) lists into ForwardBatch objects."""
+in order, and turns (req_row, new token ids) lists into BatchPlans, which the worker's own
+`make_forward_batch` turns into ForwardBatch objects."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from lightserve.model_infer.forward_batch import ForwardBatch
-from lightserve.model_infer.kv_cache import KVCache, fill_req_to_token
-from lightserve.model_infer.llama import LlamaForCausalLM
+from lightserve.messages import BatchPlan
+from lightserve.model_infer.forward_batch import ForwardBatch, make_forward_batch
+from lightserve.model_infer.host_staging import HostStaging
+from lightserve.model_infer.kv_cache import KVCache
+from lightserve.model_infer.models.base import DecoderLM
 
 
 class FakeWorker:
-    def __init__(self, model: LlamaForCausalLM, num_kv_rows: int = 1024, num_req_rows: int = 8, max_len: int = 256):
+    def __init__(self, model: DecoderLM, num_kv_rows: int = 1024, num_req_rows: int = 8, max_len: int = 256):
         cfg = model.config
         self.model = model
         self.kv_cache = KVCache(cfg.num_layers, num_kv_rows, model.num_kv_heads, cfg.head_dim,
                                 num_req_rows, max_len, model.dtype, model.device)
+        self.staging = HostStaging(model.device)
         self.next_kv_loc = 1  # row 0 is never used, as a worker would keep it for padding
         self.kv_locs: dict[int, list[int]] = {}  # req_row -> KV row of each cached token
+        self.step_id = 0
 
     def share_prefix(self, dst_row: int, src_row: int, num_tokens: int) -> None:
         """Make request dst_row start with src_row's first num_tokens cached tokens (a prefix-cache hit)."""
@@ -30,46 +36,30 @@ class FakeWorker:
         batch = self.make_batch(items, num_decode, all_logits)
         return self.model.forward(batch, self.kv_cache)
 
-    def make_batch(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False) -> ForwardBatch:
-        input_ids, positions, kv_locs, token_rows = [], [], [], []
-        prefix_lens, extend_lens, q_start_locs = [], [], []
+    def make_plan(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False) -> BatchPlan:
+        input_ids, kv_locs, prefix_lens, extend_lens = [], [], [], []
         for row, new_ids in items:
             cached = self.kv_locs.setdefault(row, [])
             new_locs = list(range(self.next_kv_loc, self.next_kv_loc + len(new_ids)))
             self.next_kv_loc += len(new_ids)
-            q_start_locs.append(len(input_ids))
             prefix_lens.append(len(cached))
             extend_lens.append(len(new_ids))
             input_ids += new_ids
-            positions += range(len(cached), len(cached) + len(new_ids))
             kv_locs += new_locs
-            token_rows += [row] * len(new_ids)
             cached += new_locs
         assert all(n == 1 for n in extend_lens[:num_decode])
-        def long(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int64)
-
-        def i32(xs: list[int]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.int32)
-
-        fill_req_to_token(self.kv_cache, long(token_rows), long(positions), long(kv_locs))
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        if all_logits:
-            logits_indices = long(list(range(len(input_ids))))
-        else:
-            logits_indices = long([s + e - 1 for s, e in zip(q_start_locs, extend_lens)])
-        return ForwardBatch(
-            input_ids=long(input_ids),
-            positions=long(positions),
-            kv_locs=long(kv_locs),
-            req_rows=i32([row for row, _ in items]),
-            prefix_lens=i32(prefix_lens),
-            extend_lens=i32(extend_lens),
-            seq_lens=i32(seq_lens),
-            q_start_locs=i32(q_start_locs),
-            logits_indices=logits_indices,
-            num_decode=num_decode,
-            max_seq_len=max(seq_lens),
-            max_extend_len=max(extend_lens[num_decode:], default=0),
-            req_to_token=self.kv_cache.req_to_token,
+        def i32(xs):
+            return np.array(xs, dtype=np.int32)
+        num_reqs, num_tokens = len(items), len(input_ids)
+        self.step_id += 1
+        return BatchPlan(
+            step=self.step_id, shm_indices=i32([row for row, _ in items]), req_ids=np.arange(num_reqs, dtype=np.int64),
+            prefix_lens=i32(prefix_lens), extend_lens=i32(extend_lens),
+            # all_logits: no sampling rows, every token as a prompt-logprob row
+            sample=np.full(num_reqs, not all_logits), input_ids=i32(input_ids), kv_locs=i32(kv_locs),
+            num_decode=num_decode, prompt_logit_idx=np.arange(num_tokens, dtype=np.int32) if all_logits else i32([]),
         )
+
+    def make_batch(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False) -> ForwardBatch:
+        plan = self.make_plan(items, num_decode, all_logits)
+        return make_forward_batch(plan, self.kv_cache.req_to_token, self.staging)

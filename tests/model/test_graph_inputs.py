@@ -9,10 +9,10 @@ import torch
 
 from lightserve.messages import BatchPlan
 from lightserve.model_infer.cuda_graph import GraphInputs, capture_sizes
+from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
-from lightserve.model_infer.llama import LlamaForCausalLM
-from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
+from lightserve.model_infer.models import load_model_dir, read_model_config
 
 from .fake_worker import FakeWorker
 from .tiny_models import make_tiny_model
@@ -46,7 +46,7 @@ def test_every_graph_input_is_a_view_of_a_held_buffer():
 
 
 def test_padded_batch_matches_eager_and_writes_only_the_scratch_row(tiny_dir):
-    model = LlamaForCausalLM.load(tiny_dir, dtype=torch.float32)
+    model = load_model_dir(tiny_dir, dtype=torch.float32)
     worker = FakeWorker(model, num_kv_rows=256, num_req_rows=8, max_len=64)
     gen = torch.Generator().manual_seed(0)
     prompts = {row: torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist()
@@ -79,7 +79,7 @@ def test_host_staging_packs_every_array_in_order():
 
 
 def test_model_runner_builds_the_batch_of_a_mixed_plan(tiny_dir):
-    cfg = ModelConfig.from_dir(tiny_dir)
+    cfg = read_model_config(tiny_dir)
     runner = ModelRunner(str(tiny_dir), cfg, torch.float32, torch.device("cpu"), 0, 1, None,
                          num_req_rows=4, max_req_total_len=32, kv_size=64)
     # Slot 2 decodes its 6th token; slot 0 extends 3 tokens after a 4-token cached prefix filled from the plan.
@@ -90,7 +90,7 @@ def test_model_runner_builds_the_batch_of_a_mixed_plan(tiny_dir):
                      fill_rows=np.zeros(4, np.int32), fill_pos=np.arange(4, dtype=np.int32),
                      fill_locs=np.array([30, 31, 32, 33], np.int32),
                      prompt_logit_idx=np.array([1], np.int32))
-    batch = runner._make_batch(plan)
+    batch = make_forward_batch(plan, runner.kv_cache.req_to_token, runner.staging)
     assert batch.input_ids.tolist() == [11, 12, 13, 14] and batch.input_ids.dtype == torch.long
     assert batch.positions.tolist() == [5, 4, 5, 6]
     assert batch.seq_lens.tolist() == [6, 7] and batch.q_start_locs.tolist() == [0, 1]
@@ -103,7 +103,7 @@ def test_model_runner_builds_the_batch_of_a_mixed_plan(tiny_dir):
 def test_warm_up_touches_only_request_row_0_and_the_scratch_kv_row(tiny_dir):
     # On CPU the mixed step runs the C kernels and decode attention runs in the Triton interpreter: the
     # same calls a GPU makes at start, checked for what they write.
-    cfg = ModelConfig.from_dir(tiny_dir)
+    cfg = read_model_config(tiny_dir)
     runner = ModelRunner(str(tiny_dir), cfg, torch.float32, torch.device("cpu"), 0, 1, None,
                          num_req_rows=3, max_req_total_len=40, kv_size=64)
     runner.kv_cache.req_to_token[1:].fill_(7)

@@ -1,13 +1,12 @@
-"""Our LlamaForCausalLM forward against transformers' on tiny random models of every supported
-architecture: a ragged prefill, decode steps through our KV cache, and a mixed decode + extend batch."""
+"""Our forward against transformers' on tiny random models of every supported architecture (every
+family of the registry): a ragged prefill, decode steps through our KV cache, and a mixed decode + extend
+batch; the windowed models' prompts run past their window."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightserve.model_infer.llama import LlamaForCausalLM
-from lightserve.model_infer.model_config import ModelConfig
-from lightserve.model_infer.rope import build_cos_sin_cache
+from lightserve.model_infer.models import config_from_dict, load_model_dir
 
 from .fake_worker import FakeWorker
 from .tiny_models import ARCHS, make_tiny_model
@@ -21,7 +20,7 @@ def tiny(request, tmp_path_factory):
 
     model_dir = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ours = LlamaForCausalLM.load(model_dir, dtype=torch.float32)
+    ours = load_model_dir(model_dir, dtype=torch.float32)
     return hf, ours
 
 
@@ -35,7 +34,7 @@ def test_prefill_decode_and_mixed_batch_match_transformers(tiny):
     hf, ours = tiny
     gen = torch.Generator().manual_seed(0)
     vocab = ours.config.vocab_size
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 11, 1, 7)]
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 11, 1, 27)]
     worker = FakeWorker(ours)
     seqs = {row: list(p) for row, p in enumerate(prompts)}
 
@@ -69,13 +68,28 @@ def test_prefill_decode_and_mixed_batch_match_transformers(tiny):
 
 def test_rope_cache_matches_transformers_bit_for_bit(tiny):
     hf, ours = tiny
-    positions = torch.arange(ours.config.max_position_embeddings)[None]  # [1, max_pos]
+    cfg = ours.config
+    half = cfg.head_dim // 2
     x = torch.zeros(1, dtype=torch.float32)
-    cos, sin = hf.model.rotary_emb(x, positions)  # [1, max_pos, D] each
-    half = ours.config.head_dim // 2
-    cache = build_cos_sin_cache(ours.config)
-    assert torch.equal(cache[:, :half], cos[0, :, :half])
-    assert torch.equal(cache[:, half:], sin[0, :, :half])
+
+    def hf_table(positions, layer_type=None):  # [n, D]: cos then sin of HF's rotary embedding
+        args = (layer_type,) if layer_type else ()
+        cos, sin = hf.model.rotary_emb(x, torch.tensor(positions)[None], *args)  # [1, n, D] each
+        return torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1)
+
+    everywhere = list(range(cfg.max_position_embeddings))
+    if cfg.rope_type == "longrope":
+        # transformers picks the short or the long factors for a whole forward by its last position; our
+        # table is per position, so each half matches the call that covers only it.
+        split = cfg.rope_original_max_position_embeddings
+        assert torch.equal(ours.cos_sin[:split], hf_table(list(range(split))))
+        assert torch.equal(ours.cos_sin[split:], hf_table(everywhere)[split:])
+    elif cfg.rope_local_theta is not None:  # Gemma 3: the windowed layers' own base
+        assert torch.equal(ours.layer_rope[1], hf_table(everywhere, "full_attention"))
+        assert torch.equal(ours.layer_rope[0], hf_table(everywhere, "sliding_attention"))
+        assert not torch.equal(ours.layer_rope[0], ours.layer_rope[1])
+    else:
+        assert torch.equal(ours.cos_sin, hf_table(everywhere))
 
 
 def test_config_reads_old_and_new_rope_forms():
@@ -83,8 +97,8 @@ def test_config_reads_old_and_new_rope_forms():
                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 256,
                 "eos_token_id": [2, 3]}
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    old = ModelConfig.from_dict({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
-    new = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    old = config_from_dict({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **scaling}})
+    new = config_from_dict({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
     assert old == new
     assert (new.rope_type, new.rope_theta, new.rope_original_max_position_embeddings) == ("llama3", 5e5, 64)
     assert new.eos_token_ids == (2, 3) and new.head_dim == 16
@@ -92,10 +106,10 @@ def test_config_reads_old_and_new_rope_forms():
 
 def test_config_refuses_other_architectures():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
-        ModelConfig.from_dict({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4})
+        config_from_dict({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4})
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3"])
 def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
     """The bf16 CPU forward (C norms, rotary, activation and attention on bf16 activations and KV) against
     transformers in bf16: a ragged prefill and decode steps. The two round in different places (attention
@@ -105,7 +119,7 @@ def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
 
     model_dir = make_tiny_model(arch, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    ours = LlamaForCausalLM.load(model_dir, dtype=torch.bfloat16)
+    ours = load_model_dir(model_dir, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, ours.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 40, 2)]
     worker = FakeWorker(ours)

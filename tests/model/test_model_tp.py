@@ -1,15 +1,19 @@
 """Tensor parallelism on CPU with gloo: 2 ranks over a model with 1 kv head (so it is replicated)
-and an odd vocabulary (so the vocab shards are padded) give the same logits as one rank."""
+and an odd vocabulary (so the vocab shards are padded) give the same logits as one rank, for each family:
+Llama (biases), Gemma 2 (scaled embedding, soft-capped logits after the gather), Phi-3 (fused projections
+cut per rank)."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from lightserve.model_infer.llama import LlamaForCausalLM
+from lightserve.model_infer.models import load_model_dir
+from lightserve.model_infer.models.base import DecoderLM
 
 from .fake_worker import FakeWorker
 from .tiny_models import make_tiny_model
@@ -19,7 +23,7 @@ VOCAB = 131
 PROMPTS = [[5, 9, 17, 33, 2, 8, 101], [7, 7, 64], [129, 3, 11, 12, 40]]
 
 
-def _run(model: LlamaForCausalLM) -> list[torch.Tensor]:
+def _run(model: DecoderLM) -> list[torch.Tensor]:
     """A prefill of all prompts, then two decode steps."""
     worker = FakeWorker(model)
     out = [worker.step(list(enumerate(PROMPTS)), num_decode=0)]
@@ -32,7 +36,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
     try:
-        model = LlamaForCausalLM.load(model_dir, torch.float32, tp_rank=rank, tp_size=TP, tp_group=None)
+        model = load_model_dir(model_dir, torch.float32, tp_rank=rank, tp_size=TP, tp_group=None)
         logits = _run(model)
         if rank == 0:
             torch.save(logits, out_path)
@@ -46,9 +50,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tp2_logits_equal_tp1(tmp_path: Path):
-    model_dir = make_tiny_model("llama_bias", tmp_path / "model", vocab_size=VOCAB, num_key_value_heads=1)
-    expected = _run(LlamaForCausalLM.load(model_dir, torch.float32))
+@pytest.mark.parametrize("kind", ["llama_bias", "gemma2", "phi3"])
+def test_tp2_logits_equal_tp1(tmp_path: Path, kind: str):
+    model_dir = make_tiny_model(kind, tmp_path / "model", vocab_size=VOCAB, num_key_value_heads=1)
+    expected = _run(load_model_dir(model_dir, torch.float32))
 
     ctx = mp.get_context("spawn")
     out_path = tmp_path / "tp_logits.pt"

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightserve.kernels import linear  # plain or packed (CPU float32) weights
-from lightserve.model_infer.llama import LlamaForCausalLM
+from lightserve.model_infer.models import load_model_dir
 
 from .tiny_models import make_tiny_model
 
@@ -23,8 +23,8 @@ def _rank_main(rank: int, port: int, model_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
     try:
-        full = LlamaForCausalLM.load(model_dir, torch.float32)
-        part = LlamaForCausalLM.load(model_dir, torch.float32, tp_rank=rank, tp_size=TP, tp_group=None)
+        full = load_model_dir(model_dir, torch.float32)
+        part = load_model_dir(model_dir, torch.float32, tp_rank=rank, tp_size=TP, tp_group=None)
         cfg, sh = full.config, part.weights.shards
         d, tol = cfg.head_dim, {"atol": 1e-5, "rtol": 1e-5}
         gen = torch.Generator().manual_seed(0)  # same inputs on both ranks

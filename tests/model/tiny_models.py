@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "llama_bias")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "llama_bias", "mistral_window", "gemma2", "gemma3", "phi3")
+WINDOW = 8  # the sliding window of the windowed tiny models: prompts of the tests run past it
+# Gemma's head_dim is its own (64: the C decode kernel's size); layers alternate windowed and global.
+GEMMA = {"head_dim": 64, "num_hidden_layers": 4, "sliding_window": WINDOW, "query_pre_attn_scalar": 48,
+         "layer_types": ["sliding_attention", "full_attention"] * 2}
+# Phi-3's longrope: short factors below 128 positions, long ones from there (tests stay below it).
+PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+             "short_factor": [1.0 + 0.05 * i for i in range(32)], "long_factor": [1.0 + 0.4 * i for i in range(32)]}
 
 
 def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
@@ -32,6 +39,21 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
         cfg = transformers.MistralConfig(**{**common, **overrides}, sliding_window=None)
     elif kind == "llama_bias":
         cfg = transformers.LlamaConfig(**{**common, **overrides}, attention_bias=True)
+    elif kind == "mistral_window":  # Mistral v0.1: every layer windowed
+        cfg = transformers.MistralConfig(**{**common, "sliding_window": WINDOW, **overrides})
+    elif kind == "gemma2":  # soft-capping small enough to bend the scores and logits of a tiny model
+        cfg = transformers.Gemma2Config(**{**common, **GEMMA, "attn_logit_softcapping": 3.0,
+                                           "final_logit_softcapping": 8.0, **overrides})
+    elif kind == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**{**common, **GEMMA, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, **overrides})
+        cfg.architectures = ["Gemma3ForCausalLM"]
+    elif kind == "phi3":  # head_dim 64 (hidden 128, 2 heads); a window on every layer
+        cfg = transformers.Phi3Config(**{**common, "hidden_size": 128, "num_attention_heads": 2,
+                                         "num_key_value_heads": 1, "max_position_embeddings": 512,
+                                         "original_max_position_embeddings": 128, "sliding_window": WINDOW * 2,
+                                         "rope_parameters": PHI3_ROPE, **overrides})
     else:
         raise ValueError(kind)
     torch.manual_seed(zlib.crc32(kind.encode()))  # str hash() is salted per process
@@ -39,7 +61,8 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                # Gemma's norms multiply by (1 + w): the same range of multipliers
+                p.uniform_(-0.5, 0.5) if kind.startswith("gemma") else p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.15)
     model.save_pretrained(out_dir)

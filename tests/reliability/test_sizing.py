@@ -25,12 +25,12 @@ def short_context_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("flag, expected", [(None, DEFAULT_MAX_REQ_TOTAL_LEN), (40000, 40000), (10**6, 131072)])
 def test_long_context_model_gets_a_capped_default(long_context_dir, flag, expected):
-    config, _ = resolve_config(ServerConfig(model_dir=str(long_context_dir), device=Device.CPU, max_req_total_len=flag))
+    config = resolve_config(ServerConfig(model_dir=str(long_context_dir), device=Device.CPU, max_req_total_len=flag))
     assert config.max_req_total_len == expected
 
 
 def test_short_context_model_keeps_its_own_maximum(short_context_dir):
-    config, _ = resolve_config(ServerConfig(model_dir=str(short_context_dir), device=Device.CPU))
+    config = resolve_config(ServerConfig(model_dir=str(short_context_dir), device=Device.CPU))
     assert config.max_req_total_len == 2048
 
 

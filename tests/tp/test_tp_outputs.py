@@ -32,5 +32,6 @@ def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lightserve.launch_server", *SERVER_FLAGS, "--tp", "2"],
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode != 0
-    assert "--tp 2 does not divide the model's 9 attention heads" in proc.stderr, proc.stderr[-2000:]
+    assert "--tp 2 cannot split this model: 2 ranks do not divide the model's 9 attention heads" in proc.stderr, \
+        proc.stderr[-2000:]
     assert "worker-tp" not in proc.stderr  # refused before any rank started

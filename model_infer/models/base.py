@@ -1,13 +1,12 @@
-"""LlamaForCausalLM: our forward for the Llama family (Llama, Mistral, Qwen2, Qwen3), one class for all.
+"""DecoderLM: the pieces every decoder family's forward is made of (vocab-parallel embedding, attention over
+the KV cache, gated MLP, lm_head with its all-gather) and the one-time packing of CPU weights.
 
-Called by the worker once per step with a ForwardBatch and its rank's KVCache. Variants are
-ModelConfig fields (biases, q/k norm, rope scaling), never subclasses. All math goes through
-`lightserve.kernels`; tp_size == 1 makes no torch.distributed call.
+Each family's `Model` subclasses it and writes `forward` (models/llama.py, models/gemma.py). All math goes
+through `lightserve.kernels`; tp_size == 1 makes no torch.distributed call.
 """
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,16 +15,18 @@ import torch.nn.functional as F
 
 from lightserve import kernels
 from lightserve.kernels.cpu import library as cpu_kernels
-from lightserve.model_infer.model_config import ModelConfig
 from lightserve.model_infer.rope import build_cos_sin_cache
-from lightserve.model_infer.weights import LayerWeights, ModelWeights, load_weights
 
 if TYPE_CHECKING:
+    from lightserve.model_config import ModelConfig
     from lightserve.model_infer.forward_batch import ForwardBatch
     from lightserve.model_infer.kv_cache import KVCache
+    from lightserve.model_infer.weights import LayerWeights, ModelWeights
+
+_ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
 
 
-class LlamaForCausalLM:
+class DecoderLM:
     def __init__(
         self,
         config: ModelConfig,
@@ -43,8 +44,14 @@ class LlamaForCausalLM:
         self.head_dim = config.head_dim
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
-        self.sm_scale = config.head_dim ** -0.5
+        self.sm_scale = config.sm_scale
+        self.act_and_mul = _ACTIVATIONS[config.hidden_act]
         self.cos_sin = build_cos_sin_cache(config, device=self.device)  # [max_pos, D] float32
+        # Per layer: its rope table (Gemma 3's windowed layers have their own base) and its window.
+        local = self.cos_sin
+        if config.rope_local_theta is not None:
+            local = build_cos_sin_cache(config, device=self.device, theta=config.rope_local_theta)
+        self.layer_rope = [local if config.window(i) else self.cos_sin for i in range(config.num_layers)]
         self.lm_head = weights.lm_head  # [Vp, hidden]
         pack = None
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
@@ -59,82 +66,57 @@ class LlamaForCausalLM:
                 weights, layers=[_pack_layer(layer, pack) for layer in weights.layers])
             self.lm_head = pack(weights.lm_head)
 
-    @classmethod
-    def load(
-        cls,
-        model_dir: str | Path,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        tp_group: dist.ProcessGroup | None = None,
-    ) -> LlamaForCausalLM:
-        """Read config.json and this rank's weight shard. Raises ValueError for an unsupported
-        architecture or a tp_size the head counts do not allow."""
-        config = ModelConfig.from_dir(model_dir)
-        weights = load_weights(model_dir, config, dtype, device, tp_rank, tp_size)
-        return cls(config, weights, tp_rank, tp_size, tp_group)
-
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step; returns [B, vocab] float32 logits of the tokens at `batch.logits_indices`.
 
         Writes this step's K/V into kv_cache at `batch.kv_locs`. Attention reads
         `batch.req_to_token` (the worker passes kv_cache.req_to_token, already filled for this step).
         """
-        cfg, w = self.config, self.weights
-        attn = _AttentionInputs.from_batch(batch)
-        hidden = self._embed(batch.input_ids)  # [T, hidden]
-        residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
-        for i, layer in enumerate(w.layers):
-            if i == 0:
-                x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            else:
-                x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            x = self._attention(layer, x, batch, attn, kv_cache.k_caches[i], kv_cache.v_caches[i])
-            x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps)
-            hidden = self._mlp(layer, x)  # [T, hidden]
-        # Only the sampled positions need the final norm and lm_head.
-        last_hidden = hidden[batch.logits_indices]  # [B, hidden]
-        last_residual = residual[batch.logits_indices]  # [B, hidden]
-        x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps)
-        return self._logits(x)
+        raise NotImplementedError
 
-    __call__ = forward
+    def __call__(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        return self.forward(batch, kv_cache)
+
+    def attention_variants(self) -> set[tuple[int, float]]:
+        """The (window, softcap) pairs the layers pass to the attention kernels (for warm-up compiles)."""
+        return {(self.config.window(i), self.config.attn_softcap) for i in range(self.config.num_layers)}
 
     def _attention(
         self,
+        i: int,
         layer: LayerWeights,
         x: torch.Tensor,
         batch: ForwardBatch,
-        attn: _AttentionInputs,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        attn: AttentionInputs,
+        kv_cache: KVCache,
     ) -> torch.Tensor:
+        """Layer i's attention block, from the normed input to the o_proj output (all-reduced)."""
         num_tokens = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        k_cache, v_cache = kv_cache.k_caches[i], kv_cache.v_caches[i]
         qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.view(num_tokens, hq, d)  # [T, Hq, D], strided view into qkv
         k = k.view(num_tokens, hk, d)  # [T, Hk, D]
         v = v.view(num_tokens, hk, d)  # [T, Hk, D]
-        if layer.q_norm is not None:  # Qwen3: RMSNorm over head_dim of every head, before rope
+        if layer.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over head_dim of every head, before rope
             q = kernels.rmsnorm(q.reshape(-1, d), layer.q_norm, self.config.rms_norm_eps).view(num_tokens, hq, d)
             k = kernels.rmsnorm(k.reshape(-1, d), layer.k_norm, self.config.rms_norm_eps).view(num_tokens, hk, d)
-        kernels.rotary_emb(q, k, batch.positions, self.cos_sin)
+        kernels.rotary_emb(q, k, batch.positions, self.layer_rope[i])
         kernels.store_kv(k, v, k_cache, v_cache, batch.kv_locs)
 
+        window, softcap = self.config.window(i), self.config.attn_softcap
         nd = batch.num_decode
         parts = []  # decode outputs first, then extend outputs: the batch's token order
         if nd > 0:
             parts.append(kernels.decode_attention(
                 q[:nd], k_cache, v_cache, batch.req_to_token, attn.decode_req_rows, attn.decode_seq_lens,
-                batch.max_seq_len, self.sm_scale,
+                batch.max_seq_len, self.sm_scale, window, softcap,
             ))  # [num_decode, Hq, D]
         if attn.has_extend:
             parts.append(kernels.prefill_attention(
                 q[nd:], k_cache, v_cache, batch.req_to_token, attn.extend_req_rows, attn.extend_q_start_locs,
-                attn.extend_prefix_lens, attn.extend_lens, batch.max_extend_len, self.sm_scale,
+                attn.extend_prefix_lens, attn.extend_lens, batch.max_extend_len, self.sm_scale, window, softcap,
             ))  # [T - num_decode, Hq, D]
         o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
         o = o.reshape(num_tokens, hq * d)  # [T, Hq * D]
@@ -148,7 +130,7 @@ class LlamaForCausalLM:
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate_up = kernels.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
-        out = kernels.linear(kernels.silu_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        out = kernels.linear(self.act_and_mul(gate_up), layer.down_proj)  # [T, hidden]
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
@@ -171,6 +153,9 @@ class LlamaForCausalLM:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
             dist.all_gather(parts, logits, group=self.tp_group)
             logits = torch.cat(parts, dim=-1)[:, : self.config.vocab_size]  # [B, V], padding dropped
+        cap = self.config.final_softcap
+        if cap > 0:  # Gemma 2, in the model dtype as HF computes it
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
 
@@ -179,7 +164,7 @@ def _pack_layer(layer: LayerWeights, pack) -> LayerWeights:
                                gate_up_proj=pack(layer.gate_up_proj), down_proj=pack(layer.down_proj))
 
 
-class _AttentionInputs:
+class AttentionInputs:
     """Per-step slices of the batch metadata, cut once per forward instead of once per layer."""
 
     __slots__ = (
@@ -193,7 +178,7 @@ class _AttentionInputs:
     )
 
     @classmethod
-    def from_batch(cls, batch: ForwardBatch) -> _AttentionInputs:
+    def from_batch(cls, batch: ForwardBatch) -> AttentionInputs:
         nd = batch.num_decode
         self = cls()
         self.decode_req_rows = batch.req_rows[:nd]  # [num_decode]

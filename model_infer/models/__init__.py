@@ -1,0 +1,118 @@
+"""The model registry: HF `architectures` names -> the family module that serves them.
+
+A family module (one file here) owns everything model-specific:
+  ARCHITECTURES                         the HF class names it serves
+  read_config(arch, cfg) -> ModelConfig  its config.json keys (raises ValueError naming what it cannot serve)
+  tp_shards(config, tp_rank, tp_size)   its tensor-parallel rules (raises ValueError when tp cannot split it)
+  read_weights(reader, config, shards)  its HF tensor names and how a rank's slices are cut
+  Model                                  its forward (a `models.base.DecoderLM`), which packs its CPU weights
+Adding a family = its module + one entry in FAMILIES. The launcher reads the config once
+(`read_model_config`) and checks the TP size (`check_tp`); the worker builds the model (`load_model`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from lightserve.log import get_logger
+from lightserve.model_infer.models import gemma, llama, phi3
+from lightserve.model_infer.weights import CheckpointReader
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+    from lightserve.model_config import ModelConfig
+    from lightserve.model_infer.models.base import DecoderLM
+    from lightserve.model_infer.weights import ModelWeights
+
+logger = get_logger(__name__)
+
+FAMILIES: tuple[ModuleType, ...] = (llama, gemma, phi3)
+
+ARCHITECTURES: dict[str, ModuleType] = {arch: family for family in FAMILIES for arch in family.ARCHITECTURES}
+# Multimodal configs keep the text model under one of these keys; their towers are not served.
+_TOWER_KEYS = ("vision_config", "audio_config", "vision_tower", "mm_tokens_per_image")
+
+
+def family_of(architecture: str) -> ModuleType:
+    """The family module of an HF architecture name; ValueError naming it when none serves it."""
+    try:
+        return ARCHITECTURES[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; lightserve serves "
+                         f"{', '.join(sorted(ARCHITECTURES))}") from None
+
+
+def config_from_dict(cfg: dict) -> ModelConfig:
+    """ModelConfig from a parsed config.json. ValueError names the unsupported architecture, tower or key."""
+    architectures = cfg.get("architectures") or []
+    arch = architectures[0] if architectures else "<none>"
+    family = family_of(arch)
+    towers = [key for key in _TOWER_KEYS if cfg.get(key) is not None]
+    if cfg.get("text_config") is not None:  # a multimodal layout, even without its tower's config
+        towers.append("text_config")
+    if towers:
+        raise ValueError(f"{arch}: multimodal checkpoints are not supported ({', '.join(towers)} found); "
+                         "lightserve serves the text model only")
+    return family.read_config(arch, cfg)
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read `<model_dir>/config.json` once; see config_from_dict."""
+    with open(Path(model_dir) / "config.json") as f:
+        return config_from_dict(json.load(f))
+
+
+def check_tp(config: ModelConfig, tp_size: int) -> None:
+    """ValueError when the family cannot split this model over tp_size ranks."""
+    family_of(config.architecture).tp_shards(config, 0, tp_size)
+
+
+def load_model(
+    config: ModelConfig,
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: dist.ProcessGroup | None = None,
+) -> DecoderLM:
+    """This rank's model: its weight shard loaded, packed for the CPU GEMMs where they run."""
+    weights = load_weights(model_dir, config, dtype, device, tp_rank, tp_size)
+    return family_of(config.architecture).Model(config, weights, tp_rank, tp_size, tp_group)
+
+
+def load_model_dir(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", tp_rank: int = 0,
+                   tp_size: int = 1, tp_group: dist.ProcessGroup | None = None) -> DecoderLM:
+    """read_model_config + load_model, for tests and scripts (the worker gets its ModelConfig from the launcher)."""
+    return load_model(read_model_config(model_dir), model_dir, dtype, device, tp_rank, tp_size, tp_group)
+
+
+def load_weights(
+    model_dir: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> ModelWeights:
+    """Load this rank's shard of every weight, cast to `dtype`, on `device`, with the family's own HF names
+    and TP rules (its `tp_shards` and `read_weights`).
+
+    Raises ValueError for a tp_size the head counts do not allow, FileNotFoundError when the folder
+    has no *.safetensors, KeyError naming a missing tensor.
+    """
+    family = family_of(config.architecture)
+    start = time.perf_counter()
+    shards = family.tp_shards(config, tp_rank, tp_size)
+    reader = CheckpointReader(Path(model_dir), dtype, device)
+    try:
+        weights = family.read_weights(reader, config, shards)
+    finally:
+        reader.close()
+    logger.info("loaded weights (tp %d/%d, %s) in %.1fs", tp_rank, tp_size, dtype, time.perf_counter() - start)
+    return weights

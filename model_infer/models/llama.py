@@ -1,0 +1,142 @@
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3, one forward for all.
+
+Variants are ModelConfig fields read here (biases, q/k norm, rope scaling, Mistral's sliding window, Qwen's
+optional one), never subclasses. Also the forward of Phi-3 (models/phi3.py reads its own checkpoints).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightserve import kernels
+from lightserve.model_config import ModelConfig
+from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
+from lightserve.model_infer.models.hf_config import base_fields, layer_windows, read_rope, refuse_keys
+from lightserve.model_infer.weights import LayerWeights, ModelWeights, TPShards, vocab_rows
+
+if TYPE_CHECKING:
+    from lightserve.model_infer.forward_batch import ForwardBatch
+    from lightserve.model_infer.kv_cache import KVCache
+    from lightserve.model_infer.weights import CheckpointReader
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# transformers' per-class defaults for keys a config.json may omit.
+_DEFAULT_HEAD_DIM = {"Qwen3ForCausalLM": 128}
+
+
+def read_config(arch: str, cfg: dict) -> ModelConfig:
+    refuse_keys(cfg, hidden_act="silu", mlp_bias=False)
+    fields = base_fields(arch, cfg, _DEFAULT_HEAD_DIM.get(arch))
+    attention_bias = bool(cfg.get("attention_bias", False))
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":  # every layer is windowed (transformers ignores Mistral's layer_types)
+        cfg = {k: v for k, v in cfg.items() if k != "layer_types"}
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not cfg.get("use_sliding_window", False):
+            window = None
+        elif window and cfg.get("layer_types") is None:  # transformers' default: layers from max_window_layers
+            first = int(cfg.get("max_window_layers", 28))
+            cfg = {**cfg, "layer_types": ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(int(cfg["num_hidden_layers"]))]}
+    return ModelConfig(
+        **fields,
+        **read_rope(cfg),
+        # Qwen2 always has q/k/v bias and no o bias; Llama and Qwen3 put attention_bias on all four;
+        # Mistral has none.
+        qkv_bias=arch == "Qwen2ForCausalLM" or (arch != "MistralForCausalLM" and attention_bias),
+        o_bias=arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and attention_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        layer_windows=layer_windows(cfg, window, fields["num_layers"]),
+    )
+
+
+def tp_shards(config: ModelConfig, tp_rank: int, tp_size: int) -> TPShards:
+    """Heads and MLP rows split evenly; KV heads split or replicated (weights.TPShards)."""
+    return TPShards.for_rank(config, tp_rank, tp_size)
+
+
+def read_weights(reader: CheckpointReader, config: ModelConfig, sh: TPShards) -> ModelWeights:
+    layers = [read_layer(reader, f"model.layers.{i}.", config, sh) for i in range(config.num_layers)]
+    return read_embeddings(reader, config, sh, layers)
+
+
+def read_layer(reader: CheckpointReader, p: str, config: ModelConfig, sh: TPShards) -> LayerWeights:
+    """One layer's q/k/v/o and gate/up/down slices under HF Llama's names (Gemma's are the same)."""
+    q_rows, kv_rows, inter_rows = _row_ranges(config, sh)
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv = torch.cat([
+        reader.rows(attn + "q_proj.weight", *q_rows),
+        reader.rows(attn + "k_proj.weight", *kv_rows),
+        reader.rows(attn + "v_proj.weight", *kv_rows),
+    ])
+    qkv_bias = None
+    if config.qkv_bias:
+        qkv_bias = torch.cat([
+            reader.rows(attn + "q_proj.bias", *q_rows),
+            reader.rows(attn + "k_proj.bias", *kv_rows),
+            reader.rows(attn + "v_proj.bias", *kv_rows),
+        ])
+    return LayerWeights(
+        input_norm=reader.full(p + "input_layernorm.weight"),
+        qkv_proj=qkv,
+        qkv_bias=qkv_bias,
+        q_norm=reader.full(attn + "q_norm.weight") if config.qk_norm else None,
+        k_norm=reader.full(attn + "k_norm.weight") if config.qk_norm else None,
+        o_proj=reader.cols(attn + "o_proj.weight", *q_rows),
+        o_bias=reader.full(attn + "o_proj.bias") if config.o_bias else None,
+        post_attn_norm=reader.full(p + "post_attention_layernorm.weight"),
+        gate_up_proj=torch.cat([
+            reader.rows(mlp + "gate_proj.weight", *inter_rows),
+            reader.rows(mlp + "up_proj.weight", *inter_rows),
+        ]),
+        down_proj=reader.cols(mlp + "down_proj.weight", *inter_rows),
+    )
+
+
+def read_embeddings(reader: CheckpointReader, config: ModelConfig, sh: TPShards,
+                    layers: list[LayerWeights]) -> ModelWeights:
+    """The embedding, final norm and lm_head under HF's names (every family so far) around `layers`."""
+    embed = vocab_rows(reader, "model.embed_tokens.weight", config, sh)
+    # NOTE: a checkpoint without lm_head.weight is tied whatever its config says.
+    tied = config.tie_word_embeddings or not reader.has("lm_head.weight")
+    lm_head = embed if tied else vocab_rows(reader, "lm_head.weight", config, sh)
+    return ModelWeights(
+        shards=sh, embed=embed, layers=layers, final_norm=reader.full("model.norm.weight"), lm_head=lm_head
+    )
+
+
+def _row_ranges(config: ModelConfig, sh: TPShards) -> tuple[tuple[int, int], ...]:
+    """This rank's rows of q, of k (and v), and of gate (and up), each within its own matrix."""
+    d = config.head_dim
+    return ((sh.q_head_start * d, (sh.q_head_start + sh.num_heads) * d),
+            (sh.kv_head_start * d, (sh.kv_head_start + sh.num_kv_heads) * d),
+            (sh.inter_start, sh.inter_start + sh.inter_size))
+
+
+class LlamaForCausalLM(DecoderLM):
+    """Pre-norm decoder: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norm."""
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        cfg, w = self.config, self.weights
+        attn = AttentionInputs.from_batch(batch)
+        hidden = self._embed(batch.input_ids)  # [T, hidden]
+        residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
+        for i, layer in enumerate(w.layers):
+            if i == 0:
+                x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            x = self._attention(i, layer, x, batch, attn, kv_cache)
+            x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps)
+            hidden = self._mlp(layer, x)  # [T, hidden]
+        # Only the sampled positions need the final norm and lm_head.
+        last_hidden = hidden[batch.logits_indices]  # [B, hidden]
+        last_residual = residual[batch.logits_indices]  # [B, hidden]
+        x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps)
+        return self._logits(x)
+
+
+Model = LlamaForCausalLM

@@ -76,7 +76,6 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
         q_start_locs=q_start_t,
         logits_indices=logits_idx_t.long(),
         num_decode=nd,
-        num_decode_tokens=nd,
         max_seq_len=int(seq_lens.max()),
         max_extend_len=int(extend[nd:].max()) if extend.shape[0] > nd else 0,
         req_to_token=req_to_token,

@@ -157,7 +157,7 @@ class MLAAttention:
         if batch.num_reqs > nd:
             parts.append(mla_prefill_attention(
                 q_nope[nd:], q_pe[nd:], latent_cache, w.kv_b_proj, cfg.v_head_dim, batch.req_to_token,
-                batch.req_rows[nd:], batch.q_start_locs[nd:] - batch.num_decode_tokens, batch.prefix_lens[nd:],
+                batch.req_rows[nd:], batch.q_start_locs[nd:] - nd, batch.prefix_lens[nd:],
                 batch.extend_lens[nd:], self.sm_scale))  # [T - num_decode, H, Dv]
         o = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(num_tokens, heads * cfg.v_head_dim)
         if self.tp_size == 1:

@@ -77,7 +77,7 @@ def _step(cache, cached, items, num_decode):
         req_rows=i32([r for r, _, _ in items]), prefix_lens=i32(prefix), extend_lens=i32(extend),
         seq_lens=i32(seq_lens), q_start_locs=i32(q_start),
         logits_indices=i64([s + e - 1 for s, e in zip(q_start, extend)]),
-        num_decode=num_decode, num_decode_tokens=num_decode, max_seq_len=max(seq_lens),
+        num_decode=num_decode, max_seq_len=max(seq_lens),
         max_extend_len=max(extend[num_decode:], default=0), req_to_token=cache.req_to_token)
 
 

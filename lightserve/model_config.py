@@ -45,6 +45,12 @@ class ModelConfig:
     final_softcap: float = 0.0       # Gemma 2: the same on the logits
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE); num_experts == 0 for a dense model.
+    num_experts: int = 0             # routed experts of each MoE layer
+    num_experts_per_tok: int = 0     # top-k
+    moe_intermediate_size: int = 0   # of one expert (intermediate_size stays the dense MLP's)
+    norm_topk_prob: bool = False     # renormalize the top-k routing weights to sum to 1
+    moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others run the dense MLP
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:

@@ -27,6 +27,7 @@ from safetensors import safe_open
 if TYPE_CHECKING:
     from lightserve.kernels.linear import OneDNNLinear, PackedLinear
     from lightserve.model_config import ModelConfig
+    from lightserve.model_infer.moe_layers import MoEWeights
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,11 @@ class LayerWeights:
     o_proj: torch.Tensor | PackedLinear | OneDNNLinear    # [hidden, Hq_local * D]
     o_bias: torch.Tensor | None         # [hidden], full; added once after the all-reduce
     post_attn_norm: torch.Tensor        # [hidden], before the MLP (HF Llama's post_attention_layernorm)
-    gate_up_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [2 * I_local, hidden]; rows gate | up
-    down_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [hidden, I_local]
+    gate_up_proj: torch.Tensor | PackedLinear | OneDNNLinear | None  # [2 * I_local, hidden]; rows gate | up
+    down_proj: torch.Tensor | PackedLinear | OneDNNLinear | None  # [hidden, I_local]; both None on a MoE layer
     attn_out_norm: torch.Tensor | None = None  # [hidden], on the attention output (Gemma)
     mlp_out_norm: torch.Tensor | None = None   # [hidden], on the MLP output (Gemma)
+    moe: MoEWeights | None = None              # a MoE layer's router and experts (models/moe.py), instead of the MLP
 
 
 @dataclass

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from lightserve.log import get_logger
-from lightserve.model_infer.models import gemma, llama, phi3
+from lightserve.model_infer.models import gemma, llama, moe, phi3
 from lightserve.model_infer.weights import CheckpointReader
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-FAMILIES: tuple[ModuleType, ...] = (llama, gemma, phi3)
+FAMILIES: tuple[ModuleType, ...] = (llama, gemma, phi3, moe)
 
 ARCHITECTURES: dict[str, ModuleType] = {arch: family for family in FAMILIES for arch in family.ARCHITECTURES}
 # Multimodal configs keep the text model under one of these keys; their towers are not served.

@@ -160,8 +160,11 @@ class DecoderLM:
 
 
 def _pack_layer(layer: LayerWeights, pack) -> LayerWeights:
-    return dataclasses.replace(layer, qkv_proj=pack(layer.qkv_proj), o_proj=pack(layer.o_proj),
-                               gate_up_proj=pack(layer.gate_up_proj), down_proj=pack(layer.down_proj))
+    """The layer with its projections packed; a MoE layer has no dense MLP (its MoEBlock packs the experts)."""
+    layer = dataclasses.replace(layer, qkv_proj=pack(layer.qkv_proj), o_proj=pack(layer.o_proj))
+    if layer.gate_up_proj is None:
+        return layer
+    return dataclasses.replace(layer, gate_up_proj=pack(layer.gate_up_proj), down_proj=pack(layer.down_proj))
 
 
 class AttentionInputs:

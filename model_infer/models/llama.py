@@ -62,10 +62,11 @@ def read_weights(reader: CheckpointReader, config: ModelConfig, sh: TPShards) ->
     return read_embeddings(reader, config, sh, layers)
 
 
-def read_layer(reader: CheckpointReader, p: str, config: ModelConfig, sh: TPShards) -> LayerWeights:
-    """One layer's q/k/v/o and gate/up/down slices under HF Llama's names (Gemma's are the same)."""
+def read_layer(reader: CheckpointReader, p: str, config: ModelConfig, sh: TPShards, mlp: bool = True) -> LayerWeights:
+    """One layer's q/k/v/o and gate/up/down slices under HF Llama's names (Gemma's are the same).
+    mlp=False: the attention and norms only (a MoE layer, whose experts models/moe.py reads)."""
     q_rows, kv_rows, inter_rows = _row_ranges(config, sh)
-    attn, mlp = p + "self_attn.", p + "mlp."
+    attn, ffn = p + "self_attn.", p + "mlp."
     qkv = torch.cat([
         reader.rows(attn + "q_proj.weight", *q_rows),
         reader.rows(attn + "k_proj.weight", *kv_rows),
@@ -88,10 +89,10 @@ def read_layer(reader: CheckpointReader, p: str, config: ModelConfig, sh: TPShar
         o_bias=reader.full(attn + "o_proj.bias") if config.o_bias else None,
         post_attn_norm=reader.full(p + "post_attention_layernorm.weight"),
         gate_up_proj=torch.cat([
-            reader.rows(mlp + "gate_proj.weight", *inter_rows),
-            reader.rows(mlp + "up_proj.weight", *inter_rows),
-        ]),
-        down_proj=reader.cols(mlp + "down_proj.weight", *inter_rows),
+            reader.rows(ffn + "gate_proj.weight", *inter_rows),
+            reader.rows(ffn + "up_proj.weight", *inter_rows),
+        ]) if mlp else None,
+        down_proj=reader.cols(ffn + "down_proj.weight", *inter_rows) if mlp else None,
     )
 
 
@@ -131,12 +132,16 @@ class LlamaForCausalLM(DecoderLM):
                 x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             x = self._attention(i, layer, x, batch, attn, kv_cache)
             x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps)
-            hidden = self._mlp(layer, x)  # [T, hidden]
+            hidden = self._ffn(i, layer, x)  # [T, hidden]
         # Only the sampled positions need the final norm and lm_head.
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]
         x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps)
         return self._logits(x)
+
+    def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's feed-forward block on the normed hidden states, all-reduced (models/moe.py: its experts)."""
+        return self._mlp(layer, x)
 
 
 Model = LlamaForCausalLM

@@ -109,7 +109,7 @@ def test_config_refuses_other_architectures():
         config_from_dict({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4})
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe"])
 def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
     """The bf16 CPU forward (C norms, rotary, activation and attention on bf16 activations and KV) against
     transformers in bf16: a ragged prefill and decode steps. The two round in different places (attention
@@ -135,3 +135,22 @@ def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
         for row, tok in zip(seqs, expected.argmax(-1).tolist()):  # teacher forcing: transformers' choice
             seqs[row].append(tok)
         logits = worker.step([(row, [seqs[row][-1]]) for row in seqs], num_decode=len(seqs))
+
+
+def test_moe_config_reads_sparse_layers_windows_and_refuses_uneven_tp():
+    from lightserve.model_infer.models import check_tp
+
+    base = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 100, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2,
+            "mlp_only_layers": [3], "use_sliding_window": True, "sliding_window": 16}
+    cfg = config_from_dict(base)
+    assert (cfg.moe_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.head_dim) == ((1,), 8, 48, 16)
+    assert cfg.layer_windows == (16,) * 4 and cfg.qk_norm
+    check_tp(cfg, 2)
+    with pytest.raises(ValueError, match="moe_intermediate_size 48"):
+        check_tp(cfg, 5)
+    mixtral = config_from_dict({**base, "architectures": ["MixtralForCausalLM"], "num_local_experts": 4,
+                                "sliding_window": None})
+    assert mixtral.moe_layers == (0, 1, 2, 3) and mixtral.moe_intermediate_size == 128 and mixtral.norm_topk_prob
+    assert not mixtral.qk_norm and mixtral.layer_windows == ()

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "llama_bias", "mistral_window", "gemma2", "gemma3", "phi3")
+ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "llama_bias", "mistral_window", "gemma2", "gemma3", "phi3", "mixtral",
+         "qwen3_moe")
+MOE = {"num_experts_per_tok": 2}  # 4 experts (below), top-2
 WINDOW = 8  # the sliding window of the windowed tiny models: prompts of the tests run past it
 # Gemma's head_dim is its own (64: the C decode kernel's size); layers alternate windowed and global.
 GEMMA = {"head_dim": 64, "num_hidden_layers": 4, "sliding_window": WINDOW, "query_pre_attn_scalar": 48,
@@ -54,6 +56,11 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
                                          "num_key_value_heads": 1, "max_position_embeddings": 512,
                                          "original_max_position_embeddings": 128, "sliding_window": WINDOW * 2,
                                          "rope_parameters": PHI3_ROPE, **overrides})
+    elif kind == "mixtral":  # every layer MoE; intermediate_size is each expert's
+        cfg = transformers.MixtralConfig(**{**common, **MOE, "num_local_experts": 4, **overrides})
+    elif kind == "qwen3_moe":  # layer 1 dense (mlp_only_layers), q/k norm, routing weights not renormalized
+        cfg = transformers.Qwen3MoeConfig(**{**common, **MOE, "num_experts": 4, "moe_intermediate_size": 32,
+                                             "mlp_only_layers": [1], "norm_topk_prob": False, **overrides})
     else:
         raise ValueError(kind)
     torch.manual_seed(zlib.crc32(kind.encode()))  # str hash() is salted per process

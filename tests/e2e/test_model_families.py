@@ -1,5 +1,6 @@
 """Every family the registry added beyond Llama, served by a real server on a tiny random checkpoint
-(tests/model/tiny_models.py: sliding-window layers of 8-16 tokens beside global ones, soft-capping, longrope),
+(tests/model/tiny_models.py: sliding-window layers of 8-16 tokens beside global ones, soft-capping, longrope;
+Mixtral and Qwen3-MoE with 4 experts, top-2, one dense Qwen3-MoE layer),
 greedy outputs checked against transformers' float32 logits by teacher forcing: each chosen token's logit is
 within 1e-3 of its row's maximum. Prompts run past the window; the KV cache is small enough that a batch
 pauses and resumes; a follow-up prompt hits the prefix cache past the window. One server per family."""
@@ -16,7 +17,7 @@ from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
 from tests.model.tiny_models import make_tiny_model
 
 # Mistral's window runs the same windowed Llama forward as Phi-3 here; tests/model checks it against transformers.
-FAMILIES = ["gemma2", "gemma3", "phi3"]
+FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LOGIT_GAP = 1e-3
 NEW_TOKENS = 40

@@ -139,6 +139,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--model_dir", default=None, help="a checkpoint folder (default: SmolLM2, prepared as make does)")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill step (batch x context prompt tokens) and stop")
     ap.add_argument("--prefix", type=int, default=0,
@@ -147,7 +148,7 @@ def main() -> None:
     args = ap.parse_args()
     _rerun_under_tcmalloc()
     torch.set_num_threads(args.threads)
-    model_dir = str(ensure_default_model())
+    model_dir = args.model_dir or str(ensure_default_model())
     mc = read_model_config(model_dir)
     b, ctx = args.batch, args.context
     if args.prefix and not args.prefill:

@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void load_row(const void *p, int bf
 }
 
 // One task. qp: [Hq, dim], the request's query in load_row's element order; scores are scaled by `scale`.
-// qb: [Hq, dim], the same query as bf16 in its own order, for the DPBF16 scores; NULL: widen K instead.
+// qb: [Hq, dim], the query as bf16 in its own order, for the DPBF16 scores (qp is then unset); NULL: widen K.
 // state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi).
 // bf16, dim and group are compile-time constants in the instances below (a runtime group works too).
 static inline __attribute__((always_inline)) void attend(
@@ -266,11 +266,17 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
         for (int i = 0; i < num_tasks; i++) {
             const Task tk = order[i];
             const int b = tk.req;
-            // The request's query in load_row's element order.
+            // The request's query: bf16 as given for the DPBF16 scores, else as floats in load_row's order.
+            const int use_dp = DPBF16 && kv_is_bf16 && act_bf16;
             float qp[MAX_HEADS * MAX_DIM] __attribute__((aligned(64)));
+            uint16_t qb[DPBF16 ? MAX_HEADS * MAX_DIM : 1] __attribute__((aligned(64)));
             for (int hg = 0; hg < num_heads; hg++) {
-                float qrow[MAX_DIM];
                 const int64_t off = (int64_t)b * q_tok + (int64_t)hg * q_head;
+                if (use_dp) {
+                    memcpy(qb + hg * dim, (const uint16_t *)q + off, sizeof(uint16_t) * dim);
+                    continue;
+                }
+                float qrow[MAX_DIM];
                 for (int d = 0; d < dim; d++)
                     qrow[d] = act_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
                 if (kv_is_bf16)
@@ -278,12 +284,6 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                 else
                     memcpy(qp + hg * dim, qrow, sizeof(float) * dim);
             }
-            uint16_t qb[DPBF16 ? MAX_HEADS * MAX_DIM : 1] __attribute__((aligned(64)));
-            const int use_dp = DPBF16 && kv_is_bf16 && act_bf16;
-            if (use_dp)
-                for (int hg = 0; hg < num_heads; hg++)
-                    memcpy(qb + hg * dim, (const uint16_t *)q + (int64_t)b * q_tok + (int64_t)hg * q_head,
-                           sizeof(uint16_t) * dim);
             // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
             int slot = first[b] + (int)((tk.lo - WINDOW_LO(b)) / chunk);
             fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi,

@@ -4,12 +4,12 @@ Owned by the worker process; it knows nothing of sockets or shared memory.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from lightserve.kernels.cpu import memory_bytes
 from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan
@@ -94,14 +94,6 @@ def _auto_kv_size(bytes_per_token: int, device: torch.device, ranks_per_node: in
         free, _ = torch.cuda.mem_get_info(device)
         budget = free * GPU_KV_MEMORY_FRACTION
     else:
-        budget = min(_mem_available() * CPU_KV_MEMORY_FRACTION / ranks_per_node,
+        budget = min(memory_bytes() * CPU_KV_MEMORY_FRACTION / ranks_per_node,
                      CPU_KV_DEFAULT_MAX * bytes_per_token)
     return max(int(budget // bytes_per_token), 256)
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2

@@ -121,6 +121,20 @@ def _cpu_flags() -> str:
         return ""
 
 
+def memory_bytes(field: str = "MemAvailable") -> int:
+    """A /proc/meminfo field ("MemAvailable", "MemTotal") in bytes; where there is none, half the physical
+    memory for MemAvailable and all of it otherwise."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return physical // 2 if field == "MemAvailable" else physical
+
+
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
@@ -134,6 +148,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.linear_panel_width.argtypes = []
     lib.linear_packed.restype = ctypes.c_int
     lib.linear_packed.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+    lib.linear_bf16_pairs.restype = ctypes.c_int
+    lib.linear_bf16_pairs.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+    lib.linear_bf16_pairs_dpbf16.restype = ctypes.c_int
+    lib.linear_bf16_pairs_dpbf16.argtypes = []
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i32, i32]
     lib.argmax_logsumexp.restype = None

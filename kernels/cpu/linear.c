@@ -25,6 +25,7 @@
 // read the weights once per 48 rows, ran 95-114 GFLOP/s at M = 64..576; one block 120-142.
 #include <stdint.h>
 
+#include "fastmath.h"
 #include "vec.h"
 
 #define NR (2 * VL)  // panel width: two vectors, 32 features on AVX-512 CPUs, 16 on AVX2 ones
@@ -89,3 +90,101 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
     }
     return 0;
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// bfloat16 weights at small M (decode of one to a few requests): out[M, N] = x[M, K] . w[N, K]^T (+ bias), all
+// bf16, M <= PAIR_MAX_M. At these M the GEMM is a stream of the weights; oneDNN's prepacked bf16 GEMM (what
+// bf16 models run at larger M, kernels/linear.py) read them at 17-23 GB/s on Zen 4 at M = 1 against 32-35 for
+// this loop (SmolLM2's shapes, weights from DRAM).
+//
+// Weight layout, packed once at load (kernels/linear.py, pack_bf16_pairs), the same on every CPU:
+//   wp   [Np / PAIR_PW, K / 2, PAIR_PW]  uint32, Np = N rounded up to PAIR_PW (padding rows are zero)
+// each uint32 holding the bf16 pair (w[n, 2j], w[n, 2j + 1]), low half first: one 64-byte row of a panel is
+// 16 output features times one pair of k, which is what vdpbf16ps multiplies against a broadcast pair of x
+// (AVX512-BF16). Elsewhere each pair is split by a shift and a mask into two float vectors (vec.h's trick).
+//   x    [M, K]  bf16, row stride x_row (K even);  bias [N] bf16 or NULL;  out [M, N] bf16, row stride out_row
+// The products are exact in float and summed in float; the output is rounded once (bias added first), as
+// oneDNN's bf16 GEMM rounds.
+#define PAIR_PW 16
+#define PAIR_MAX_M 4
+#if defined(__AVX512BF16__) && VL == 16
+#include <immintrin.h>
+#define PAIR_DPBF16 1
+#else
+#define PAIR_DPBF16 0
+#endif
+
+// One panel (PAIR_PW features) for rows 0 .. m-1 of x, m a constant at each call site. acc [m][PAIR_PW].
+// Two accumulator sets, even and odd j, so that the adds into one register are not one dependency chain.
+static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, int64_t x_row, int kp,
+                                                             const uint32_t *w, float acc[][PAIR_PW], const int m) {
+#if PAIR_DPBF16
+    __m512 a[2][PAIR_MAX_M];
+    for (int i = 0; i < m; i++) a[0][i] = a[1][i] = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 2 <= kp; j += 2)
+        for (int u = 0; u < 2; u++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)(j + u) * PAIR_PW);
+            for (int i = 0; i < m; i++) {
+                uint32_t xx;
+                memcpy(&xx, x + i * x_row + 2 * (j + u), sizeof xx);
+                a[u][i] = _mm512_dpbf16_ps(a[u][i], wv, (__m512bh)_mm512_set1_epi32((int)xx));
+            }
+        }
+    for (; j < kp; j++) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)j * PAIR_PW);
+        for (int i = 0; i < m; i++) {
+            uint32_t xx;
+            memcpy(&xx, x + i * x_row + 2 * j, sizeof xx);
+            a[0][i] = _mm512_dpbf16_ps(a[0][i], wv, (__m512bh)_mm512_set1_epi32((int)xx));
+        }
+    }
+    for (int i = 0; i < m; i++) _mm512_storeu_ps(acc[i], _mm512_add_ps(a[0][i], a[1][i]));
+#else
+    enum { NC = PAIR_PW / VL };
+    vf a[2][PAIR_MAX_M][NC];
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < NC; c++) a[0][i][c] = a[1][i][c] = (vf){0};
+    for (int j = 0; j < kp; j++) {
+        const int u = j & 1;
+        for (int c = 0; c < NC; c++) {
+            const vu wv = *(const vu_u *)(w + (int64_t)j * PAIR_PW + c * VL);
+            const vf lo = (vf)(wv << 16), hi = (vf)(wv & 0xffff0000u);  // w[n, 2j], w[n, 2j + 1]
+            for (int i = 0; i < m; i++)
+                a[u][i][c] += lo * vbroadcast(bf16_to_f32(x[i * x_row + 2 * j]))
+                            + hi * vbroadcast(bf16_to_f32(x[i * x_row + 2 * j + 1]));
+        }
+    }
+    for (int i = 0; i < m; i++)
+        for (int c = 0; c < NC; c++) vstore(acc[i] + c * VL, a[0][i][c] + a[1][i][c]);
+#endif
+}
+
+// num_threads: torch's. Returns 0, or -1 for arguments it does not take (M outside 1..PAIR_MAX_M, K odd).
+int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                      const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
+    if (M < 1 || M > PAIR_MAX_M || K < 2 || K % 2 || N < 1) return -1;
+    const int64_t panels = ((int64_t)N + PAIR_PW - 1) / PAIR_PW;
+    const int kp = K / 2;
+    // Static: each thread streams one contiguous part of wp.
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint32_t *w = wp + p * kp * PAIR_PW;
+        float acc[PAIR_MAX_M][PAIR_PW];
+        switch (M) {
+            case 1: pair_panel(x, x_row, kp, w, acc, 1); break;
+            case 2: pair_panel(x, x_row, kp, w, acc, 2); break;
+            case 3: pair_panel(x, x_row, kp, w, acc, 3); break;
+            default: pair_panel(x, x_row, kp, w, acc, 4); break;
+        }
+        const int64_t n0 = p * PAIR_PW;
+        const int ncols = N - n0 < PAIR_PW ? (int)(N - n0) : PAIR_PW;
+        for (int i = 0; i < M; i++)
+            for (int c = 0; c < ncols; c++)
+                out[i * out_row + n0 + c] = f32_to_bf16(acc[i][c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.0f));
+    }
+    return 0;
+}
+
+// Whether this build multiplies the pairs with vdpbf16ps (tests report which path they checked).
+int linear_bf16_pairs_dpbf16(void) { return PAIR_DPBF16; }

@@ -109,7 +109,7 @@ def test_config_refuses_other_architectures():
         config_from_dict({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4})
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe", "deepseek_v3"])
 def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
     """The bf16 CPU forward (C norms, rotary, activation and attention on bf16 activations and KV) against
     transformers in bf16: a ragged prefill and decode steps. The two round in different places (attention

@@ -7,6 +7,7 @@ and the detokenizer unpickle it too.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -24,7 +25,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     rope_theta: float
-    rope_type: str = "default"       # "default", "linear", "llama3" or "longrope"
+    rope_type: str = "default"       # "default", "linear", "llama3" or "longrope" (DeepSeek-V3: "yarn", below)
     rope_factor: float = 1.0         # linear and llama3
     rope_low_freq_factor: float = 1.0   # llama3 only
     rope_high_freq_factor: float = 4.0  # llama3 only
@@ -51,6 +52,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0   # of one expert (intermediate_size stays the dense MLP's)
     norm_topk_prob: bool = False     # renormalize the top-k routing weights to sum to 1
     moe_layers: tuple[int, ...] = ()  # indices of the MoE layers; the others run the dense MLP
+    # The config.json keys that only one family's layers read back at load, as JSON text (plain, hashable data).
+    # DeepSeek-V3 keeps its latent-attention, rope and routing keys here for MLAConfig.from_hf and
+    # MoEConfig.from_hf, which stay the one parser of each, instead of a copy of their fields in this class.
+    family_keys: str = ""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:
@@ -69,6 +74,10 @@ class ModelConfig:
     @property
     def sm_scale(self) -> float:
         return self.attn_scale or self.head_dim ** -0.5
+
+    def family_dict(self) -> dict:
+        """family_keys as the config.json dict they came from ({} for families that keep none)."""
+        return json.loads(self.family_keys) if self.family_keys else {}
 
     def window(self, layer: int) -> int:
         """The sliding window of a layer; 0 for a global one."""

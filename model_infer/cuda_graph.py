@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import bisect
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightserve.log import get_logger
 from lightserve.model_infer.forward_batch import ForwardBatch
-from lightserve.model_infer.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from lightserve.model_infer.kv_cache import KVCache
+    from lightserve.model_infer.latent_kv_cache import LatentKVCache
 
 logger = get_logger(__name__)
 
@@ -75,7 +79,7 @@ class GraphInputs:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, kv_cache: KVCache, max_batch: int, max_seq_len: int, pad_kv_loc: int):
+    def __init__(self, model, kv_cache: KVCache | LatentKVCache, max_batch: int, max_seq_len: int, pad_kv_loc: int):
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = capture_sizes(max_batch)

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from lightserve.model_config import ModelConfig
+    from lightserve.model_infer.latent_kv_cache import LatentKVCache
 
 
 class KVCache:
@@ -47,7 +48,7 @@ class KVCache:
 
 
 def fill_req_to_token(
-    kv_cache: KVCache, req_rows_per_token: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor
+    kv_cache: KVCache | LatentKVCache, req_rows_per_token: torch.Tensor, positions: torch.Tensor, kv_locs: torch.Tensor
 ) -> None:
     """req_to_token[req_rows_per_token[i], positions[i]] = kv_locs[i] for every new token i.
     All three are [T] integer tensors on the cache's device."""

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     LinearWeight = Tensor | PackedLinear | OneDNNLinear
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+_LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default (MLAConfig.from_hf)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class MLAConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # of q_a_layernorm and kv_a_layernorm (from_hf: 1e-6, see there)
     max_position_embeddings: int
     rope_theta: float = 10000.0
     rope_interleave: bool = True  # the rope dims come in (even, odd) pairs
@@ -75,9 +76,12 @@ class MLAConfig:
     def from_hf(cls, hf: Mapping) -> MLAConfig:
         """From a config.json dict: transformers 5's `rope_parameters` or the hub's `rope_scaling` + `rope_theta`."""
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        # NOTE: transformers' DeepseekV3Attention (and DeepSeek's own modeling code) builds q_a_layernorm and
+        # kv_a_layernorm with DeepseekV3RMSNorm's default eps, 1e-6, whatever config.rms_norm_eps says (which
+        # only the decoder's norms use). DeepSeek-V3's config has 1e-6 for both.
         return cls(
             hf["hidden_size"], hf["num_attention_heads"], hf.get("q_lora_rank"), hf["kv_lora_rank"],
-            hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"], hf.get("rms_norm_eps", 1e-6),
+            hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"], _LATENT_NORM_EPS,
             hf["max_position_embeddings"], rope.get("rope_theta") or hf.get("rope_theta") or 10000.0,
             hf.get("rope_interleave", True), hf.get("attention_bias", False),
             rope.get("rope_type") or rope.get("type") or "default", rope.get("factor"),

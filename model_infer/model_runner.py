@@ -10,12 +10,10 @@ import numpy as np
 import torch
 
 from lightserve.kernels.cpu import memory_bytes
-from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan
 from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
-from lightserve.model_infer.kv_cache import KVCache
 from lightserve.model_infer.models import load_model
 
 if TYPE_CHECKING:
@@ -37,12 +35,11 @@ class ModelRunner:
         self.dtype = dtype
         self.model = load_model(model_config, model_dir, dtype=dtype, device=device,
                                 tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
-        shards = self.model.weights.shards
-        per_token = KVCache.bytes_per_token(model_config, shards.num_kv_heads, dtype)
+        # The model says which cache its attention reads (K/V per head, or DeepSeek-V3's latent rows) and its size.
+        per_token = self.model.kv_bytes_per_token()
         self.kv_size = kv_size or _auto_kv_size(per_token, device, ranks_per_node)
         # One row past the router's range: scratch for padded CUDA-graph entries.
-        self.kv_cache = KVCache(model_config.num_layers, self.kv_size + 1, shards.num_kv_heads, model_config.head_dim,
-                                num_req_rows, max_req_total_len, dtype, device)
+        self.kv_cache = self.model.make_kv_cache(self.kv_size + 1, num_req_rows, max_req_total_len)
         self.staging = HostStaging(device)
         self.graph_runner = None
         if device.type == "cuda":
@@ -51,8 +48,9 @@ class ModelRunner:
             from lightserve.model_infer.cuda_graph import CudaGraphRunner
             self.graph_runner = CudaGraphRunner(self.model, self.kv_cache, min(cuda_graph_max_batch, num_req_rows),
                                                 max_req_total_len, pad_kv_loc=self.kv_size)
-        logger.info("KV cache: %d tokens (%.1f MiB), %s on %s", self.kv_size,
-                    self.kv_size * per_token / 2**20, dtype, device)
+        logger.info("KV cache: %s of %d tokens, %d bytes per token (%.1f MiB), %s on %s",
+                    type(self.kv_cache).__name__, self.kv_size, per_token, self.kv_size * per_token / 2**20, dtype,
+                    device)
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan) -> torch.Tensor:
@@ -66,7 +64,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Compile every Triton kernel an eager step can launch, before the first request pays for it:
-        one mixed step (a decode and a 2-tile prefill chunk) and decode attention at every split count.
+        one mixed step (a decode and a 2-tile prefill chunk) and the model's decode attention at every split
+        count (`warm_up_attention`: over K/V, or MLA's over latent rows).
         All of it reads and writes only request row 0 and the scratch KV row, which the router's plans
         overwrite before any use."""
         scratch = self.kv_size                              # the row one past the router's range
@@ -76,15 +75,8 @@ class ModelRunner:
                          sample=np.ones(2, bool), input_ids=np.zeros(1 + chunk, np.int32),
                          kv_locs=np.full(1 + chunk, scratch, np.int32), num_decode=1)
         self.model.forward(make_forward_batch(plan, self.kv_cache.req_to_token, self.staging), self.kv_cache)
-        shards = self.model.weights.shards
-        hq, hk, d = shards.num_heads, shards.num_kv_heads, self.model_config.head_dim
-        # q as the model passes it: a [1, Hq, D] view of the fused qkv output (its row stride matters to
-        # Triton's specialization).
-        qkv = torch.zeros(1, (hq + 2 * hk) * d, dtype=self.dtype, device=self.device)
-        q = qkv[:, :hq * d].view(1, hq, d)
         one = torch.ones(1, dtype=torch.int32, device=self.device)
-        warm_up_decode_attention(q, self.kv_cache.k_caches[0], self.kv_cache.v_caches[0],
-                                 self.kv_cache.req_to_token, one * 0, one, self.model.attention_variants())
+        self.model.warm_up_attention(self.kv_cache, one * 0, one)  # request row 0, one token
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -17,6 +17,7 @@ g = Hq/Hk query heads is split evenly over m consecutive ranks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,7 +106,7 @@ class LayerWeights:
 class ModelWeights:
     shards: TPShards
     embed: torch.Tensor                 # [Vp, hidden] (tp == 1: [V, hidden]); padded rows are zero
-    layers: list[LayerWeights]
+    layers: list[LayerWeights]         # a family with other layers keeps its own type (models/deepseek.py)
     final_norm: torch.Tensor            # [hidden]
     lm_head: torch.Tensor               # [Vp, hidden]; the same tensor as embed when tied
 
@@ -122,8 +123,12 @@ def vocab_rows(reader: CheckpointReader, name: str, config: ModelConfig, sh: TPS
     return padded
 
 
-class CheckpointReader:
-    """Reads tensors, or row/column ranges of them, from all *.safetensors files of a folder."""
+class CheckpointReader(Mapping[str, torch.Tensor]):
+    """Reads tensors, or row/column ranges of them, from all *.safetensors files of a folder.
+
+    `full`/`rows`/`cols` return the model dtype on the reader's device. As a Mapping (`reader[name]`) it gives a
+    whole tensor as stored, on the host: for the layer loaders that take a Mapping, cut their rank's slices and
+    cast themselves (mla_layer.load_mla_weights, moe_layers.load_moe_weights; a float32 router stays float32)."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device | str) -> None:
         files = sorted(model_dir.glob("*.safetensors"))
@@ -135,6 +140,18 @@ class CheckpointReader:
 
     def has(self, name: str) -> bool:
         return name in self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # without loading the tensor, as Mapping's default would
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
     def full(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The whole tensor, in the model dtype or in `dtype` (for math before the cast)."""

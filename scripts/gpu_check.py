@@ -291,7 +291,7 @@ def cmd_timings(args: argparse.Namespace) -> int:
     runner = ModelRunner(args.model, cfg, dtype, device, 0, 1, None, num_req_rows=max_batch, max_req_total_len=row_len,
                          kv_size=None if cuda else max_batch * row_len, cuda_graph_max_batch=max_batch if cuda else 0)
     report: dict = {"start_s": time.perf_counter() - t0, "kv_size": runner.kv_size,
-                    "kv_gib": runner.kv_size * _kv_bytes_per_token(runner) / 2**30}
+                    "kv_gib": runner.kv_size * runner.model.kv_bytes_per_token() / 2**30}
     assert runner.kv_size >= max_batch * row_len, ("KV cache too small for the timed shapes", runner.kv_size)
     if runner.graph_runner is not None:
         report.update(graph_capture_s=runner.graph_runner.capture_s,
@@ -454,11 +454,6 @@ def _device_time(fn, reps: int, device: torch.device) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     return float(np.median(times))
-
-
-def _kv_bytes_per_token(runner) -> int:
-    kv = runner.kv_cache
-    return 2 * len(kv.k_caches) * kv.k_caches[0][0].numel() * kv.k_caches[0].element_size()
 
 
 def _dtype(device: str) -> torch.dtype:

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from lightserve.log import get_logger
-from lightserve.model_infer.models import gemma, llama, moe, phi3
+from lightserve.model_infer.models import deepseek, gemma, llama, moe, phi3
 from lightserve.model_infer.weights import CheckpointReader
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-FAMILIES: tuple[ModuleType, ...] = (llama, gemma, phi3, moe)
+FAMILIES: tuple[ModuleType, ...] = (llama, gemma, phi3, moe, deepseek)
 
 ARCHITECTURES: dict[str, ModuleType] = {arch: family for family in FAMILIES for arch in family.ARCHITECTURES}
 # Multimodal configs keep the text model under one of these keys; their towers are not served.
@@ -48,7 +48,8 @@ def family_of(architecture: str) -> ModuleType:
 
 
 def config_from_dict(cfg: dict) -> ModelConfig:
-    """ModelConfig from a parsed config.json. ValueError names the unsupported architecture, tower or key."""
+    """ModelConfig from a parsed config.json. ValueError names the unsupported architecture, tower, quantization
+    or key."""
     architectures = cfg.get("architectures") or []
     arch = architectures[0] if architectures else "<none>"
     family = family_of(arch)
@@ -58,6 +59,13 @@ def config_from_dict(cfg: dict) -> ModelConfig:
     if towers:
         raise ValueError(f"{arch}: multimodal checkpoints are not supported ({', '.join(towers)} found); "
                          "lightserve serves the text model only")
+    quantization = cfg.get("quantization_config")
+    if quantization is not None:
+        # Every family reads plain weights: a quantized checkpoint (DeepSeek-V3's FP8 with its block scales,
+        # AWQ, GPTQ) would load its packed integers as if they were values.
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+        raise ValueError(f"{arch}: quantized checkpoints are not supported (quantization_config: {method!r}); "
+                         "lightserve loads bfloat16/float16/float32 weights, so dequantize the checkpoint first")
     return family.read_config(arch, cfg)
 
 

@@ -1,5 +1,6 @@
 """DecoderLM: the pieces every decoder family's forward is made of (vocab-parallel embedding, attention over
-the KV cache, gated MLP, lm_head with its all-gather) and the one-time packing of CPU weights.
+the KV cache, gated MLP, lm_head with its all-gather), the one-time packing of CPU weights, and the KV cache the
+model reads (the worker asks the model for it: `kv_bytes_per_token`, `make_kv_cache`, `warm_up_attention`).
 
 Each family's `Model` subclasses it and writes `forward` (models/llama.py, models/gemma.py). All math goes
 through `lightserve.kernels`; tp_size == 1 makes no torch.distributed call.
@@ -7,6 +8,7 @@ through `lightserve.kernels`; tp_size == 1 makes no torch.distributed call.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,13 +16,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightserve import kernels
-from lightserve.kernels.cpu import library as cpu_kernels
+from lightserve.kernels.decode_attention import warm_up_decode_attention
+from lightserve.kernels.linear import cpu_pack_for
+from lightserve.model_infer.kv_cache import KVCache
 from lightserve.model_infer.rope import build_cos_sin_cache
 
 if TYPE_CHECKING:
+    from lightserve.kernels.linear import OneDNNLinear, PackedLinear
     from lightserve.model_config import ModelConfig
     from lightserve.model_infer.forward_batch import ForwardBatch
-    from lightserve.model_infer.kv_cache import KVCache
     from lightserve.model_infer.weights import LayerWeights, ModelWeights
 
 _ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
@@ -39,32 +43,34 @@ class DecoderLM:
         self.config = config
         self.weights = weights
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
+        self.dtype = weights.embed.dtype
+        self.device = weights.embed.device
+        self.act_and_mul = _ACTIVATIONS[config.hidden_act]
+        self.lm_head = weights.lm_head  # [Vp, hidden]
+        # On CPU every linear runs on weights packed once at load (the C kernel's panels in float32, oneDNN's
+        # blocked layout in bfloat16: kernels/linear.py); the packed copies replace the row-major projections.
+        # The lm_head gets its own copy: the embedding lookup needs the row-major table.
+        pack = cpu_pack_for(weights.embed)
+        if pack is not None:
+            self.lm_head = pack(weights.lm_head)
+        self._init_layers(pack)
+
+    def _init_layers(self, pack: Callable[[torch.Tensor], PackedLinear | OneDNNLinear] | None) -> None:
+        """The layers' attention state (heads, rope tables) and, with `pack`, their projections packed.
+        A family whose layers are not multi-head attention over K/V (models/deepseek.py) builds its own."""
+        config, weights = self.config, self.weights
         self.num_heads = weights.shards.num_heads        # Hq_local
         self.num_kv_heads = weights.shards.num_kv_heads  # Hk_local
         self.head_dim = config.head_dim
-        self.dtype = weights.embed.dtype
-        self.device = weights.embed.device
         self.sm_scale = config.sm_scale
-        self.act_and_mul = _ACTIVATIONS[config.hidden_act]
         self.cos_sin = build_cos_sin_cache(config, device=self.device)  # [max_pos, D] float32
         # Per layer: its rope table (Gemma 3's windowed layers have their own base) and its window.
         local = self.cos_sin
         if config.rope_local_theta is not None:
             local = build_cos_sin_cache(config, device=self.device, theta=config.rope_local_theta)
         self.layer_rope = [local if config.window(i) else self.cos_sin for i in range(config.num_layers)]
-        self.lm_head = weights.lm_head  # [Vp, hidden]
-        pack = None
-        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels() is not None:
-            pack = kernels.pack_linear_weight  # the C kernel's panels (kernels/linear.py)
-        elif self.device.type == "cpu" and self.dtype == torch.bfloat16 and kernels.onednn_available():
-            pack = kernels.prepack_onednn_weight  # oneDNN's blocked layout (kernels/linear.py)
         if pack is not None:
-            # On CPU every linear runs on weights packed once here; the packed copies replace the
-            # row-major projections. The lm_head gets its own copy: the embedding lookup needs the
-            # row-major table.
-            self.weights = weights = dataclasses.replace(
-                weights, layers=[_pack_layer(layer, pack) for layer in weights.layers])
-            self.lm_head = pack(weights.lm_head)
+            self.weights = dataclasses.replace(weights, layers=[_pack_layer(layer, pack) for layer in weights.layers])
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run one step; returns [B, vocab] float32 logits of the tokens at `batch.logits_indices`.
@@ -76,6 +82,26 @@ class DecoderLM:
 
     def __call__(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         return self.forward(batch, kv_cache)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes on this rank, over all layers (the worker sizes its cache by it)."""
+        return KVCache.bytes_per_token(self.config, self.num_kv_heads, self.dtype)
+
+    def make_kv_cache(self, num_kv_rows: int, num_req_rows: int, max_req_total_len: int) -> KVCache:
+        """The KV cache this model's forward reads and writes: K and V of this rank's KV heads, every layer."""
+        return KVCache(self.config.num_layers, num_kv_rows, self.num_kv_heads, self.head_dim, num_req_rows,
+                       max_req_total_len, self.dtype, self.device)
+
+    def warm_up_attention(self, kv_cache: KVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Compile decode attention at every split count and for every (window, softcap) of the layers, with
+        the model's shapes, reading request rows `req_rows` of lengths `seq_lens` ([1] int32 each)."""
+        hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # q as _attention passes it: a [1, Hq, D] view of the fused qkv output (its row stride matters to
+        # Triton's specialization).
+        qkv = torch.zeros(1, (hq + 2 * hk) * d, dtype=self.dtype, device=self.device)
+        q = qkv[:, :hq * d].view(1, hq, d)
+        warm_up_decode_attention(q, kv_cache.k_caches[0], kv_cache.v_caches[0], kv_cache.req_to_token, req_rows,
+                                 seq_lens, self.attention_variants())
 
     def attention_variants(self) -> set[tuple[int, float]]:
         """The (window, softcap) pairs the layers pass to the attention kernels (for warm-up compiles)."""

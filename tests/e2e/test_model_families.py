@@ -1,12 +1,14 @@
 """Every family the registry added beyond Llama, served by a real server on a tiny random checkpoint
 (tests/model/tiny_models.py: sliding-window layers of 8-16 tokens beside global ones, soft-capping, longrope;
-Mixtral and Qwen3-MoE with 4 experts, top-2, one dense Qwen3-MoE layer),
-greedy outputs checked against transformers' float32 logits by teacher forcing: each chosen token's logit is
-within 1e-3 of its row's maximum. Prompts run past the window; the KV cache is small enough that a batch
-pauses and resumes; a follow-up prompt hits the prefix cache past the window. One server per family."""
+Mixtral and Qwen3-MoE with 4 experts, top-2, one dense Qwen3-MoE layer; DeepSeek-V3's latent attention over its
+latent KV cache, grouped sigmoid routing and a shared expert), greedy outputs checked against transformers' float32
+logits by teacher forcing: each chosen token's logit is within 1e-3 of its row's maximum. Prompts run past the
+window; the KV cache is small enough that a batch pauses and resumes; a follow-up prompt hits the prefix cache
+past the window. The start-up log gives the KV bytes per token of the family's cache. One server per family."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 
 import aiohttp
@@ -17,7 +19,7 @@ from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
 from tests.model.tiny_models import make_tiny_model
 
 # Mistral's window runs the same windowed Llama forward as Phi-3 here; tests/model checks it against transformers.
-FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"]
+FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "deepseek_v3"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LOGIT_GAP = 1e-3
 NEW_TOKENS = 40
@@ -25,6 +27,7 @@ NEW_TOKENS = 40
 # the batch must pause some and resume them.
 KV_TOKENS = 300
 TIMEOUT = aiohttp.ClientTimeout(total=600)
+FLOAT32_BYTES = 4
 WORDS = ("river stone apple window quiet seven orange bright table music cloud paper garden silver "
          "engine forest candle winter yellow bridge").split()
 
@@ -109,3 +112,20 @@ def test_prefix_cache_hit_past_the_window_matches_transformers(family):
     second, = _run(srv.url, [follow])
     assert second["prompt_cache_len"] >= 32  # the shared prompt's KV, past every window, came from the cache
     _check(hf, tokenizer, follow, second)
+
+
+def _kv_bytes_per_token(config) -> int:
+    """What one token's KV takes over all layers, from transformers' config of the model (float32)."""
+    if config.model_type == "deepseek_v3":  # one latent row per layer: normalized latents + roped key dims
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * FLOAT32_BYTES * config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_key_value_heads * head_dim * FLOAT32_BYTES * config.num_hidden_layers  # K and V
+
+
+def test_start_up_log_gives_the_kv_bytes_per_token(family):
+    srv, hf, _ = family
+    logged = re.search(r"KV cache: (\w+) of (\d+) tokens, (\d+) bytes per token", srv.log_path.read_text())
+    assert logged is not None, srv.log_tail()
+    cache, tokens, per_token = logged.group(1), int(logged.group(2)), int(logged.group(3))
+    assert cache == ("LatentKVCache" if hf.config.model_type == "deepseek_v3" else "KVCache")
+    assert tokens == KV_TOKENS and per_token == _kv_bytes_per_token(hf.config)

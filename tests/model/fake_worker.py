@@ -1,4 +1,4 @@
-"""A minimal stand-in for the worker process, for the model tests: owns a KVCache, hands out KV rows
+"""A minimal stand-in for the worker process, for the model tests: owns the model's KV cache, hands out KV rows
 in order, and turns (req_row, new token ids) lists into BatchPlans, which the worker's own
 `make_forward_batch` turns into ForwardBatch objects."""
 from __future__ import annotations
@@ -9,16 +9,13 @@ import torch
 from lightserve.messages import BatchPlan
 from lightserve.model_infer.forward_batch import ForwardBatch, make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
-from lightserve.model_infer.kv_cache import KVCache
 from lightserve.model_infer.models.base import DecoderLM
 
 
 class FakeWorker:
     def __init__(self, model: DecoderLM, num_kv_rows: int = 1024, num_req_rows: int = 8, max_len: int = 256):
-        cfg = model.config
         self.model = model
-        self.kv_cache = KVCache(cfg.num_layers, num_kv_rows, model.num_kv_heads, cfg.head_dim,
-                                num_req_rows, max_len, model.dtype, model.device)
+        self.kv_cache = model.make_kv_cache(num_kv_rows, num_req_rows, max_len)  # as the worker's ModelRunner
         self.staging = HostStaging(model.device)
         self.next_kv_loc = 1  # row 0 is never used, as a worker would keep it for padding
         self.kv_locs: dict[int, list[int]] = {}  # req_row -> KV row of each cached token

@@ -11,6 +11,7 @@ from lightserve.messages import BatchPlan
 from lightserve.model_infer.cuda_graph import GraphInputs, capture_sizes
 from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
+from lightserve.model_infer.latent_kv_cache import LatentKVCache
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.models import load_model_dir, read_model_config
 
@@ -100,16 +101,23 @@ def test_model_runner_builds_the_batch_of_a_mixed_plan(tiny_dir):
     assert runner.kv_cache.req_to_token[2, 5] == 40
 
 
-def test_warm_up_touches_only_request_row_0_and_the_scratch_kv_row(tiny_dir):
+@pytest.mark.parametrize("kind", ["llama3", "deepseek_v3"])
+def test_warm_up_touches_only_request_row_0_and_the_scratch_kv_row(kind, tiny_dir, tmp_path):
     # On CPU the mixed step runs the C kernels and decode attention runs in the Triton interpreter: the
-    # same calls a GPU makes at start, checked for what they write.
-    cfg = read_model_config(tiny_dir)
-    runner = ModelRunner(str(tiny_dir), cfg, torch.float32, torch.device("cpu"), 0, 1, None,
+    # same calls a GPU makes at start, checked for what they write. DeepSeek-V3's model makes a latent cache
+    # and warms up the MLA decode kernel instead.
+    model_dir = tiny_dir if kind == "llama3" else make_tiny_model(kind, tmp_path)
+    cfg = read_model_config(model_dir)
+    runner = ModelRunner(str(model_dir), cfg, torch.float32, torch.device("cpu"), 0, 1, None,
                          num_req_rows=3, max_req_total_len=40, kv_size=64)
-    runner.kv_cache.req_to_token[1:].fill_(7)
+    cache = runner.kv_cache
+    rows = cache.latent if isinstance(cache, LatentKVCache) else cache.k  # [layers, KV rows, heads, dim]
+    assert isinstance(cache, LatentKVCache) == (kind == "deepseek_v3")
+    assert rows.shape[1] == runner.kv_size + 1
+    cache.req_to_token[1:].fill_(7)
     runner.warm_up()
-    written_kv = set((runner.kv_cache.k != 0).flatten(2).any(-1).any(0).nonzero().flatten().tolist())
+    written_kv = set((rows != 0).flatten(2).any(-1).any(0).nonzero().flatten().tolist())
     assert written_kv == {runner.kv_size}                     # the scratch row, one past the router's range
-    row0 = runner.kv_cache.req_to_token[0]
+    row0 = cache.req_to_token[0]
     assert row0[0] == runner.kv_size and set(row0.tolist()) <= {0, runner.kv_size}
-    assert (runner.kv_cache.req_to_token[1:] == 7).all()
+    assert (cache.req_to_token[1:] == 7).all()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightserve.model_infer.models import config_from_dict, load_model_dir
+from lightserve.model_infer.models import check_tp, config_from_dict, deepseek, load_model_dir
 
 from .fake_worker import FakeWorker
 from .tiny_models import ARCHS, make_tiny_model
@@ -109,7 +109,7 @@ def test_config_refuses_other_architectures():
         config_from_dict({"architectures": ["GPT2LMHeadModel"], "hidden_size": 64, "num_attention_heads": 4})
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma2", "phi3", "mixtral", "qwen3_moe", "deepseek_v3"])
 def test_bfloat16_forward_follows_transformers_bfloat16(arch, tmp_path):
     """The bf16 CPU forward (C norms, rotary, activation and attention on bf16 activations and KV) against
     transformers in bf16: a ragged prefill and decode steps. The two round in different places (attention
@@ -154,3 +154,55 @@ def test_moe_config_reads_sparse_layers_windows_and_refuses_uneven_tp():
                                 "sliding_window": None})
     assert mixtral.moe_layers == (0, 1, 2, 3) and mixtral.moe_intermediate_size == 128 and mixtral.norm_topk_prob
     assert not mixtral.qk_norm and mixtral.layer_windows == ()
+
+
+def test_deepseek_config_keeps_its_layer_configs_and_refuses_what_it_does_not_serve():
+    import transformers
+
+    from lightserve.model_infer.mla_layer import MLAConfig
+    from lightserve.model_infer.moe_layers import MoEConfig
+
+    hf = {**transformers.DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=5, num_attention_heads=6,
+        vocab_size=100, max_position_embeddings=256, first_k_dense_replace=2, n_routed_experts=8, n_group=4,
+        topk_group=2, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 1.0, "mscale_all_dim": 0.7}).to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}
+    cfg = config_from_dict(hf)
+    assert cfg.moe_layers == (2, 3, 4) and (cfg.num_experts, cfg.num_experts_per_tok) == (8, 8)
+    assert (cfg.head_dim, cfg.num_kv_heads, cfg.rope_type) == (16, 6, "yarn")
+    assert deepseek.mla_config(cfg) == MLAConfig.from_hf(hf) and deepseek.moe_config(cfg) == MoEConfig.from_hf(hf)
+    assert cfg.sm_scale == MLAConfig.from_hf(hf).sm_scale != 40 ** -0.5  # yarn's mscale^2 on (Dn + Dr)^-0.5
+    check_tp(cfg, 2)
+    check_tp(cfg, 3)  # heads, intermediate_size and moe_intermediate_size all split in 3
+    with pytest.raises(ValueError, match="6 attention heads"):
+        check_tp(cfg, 4)
+    with pytest.raises(ValueError, match="moe_intermediate_size 48"):
+        check_tp(config_from_dict({**hf, "num_attention_heads": 10, "moe_intermediate_size": 48}), 5)
+    with pytest.raises(ValueError, match="intermediate_size 96"):
+        check_tp(config_from_dict({**hf, "num_attention_heads": 10, "moe_intermediate_size": 40}), 5)
+    for key, value in (("topk_method", "greedy"), ("scoring_func", "softmax"), ("moe_layer_freq", 2),
+                       ("n_group", 3), ("hidden_act", "gelu")):
+        with pytest.raises(ValueError, match=key if key != "n_group" else "n_routed_experts 8 .* n_group 3"):
+            config_from_dict({**hf, key: value})
+    with pytest.raises(ValueError, match="rope_type 'llama3'"):
+        config_from_dict({**hf, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}})
+
+
+def test_deepseek_serves_the_main_model_of_a_checkpoint_with_an_mtp_layer(tmp_path):
+    """DeepSeek-V3 ships one multi-token-prediction layer after the main ones (model.layers.61.* with eh_proj,
+    enorm, hnorm and a whole decoder layer); it is not loaded and changes nothing."""
+    from safetensors.torch import save_file
+
+    model_dir = make_tiny_model("deepseek_v3", tmp_path)
+    ours = load_model_dir(model_dir, dtype=torch.float32)
+    num_layers = ours.config.num_layers
+    prompt = [5, 9, 17, 33, 2, 8]
+    expected = FakeWorker(ours).step([(0, prompt)], num_decode=0)
+    mtp = f"model.layers.{num_layers}."
+    save_file({mtp + "eh_proj.weight": torch.randn(64, 128), mtp + "enorm.weight": torch.ones(64),
+               mtp + "self_attn.kv_a_proj_with_mqa.weight": torch.randn(48, 64)}, model_dir / "mtp.safetensors")
+    with_mtp = load_model_dir(model_dir, dtype=torch.float32)
+    assert with_mtp.config.num_layers == num_layers and len(with_mtp.mla_layers) == num_layers
+    assert torch.equal(FakeWorker(with_mtp).step([(0, prompt)], num_decode=0), expected)

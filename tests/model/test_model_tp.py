@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU with gloo: 2 ranks over a model with 1 kv head (so it is replicated)
 and an odd vocabulary (so the vocab shards are padded) give the same logits as one rank, for each family:
 Llama (biases), Gemma 2 (scaled embedding, soft-capped logits after the gather), Phi-3 (fused projections
-cut per rank), Qwen3-MoE (each expert's intermediate dim split, a dense layer among the MoE ones)."""
+cut per rank), Qwen3-MoE (each expert's intermediate dim split, a dense layer among the MoE ones), DeepSeek-V3
+(latent attention's heads split over a replicated latent cache, experts and the shared expert split)."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -50,7 +51,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind", ["llama_bias", "gemma2", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama_bias", "gemma2", "phi3", "qwen3_moe", "deepseek_v3"])
 def test_tp2_logits_equal_tp1(tmp_path: Path, kind: str):
     model_dir = make_tiny_model(kind, tmp_path / "model", vocab_size=VOCAB, num_key_value_heads=1)
     expected = _run(load_model_dir(model_dir, torch.float32))

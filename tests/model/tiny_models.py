@@ -8,13 +8,22 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama3", "qwen2", "qwen3", "mistral", "llama_bias", "mistral_window", "gemma2", "gemma3", "phi3", "mixtral",
-         "qwen3_moe")
+         "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn")
 MOE = {"num_experts_per_tok": 2}  # 4 experts (below), top-2
 WINDOW = 8  # the sliding window of the windowed tiny models: prompts of the tests run past it
 # Gemma's head_dim is its own (64: the C decode kernel's size); layers alternate windowed and global.
 GEMMA = {"head_dim": 64, "num_hidden_layers": 4, "sliding_window": WINDOW, "query_pre_attn_scalar": 48,
          "layer_types": ["sliding_attention", "full_attention"] * 2}
 # Phi-3's longrope: short factors below 128 positions, long ones from there (tests stay below it).
+# DeepSeek-V3: layer 0 dense, layers 1-2 MoE (8 experts in 2 groups, top-2 from the best group, one shared expert),
+# latent attention with distinct nope / rope / v head dims.
+DEEPSEEK = {"num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_replace": 1, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "n_shared_experts": 1, "moe_intermediate_size": 32,
+            "q_lora_rank": 48, "kv_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 24, "v_head_dim": 20}
+# Its yarn variant (no q_lora_rank): mscale != mscale_all_dim, so both the cos/sin factor and the softmax scale move.
+DEEPSEEK_YARN = {"q_lora_rank": None, "rope_parameters": {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+    "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}}
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
              "short_factor": [1.0 + 0.05 * i for i in range(32)], "long_factor": [1.0 + 0.4 * i for i in range(32)]}
 
@@ -61,6 +70,10 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
     elif kind == "qwen3_moe":  # layer 1 dense (mlp_only_layers), q/k norm, routing weights not renormalized
         cfg = transformers.Qwen3MoeConfig(**{**common, **MOE, "num_experts": 4, "moe_intermediate_size": 32,
                                              "mlp_only_layers": [1], "norm_topk_prob": False, **overrides})
+    elif kind == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(**{**common, **DEEPSEEK, **overrides})
+    elif kind == "deepseek_v3_yarn":
+        cfg = transformers.DeepseekV3Config(**{**common, **DEEPSEEK, **DEEPSEEK_YARN, **overrides})
     else:
         raise ValueError(kind)
     torch.manual_seed(zlib.crc32(kind.encode()))  # str hash() is salted per process
@@ -72,5 +85,8 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
                 p.uniform_(-0.5, 0.5) if kind.startswith("gemma") else p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 0.15)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: steers the expert choice, not the weights
+                b.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
     return out_dir

@@ -28,6 +28,10 @@
 //   O[row] += P[row][key] V[key]                   (register tile: KT rows x 16 of the head dim)
 // Scores are computed transposed so that both tiles read K and V rows in place: one broadcast per
 // K element and contiguous V loads, with only Q (once per task) transposed.
+// bf16 q and KV on an AVX512-BF16 CPU (the native build's DPBF16): the same tiles with vdpbf16ps, over pairs
+// of the head dim (scores, K read as bf16 in place) and of keys (P V, P rounded to bf16); see
+// score_tile_bf16. Zen 4, 2 threads, 16 requests x 48 new tokens after a 1,024-token prefix, 9/3 heads of 64:
+// 14.7 -> 10.1 ms a layer; 8/2 heads of 128: 24.2 -> 15.2; one 512-token prompt: 2.07 -> 1.30.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -50,6 +54,13 @@
 #define KT 6
 #endif
 #define TV (16 / VL)  // vectors per tile row
+
+#if defined(__AVX512BF16__) && VL == 16
+#include <immintrin.h>
+#define DPBF16 1
+#else
+#define DPBF16 0
+#endif
 
 // St[j][r0 .. r0+16) = k_j . Qt[:, r0 .. r0+16) for the KT keys k_0 .. k_{KT-1} (row pointers).
 static void score_tile(const float *const *k, const float *qt, int64_t qt_row, int dim, float *st,
@@ -91,6 +102,48 @@ static void pv_tile(const float *pt, int64_t pt_row, int mr, const float *const 
         for (int t = 0; t < TV; t++) vstore(o + row[i] * o_row + t * VL, c[i][t]);
 }
 
+#if DPBF16
+// The bf16 model's tiles on an AVX512-BF16 CPU (vdpbf16ps: 32 bf16 products summed in pairs into 16 floats).
+// Both reduce over pairs: of the head dim for the scores (a K row's pairs are adjacent in the cache, so each is
+// one broadcast, and K needs no widening), of keys for P V (each P pair broadcast against 16 dims of two V rows
+// interleaved once per block). P is rounded to bf16 for it, as GPU flash attention feeds its P V matmul.
+// Half the multiply instructions of the float tiles.
+
+// St[j][r0 .. r0+16) = scale * k_j . Q[r0 .. r0+16) for the KT bf16 keys k_j; qp [dim / 2][MAXR] bf16 pairs.
+static void score_tile_bf16(const uint16_t *const *k, const uint32_t *qp, int dim, float scale, float *st,
+                            int64_t st_row) {
+    __m512 c[KT];
+    for (int j = 0; j < KT; j++) c[j] = _mm512_setzero_ps();
+    for (int i = 0; i < dim / 2; i++) {
+        const __m512bh b = (__m512bh)_mm512_loadu_si512(qp + (int64_t)i * MAXR);
+        for (int j = 0; j < KT; j++) {
+            uint32_t kk;
+            memcpy(&kk, k[j] + 2 * i, sizeof kk);
+            c[j] = _mm512_dpbf16_ps(c[j], b, (__m512bh)_mm512_set1_epi32((int)kk));
+        }
+    }
+    for (int j = 0; j < KT; j++) _mm512_storeu_ps(st + j * st_row, _mm512_mul_ps(c[j], _mm512_set1_ps(scale)));
+}
+
+// O[r0+i][d0 .. d0+16) += sum over key pairs p: (P[2p][r0+i], P[2p+1][r0+i]) . (V[2p][d], V[2p+1][d]).
+// pp [pairs][MAXR] and vp [pairs][dim]: both as bf16 pairs. Rows past mr repeat the last, as in pv_tile.
+static void pv_tile_bf16(const uint32_t *pp, int mr, const uint32_t *vp, int dim, int d0, int npairs, float *o,
+                         int64_t o_row) {
+    int row[KT];
+    __m512 c[KT];
+    for (int i = 0; i < KT; i++) {
+        row[i] = i < mr ? i : mr - 1;
+        c[i] = _mm512_loadu_ps(o + row[i] * o_row);
+    }
+    for (int p = 0; p < npairs; p++) {
+        const __m512bh b = (__m512bh)_mm512_loadu_si512(vp + (int64_t)p * dim + d0);
+        for (int i = 0; i < KT; i++)
+            c[i] = _mm512_dpbf16_ps(c[i], b, (__m512bh)_mm512_set1_epi32((int)pp[p * MAXR + row[i]]));
+    }
+    for (int i = KT - 1; i >= 0; i--) _mm512_storeu_ps(o + row[i] * o_row, c[i]);
+}
+#endif
+
 typedef struct {
     const void *q;
     const void *k_cache, *v_cache;
@@ -108,8 +161,9 @@ typedef struct {
     float *qt;   // [dim][MAXR]: the task's queries, transposed and pre-scaled
     float *st;   // [BN + KT][MAXR]: scores, then probabilities, of one key block (KT spare key rows)
     float *o;    // [MAXR][dim]: output accumulators
-    float *kf;   // [BN + KT][dim]: a bf16 block's K rows in float32 (unused for float32 caches)
-    float *vf;   // [BN][dim]: the same for V
+    float *kf;   // [BN + KT][dim]: a bf16 block's K rows in float32 (unused for float32 caches);
+                 // the DPBF16 path: the block's P as bf16 pairs of keys, [BN / 2][MAXR] uint32
+    float *vf;   // [BN][dim]: the same for V; the DPBF16 path: V rows interleaved in pairs, [BN / 2][dim] uint32
 } Scratch;
 
 // One task: request b, KV head h, new tokens t0 .. t0 + nt - 1.
@@ -120,10 +174,15 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
     const int64_t q0 = a->q_start[b] + t0;
     float m[MAXR], l[MAXR], alpha[MAXR];
     int pos[MAXR];  // the last key row r may see
+    const int use_dp = DPBF16 && a->kv_bf16 && a->act_bf16;
+    uint32_t *qp = (uint32_t *)s->qt;  // use_dp: [dim / 2][MAXR] pairs of q, unscaled (score_tile_bf16 scales)
     for (int r = 0; r < RP; r++) {
         int rr = r < R ? r : R - 1;  // padding rows copy the last real row: finite, never stored
         const int64_t qoff = (q0 + rr / G) * a->q_tok + (int64_t)(h * G + rr % G) * a->q_head;
-        if (a->act_bf16) {
+        if (use_dp) {
+            const uint16_t *qr = (const uint16_t *)a->q + qoff;
+            for (int i = 0; i < dim / 2; i++) memcpy(qp + i * MAXR + r, qr + 2 * i, sizeof(uint32_t));
+        } else if (a->act_bf16) {
             const uint16_t *qr = (const uint16_t *)a->q + qoff;
             for (int d = 0; d < dim; d++) s->qt[d * MAXR + r] = bf16_to_f32(qr[d]) * a->scale;
         } else {
@@ -143,7 +202,24 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
     const float *kr[BN + KT], *vr[BN];
     for (int n0 = kv_start; n0 < kv_end; n0 += BN) {
         const int nb = kv_end - n0 < BN ? kv_end - n0 : BN;
-        for (int j = 0; j < nb; j++) {
+#if DPBF16
+        if (use_dp) {
+            const uint16_t *kb[BN + KT];
+            uint32_t *vp = (uint32_t *)s->vf;
+            for (int j = 0; j < nb; j++) kb[j] = (const uint16_t *)a->k_cache + locs[n0 + j] * a->kc_row + (int64_t)h * dim;
+            for (int j = nb; j < nb + KT; j++) kb[j] = kb[nb - 1];
+            for (int p = 0; p < (nb + 1) / 2; p++) {  // an odd block's last pair takes a zero second row
+                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p] * a->vc_row + (int64_t)h * dim;
+                const uint16_t *v1 = 2 * p + 1 < nb
+                    ? (const uint16_t *)a->v_cache + locs[n0 + 2 * p + 1] * a->vc_row + (int64_t)h * dim : NULL;
+                for (int d = 0; d < dim; d++) vp[p * dim + d] = v0[d] | (v1 ? (uint32_t)v1[d] << 16 : 0u);
+            }
+            for (int j0 = 0; j0 < nb; j0 += KT)
+                for (int r0 = 0; r0 < RP; r0 += 16)
+                    score_tile_bf16(kb + j0, qp + r0, dim, a->scale, s->st + j0 * MAXR + r0, MAXR);
+        }
+#endif
+        for (int j = 0; j < (use_dp ? 0 : nb); j++) {
             int64_t loc = locs[n0 + j];
             if (a->kv_bf16) {
                 const uint16_t *kk = (const uint16_t *)a->k_cache + loc * a->kc_row + (int64_t)h * dim;
@@ -157,10 +233,12 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
                 vr[j] = (const float *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
             }
         }
-        for (int j = nb; j < nb + KT; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
-        for (int j0 = 0; j0 < nb; j0 += KT)
-            for (int r0 = 0; r0 < RP; r0 += 16)
-                score_tile(kr + j0, s->qt + r0, MAXR, dim, s->st + j0 * MAXR + r0, MAXR);
+        if (!use_dp) {
+            for (int j = nb; j < nb + KT; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
+            for (int j0 = 0; j0 < nb; j0 += KT)
+                for (int r0 = 0; r0 < RP; r0 += 16)
+                    score_tile(kr + j0, s->qt + r0, MAXR, dim, s->st + j0 * MAXR + r0, MAXR);
+        }
         if (a->softcap > 0.0f) {
             const float cap = a->softcap;
             for (int j = 0; j < nb; j++)
@@ -202,6 +280,23 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
             float *orow = s->o + (int64_t)r * dim;
             for (int d = 0; d < dim; d++) orow[d] *= alpha[r];
         }
+#if DPBF16
+        if (use_dp) {
+            uint32_t *pp = (uint32_t *)s->kf;
+            const int npairs = (nb + 1) / 2;
+            for (int p = 0; p < npairs; p++) {
+                const float *p0 = s->st + 2 * p * MAXR, *p1 = p0 + MAXR;
+                const int second = 2 * p + 1 < nb;
+                for (int r = 0; r < R; r++)
+                    pp[p * MAXR + r] = f32_to_bf16(p0[r]) | (second ? (uint32_t)f32_to_bf16(p1[r]) << 16 : 0u);
+            }
+            for (int r0 = 0; r0 < R; r0 += KT)
+                for (int d0 = 0; d0 < dim; d0 += 16)
+                    pv_tile_bf16(pp + r0, R - r0 < KT ? R - r0 : KT, (const uint32_t *)s->vf, dim, d0, npairs,
+                                 s->o + (int64_t)r0 * dim + d0, dim);
+            continue;
+        }
+#endif
         for (int r0 = 0; r0 < R; r0 += KT)
             for (int d0 = 0; d0 < dim; d0 += 16)
                 pv_tile(s->st + r0, MAXR, R - r0 < KT ? R - r0 : KT, vr, d0, nb, s->o + (int64_t)r0 * dim + d0, dim);

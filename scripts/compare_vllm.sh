@@ -22,7 +22,7 @@
 # already in results/compare_vllm_runs/ (for the sides --only names), e.g. after an interrupted run.
 # Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS DTYPE VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
 # VLLM_MEM_FRACTION (vLLM's --gpu-memory-utilization, on CPU a share of RAM; default 0.3) and
-# VLLM_EXTRA_ARGS (more vLLM server flags).
+# VLLM_EXTRA_ARGS (more vLLM server flags) and LIGHTSERVE_EXTRA_ARGS (more lightserve server flags).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -227,7 +227,8 @@ run_vllm() {
 
 run_lightserve() {
   start_server "$RUN_DIR/lightserve-server.log" -- \
-    "$PYTHON" -m lightserve.launch_server --model_dir "$MODEL_DIR" --data_type "$DTYPE" --port "$PORT"
+    "$PYTHON" -m lightserve.launch_server --model_dir "$MODEL_DIR" --data_type "$DTYPE" --port "$PORT" \
+    ${LIGHTSERVE_EXTRA_ARGS:-}
   run_side lightserve
   stop_server
 }

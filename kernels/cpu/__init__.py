@@ -49,7 +49,7 @@ def variant_library(name: str) -> ctypes.CDLL | None:
     """The kernel library built as BUILD_VARIANTS[name], or None when this CPU cannot run that build's
     instructions (or nothing can be built here)."""
     flags, needs = BUILD_VARIANTS[name]
-    have = set(_cpu_flags().split())
+    have = set(cpu_flags().split())
     if not all(f in have for f in needs):
         return None
     try:
@@ -95,7 +95,7 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     headers = sorted(Path(__file__).parent.glob("*.h"))  # in the cache key, not on the command line
     key = hashlib.sha256()
     # -march=native: a cache shared by machines with other CPUs must not hand them this build.
-    for part in [cc, *flags, _cpu_flags(), *(p.read_bytes() for p in [*sources, *headers])]:
+    for part in [cc, *flags, cpu_flags(), *(p.read_bytes() for p in [*sources, *headers])]:
         key.update(part if isinstance(part, bytes) else part.encode())
     target = _cache_dir() / f"lightserve_cpu_{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -113,7 +113,8 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     return target
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's flags line from /proc/cpuinfo ("" where there is none): what the builds may use."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")

@@ -15,15 +15,19 @@ MODEL_DIR = Path(os.environ.get("LIGHTSERVE_CACHE", Path.home() / ".cache" / "li
 START_TIMEOUT_S = 300
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(avoid: range = range(0)) -> int:
+    """A port free now, outside `avoid` (ports a test has set aside for other sockets but not bound yet)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
 
 
 class ServerProc:
-    def __init__(self, *args: str, log_path: Path | None = None):
-        self.port = free_port()
+    def __init__(self, *args: str, log_path: Path | None = None, avoid_ports: range = range(0)):
+        self.port = free_port(avoid_ports)
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "lightserve.launch_server", "--port", str(self.port), *args]
         self.log_path = log_path

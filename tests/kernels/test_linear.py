@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightserve.kernels.cpu import library, variant_library
+from lightserve.kernels.cpu import cpu_flags, library, variant_library
 from lightserve.kernels.linear import (
     PAIR_MAX_M,
     PAIR_PANEL,
@@ -124,6 +124,8 @@ def test_bf16_pairs_round_trip(n, k):
 def test_bf16_small_m_matches_f_linear(m, n, variant):
     """Every build this CPU runs; the native one on an AVX512-BF16 CPU is the vdpbf16ps path."""
     lib = variant_library(variant)
+    # The native build of an AVX512-BF16 CPU multiplies with vdpbf16ps; narrower builds split the pairs.
+    assert lib.linear_bf16_pairs_dpbf16() == int(variant == "native" and "avx512_bf16" in cpu_flags())
     x, w, b = _bf16_case(m, n, 72, seed=m * 100 + n)
     weight = prepack_onednn_weight(w)
     assert weight.pairs is not None

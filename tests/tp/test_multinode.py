@@ -22,8 +22,9 @@ def test_two_nodes_match_single_node_tp2(tiny_model_dir, tiny_tp2_outputs, tmp_p
     port = _free_port_block(3)  # rendezvous store + one plan socket per rank
     common = (*SERVER_FLAGS, "--model_dir", str(tiny_model_dir), "--tp", "2", "--nnodes", "2",
               "--nccl_host", "127.0.0.1", "--nccl_port", str(port))
-    node0 = ServerProc(*common, "--node_rank", "0", log_path=tmp_path / "node0.log")
-    node1 = ServerProc(*common, "--node_rank", "1", log_path=tmp_path / "node1.log")
+    block = range(port, port + 3)  # not bound until the servers start: their HTTP ports must stay outside it
+    node0 = ServerProc(*common, "--node_rank", "0", log_path=tmp_path / "node0.log", avoid_ports=block)
+    node1 = ServerProc(*common, "--node_rank", "1", log_path=tmp_path / "node1.log", avoid_ports=block)
     try:
         node0.wait_ready()
         assert node1.proc.poll() is None, node1.log_tail()

@@ -95,7 +95,7 @@ def test_decode_triton_strided_q_and_default_splits():
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (9, 3), (32, 8), (5, 1), (8, 1), (12, 1)])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: Gemma's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim, dtype):
     """Every build this CPU runs (AVX-512, AVX2, plain C), GQA groups 1, 3, 4, 5 and 8 (compiled in) and 12
@@ -168,7 +168,7 @@ def test_decode_triton_window_and_softcap_match_reference(window, softcap, num_h
 @pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("window, softcap", VARIANTS)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [
-    (9, 3, 64, torch.float32), (8, 1, 128, torch.bfloat16),
+    (9, 3, 64, torch.float32), (8, 1, 128, torch.bfloat16), (4, 2, 256, torch.bfloat16),  # 256: Gemma 2's
 ])
 def test_cpu_kernel_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim, dtype,
                                                        variant):

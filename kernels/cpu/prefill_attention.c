@@ -208,32 +208,35 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
             uint32_t *vp = (uint32_t *)s->vf;
             for (int j = 0; j < nb; j++) kb[j] = (const uint16_t *)a->k_cache + locs[n0 + j] * a->kc_row + (int64_t)h * dim;
             for (int j = nb; j < nb + KT; j++) kb[j] = kb[nb - 1];
-            for (int p = 0; p < (nb + 1) / 2; p++) {  // an odd block's last pair takes a zero second row
+            for (int p = 0; p < nb / 2; p++) {
                 const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p] * a->vc_row + (int64_t)h * dim;
-                const uint16_t *v1 = 2 * p + 1 < nb
-                    ? (const uint16_t *)a->v_cache + locs[n0 + 2 * p + 1] * a->vc_row + (int64_t)h * dim : NULL;
-                for (int d = 0; d < dim; d++) vp[p * dim + d] = v0[d] | (v1 ? (uint32_t)v1[d] << 16 : 0u);
+                const uint16_t *v1 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p + 1] * a->vc_row + (int64_t)h * dim;
+                for (int d = 0; d < dim; d++) vp[p * dim + d] = v0[d] | (uint32_t)v1[d] << 16;
+            }
+            if (nb % 2) {  // an odd block's last pair takes a zero second row
+                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + nb - 1] * a->vc_row + (int64_t)h * dim;
+                for (int d = 0; d < dim; d++) vp[nb / 2 * dim + d] = v0[d];
             }
             for (int j0 = 0; j0 < nb; j0 += KT)
                 for (int r0 = 0; r0 < RP; r0 += 16)
                     score_tile_bf16(kb + j0, qp + r0, dim, a->scale, s->st + j0 * MAXR + r0, MAXR);
-        }
+        } else
 #endif
-        for (int j = 0; j < (use_dp ? 0 : nb); j++) {
-            int64_t loc = locs[n0 + j];
-            if (a->kv_bf16) {
-                const uint16_t *kk = (const uint16_t *)a->k_cache + loc * a->kc_row + (int64_t)h * dim;
-                const uint16_t *vv = (const uint16_t *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
-                for (int d = 0; d < dim; d++) s->kf[j * dim + d] = bf16_to_f32(kk[d]);
-                for (int d = 0; d < dim; d++) s->vf[j * dim + d] = bf16_to_f32(vv[d]);
-                kr[j] = s->kf + j * dim;
-                vr[j] = s->vf + j * dim;
-            } else {
-                kr[j] = (const float *)a->k_cache + loc * a->kc_row + (int64_t)h * dim;
-                vr[j] = (const float *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
+        {
+            for (int j = 0; j < nb; j++) {
+                int64_t loc = locs[n0 + j];
+                if (a->kv_bf16) {
+                    const uint16_t *kk = (const uint16_t *)a->k_cache + loc * a->kc_row + (int64_t)h * dim;
+                    const uint16_t *vv = (const uint16_t *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
+                    for (int d = 0; d < dim; d++) s->kf[j * dim + d] = bf16_to_f32(kk[d]);
+                    for (int d = 0; d < dim; d++) s->vf[j * dim + d] = bf16_to_f32(vv[d]);
+                    kr[j] = s->kf + j * dim;
+                    vr[j] = s->vf + j * dim;
+                } else {
+                    kr[j] = (const float *)a->k_cache + loc * a->kc_row + (int64_t)h * dim;
+                    vr[j] = (const float *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
+                }
             }
-        }
-        if (!use_dp) {
             for (int j = nb; j < nb + KT; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
             for (int j0 = 0; j0 < nb; j0 += KT)
                 for (int r0 = 0; r0 < RP; r0 += 16)

@@ -76,6 +76,13 @@ def naive_attention(batch: KVBatch, req: int, q: torch.Tensor, positions: list[i
 VARIANTS = [(8, 0.0), (40, 0.0), (0, 1.5), (5, 2.0)]
 
 
+def window_softcap_meta(meta: dict, window: int, softcap: float) -> dict:
+    """An attention case's keyword arguments with a window and softcap; with a softcap the scores are scaled up
+    (8x) so that tanh saturates for some keys, where the cap matters."""
+    scale = meta["sm_scale"] * (8.0 if softcap else 1.0)
+    return {**meta, "sm_scale": scale, "window": window, "softcap": softcap}
+
+
 def portable_library():
     """The C kernels built with AVX2 and FMA off (cached like any build): the plain-C paths that a CPU
     without AVX2 runs, tested here on one that has it."""

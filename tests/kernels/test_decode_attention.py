@@ -20,6 +20,7 @@ from tests.kernels.kernel_cases import (
     c_library_variants,
     make_kv_batch,
     naive_attention,
+    window_softcap_meta,
 )
 
 SEQ_LENS = [1, 23, 70, 16]  # a single token, lengths off the 16-token tiles, one exactly on a tile
@@ -139,15 +140,10 @@ def test_cpu_kernel_declines_what_it_does_not_support():
 W_SEQ_LENS = [1, 23, 70, 8, 300]  # shorter than, equal to and longer than the windows; 300: several C chunks
 
 
-def _variant_meta(meta, window, softcap):
-    scale = meta["sm_scale"] * (8.0 if softcap else 1.0)  # scores that reach the cap
-    return {**meta, "sm_scale": scale, "window": window, "softcap": softcap}
-
-
 @pytest.mark.parametrize("window, softcap", VARIANTS)
 def test_reference_window_and_softcap_match_naive_attention(window, softcap):
     batch, q, meta = _decode_case(W_SEQ_LENS, 4, 2, 64, torch.float32)
-    meta = _variant_meta(meta, window, softcap)
+    meta = window_softcap_meta(meta, window, softcap)
     out = decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta)
     for req, seq_len in enumerate(W_SEQ_LENS):
         expect = naive_attention(batch, req, q[req:req + 1], [seq_len - 1], meta["sm_scale"], window, softcap)
@@ -159,7 +155,7 @@ def test_reference_window_and_softcap_match_naive_attention(window, softcap):
                                                                       (2, 2, 80, torch.float16)])
 def test_decode_triton_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim, dtype):
     batch, q, meta = _decode_case(W_SEQ_LENS, num_heads, num_kv_heads, head_dim, dtype)
-    meta = _variant_meta(meta, window, softcap)
+    meta = window_softcap_meta(meta, window, softcap)
     out = decode_attention_triton(q, batch.k_cache, batch.v_cache, **meta, num_splits=4, block_n=16)
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
@@ -174,7 +170,7 @@ def test_cpu_kernel_window_and_softcap_match_reference(window, softcap, num_head
                                                        variant):
     lib = variant_library(variant)
     batch, q, meta = _decode_case(W_SEQ_LENS, num_heads, num_kv_heads, head_dim, dtype)
-    meta = _variant_meta(meta, window, softcap)
+    meta = window_softcap_meta(meta, window, softcap)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
     out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
     assert out is not None

@@ -19,6 +19,7 @@ from tests.kernels.kernel_cases import (
     c_library_variants,
     make_kv_batch,
     naive_attention,
+    window_softcap_meta,
 )
 
 # (prefix_len, extend_len) per request: no prefix, long prefix, a 1-token extend, lengths off the 16-token tiles.
@@ -130,16 +131,10 @@ def test_cpu_kernel_declines_what_it_does_not_support():
 W_REQS = [(0, 70), (50, 20), (3, 9), (33, 1)]
 
 
-def _variant_meta(meta, window, softcap):
-    # A softcap only matters where scores reach it: scale them up so that tanh saturates for some keys.
-    scale = meta["sm_scale"] * (8.0 if softcap else 1.0)
-    return {**meta, "sm_scale": scale, "window": window, "softcap": softcap}
-
-
 @pytest.mark.parametrize("window, softcap", VARIANTS)
 def test_reference_window_and_softcap_match_naive_attention(window, softcap):
     batch, q, meta = _prefill_case(W_REQS, 4, 2, 64, torch.float32)
-    meta = _variant_meta(meta, window, softcap)
+    meta = window_softcap_meta(meta, window, softcap)
     out = prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta)
     start = 0
     for req, (prefix_len, extend_len) in enumerate(W_REQS):
@@ -154,7 +149,7 @@ def test_reference_window_and_softcap_match_naive_attention(window, softcap):
                                                                       (2, 2, 80, torch.float16)])
 def test_prefill_triton_window_and_softcap_match_reference(window, softcap, num_heads, num_kv_heads, head_dim, dtype):
     batch, q, meta = _prefill_case(W_REQS, num_heads, num_kv_heads, head_dim, dtype)
-    meta = _variant_meta(meta, window, softcap)
+    meta = window_softcap_meta(meta, window, softcap)
     out = prefill_attention_triton(q, batch.k_cache, batch.v_cache, **meta, block_m=32, block_n=16)
     torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
@@ -169,7 +164,7 @@ def test_cpu_kernel_window_and_softcap_match_reference(window, softcap, num_head
                                                        variant):
     lib = variant_library(variant)
     batch, q, meta = _prefill_case(C_REQS, num_heads, num_kv_heads, head_dim, dtype)
-    meta = _variant_meta(meta, window, softcap)
+    meta = window_softcap_meta(meta, window, softcap)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
     out = prefill_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
     assert out is not None

@@ -21,13 +21,13 @@ else:
     from lightserve.kernels.decode_attention import decode_attention, decode_attention_ref
     from lightserve.kernels.kv_store import store_kv, store_kv_ref
     from lightserve.kernels.linear import (
-        OneDNNLinear,
         PackedLinear,
+        PrepackedLinear,
         linear,
         linear_ref,
         onednn_available,
         pack_linear_weight,
-        prepack_onednn_weight,
+        prepack_weight,
     )
     from lightserve.kernels.prefill_attention import (
         prefill_attention,
@@ -42,9 +42,9 @@ else:
     from lightserve.kernels.rotary import rotary_emb, rotary_emb_ref
 
     __all__ = [
-        "OneDNNLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref",
+        "PrepackedLinear", "PackedLinear", "add_rmsnorm", "add_rmsnorm_ref", "decode_attention", "decode_attention_ref",
         "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref",
-        "linear", "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_onednn_weight",
+        "linear", "linear_ref", "onednn_available", "pack_linear_weight", "prefill_attention", "prepack_weight",
         "prefill_attention_ref", "rmsnorm", "rmsnorm_ref", "rotary_emb", "rotary_emb_ref", "silu_and_mul",
         "silu_and_mul_ref", "store_kv", "store_kv_ref",
     ]

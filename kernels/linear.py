@@ -3,17 +3,17 @@
 On GPU it is F.linear (cuBLAS). On CPU, for float32 models, the weights are packed once at load
 (`pack_linear_weight`: panels of two vectors' worth of output features, k-major) and a C kernel
 (kernels/cpu/linear.c, one 6 x (2 vectors) register tile at the CPU's vector width) runs every M, decode
-and prefill alike. For bfloat16 models the weights are reordered once at load into oneDNN's blocked layout
-(`prepack_onednn_weight`), and oneDNN's GEMM runs them (AVX512-BF16 or AMX where the CPU has them): torch's
-F.linear on plain bf16 weights repacks them on every call. Measured on Zen 5 (AVX512-BF16), 2 threads, SmolLM2's
-gate_up over 30 layers, ms per layer, prepacked / F.linear: M=1 0.060 / 0.163, M=4 0.073 / 0.174,
-M=64 0.292 / 0.456; lm_head M=1 0.77 / 2.42, M=64 4.37 / 7.26; in GFLOP/s at M=256 934 / 778. A C kernel
-for bf16 weights (widened by shift/mask) lost to the prepacked GEMM at every M, 1 included. In float32 the C
-kernel and prepacked oneDNN measured within 5% of each other there, so float32 keeps the C kernel.
-At M <= PAIR_MAX_M (decoding one to four requests) bf16 weights run linear.c's pair kernel instead, on a second
-copy in a layout made for vdpbf16ps (no widening: each 64-byte row is 16 features times a pair of k). On Zen 4,
-2 threads, SmolLM2's shapes from DRAM, M=1: 32-35 GB/s against oneDNN's 17-23 (qkv 0.034 / 0.063 ms a layer,
-gate_up 0.110 / 0.160, lm_head 1.66 / 2.42); at M=4 0.57-0.94x oneDNN's time.
+and prefill alike. For bfloat16 models the weights are laid out once at load (`prepack_weight`):
+- linear.c's pair layout (each 64-byte row is 16 output features times a pair of k, what vdpbf16ps multiplies
+  against a broadcast pair of x) runs every M where the C build has vdpbf16ps (AVX512-BF16) and the CPU has no
+  AMX: a 12-row by 32-feature register tile above PAIR_MAX_M rows, a weight stream at or below it. Zen 4, 2 threads,
+  SmolLM2's four projections over 30 layers plus the lm_head, weights from DRAM, GFLOP/s against oneDNN's prepacked
+  GEMM in the same run: M=8 280 / 162, M=64 424-430 / 338-351, M=512 414-430 / 391-413 (the CPU's vdpbf16ps
+  ceiling measured 446); at M=1 the stream reads 32-35 GB/s against oneDNN's 17-23.
+- Elsewhere oneDNN's blocked layout runs M over PAIR_MAX_M (AMX where the CPU has it, about twice the vdpbf16ps
+  rate; AVX2 without native bf16), and the pair layout, a second copy, the decode of one to four requests (its
+  portable build widens each pair by a shift and a mask). torch's F.linear on plain bf16 weights repacks them on
+  every call: on Zen 5, gate_up at M=64 took 0.456 ms a layer against 0.292 prepacked.
 Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2-135M's shapes, weights streamed from DRAM as in
 the forward; GFLOP/s, medians, MKL's sgemm (F.linear) in the same run:
   gate_up [3072 x 576]  M=1: MKL 2.4, C 5.0 (memory-bound: 10 GB/s)   M=16: 25 / 70
@@ -75,14 +75,16 @@ def linear_ref(x: Tensor, weight: Tensor | PackedLinear, bias: Tensor | None = N
 
 
 @dataclass(frozen=True)
-class OneDNNLinear:
-    """A [N, K] weight reordered for oneDNN's CPU GEMM (an opaque mkldnn tensor), and for bf16 weights also
-    in linear.c's pair layout, which runs M <= PAIR_MAX_M (decode of a few requests) at the read bandwidth."""
+class PrepackedLinear:
+    """A [N, K] weight laid out once at load for the CPU GEMMs that run it: oneDNN's blocked layout (an opaque
+    mkldnn tensor), and for bf16 weights linear.c's pair layout. Where the C kernel takes every M (its vdpbf16ps
+    build, on a CPU without AMX) only the pairs are kept; elsewhere oneDNN runs M over PAIR_MAX_M, and the pairs
+    (when they fit in memory) the decode of one to a few requests. At least one of the two is set."""
 
-    packed: Tensor
+    onednn: Tensor | None
     out_features: int  # N
     in_features: int  # K
-    pairs: Tensor | None = None  # [ceil(N / 16), K / 2, 16] int32, pack_bf16_pairs; None: oneDNN at every M
+    pairs: Tensor | None = None  # [ceil(N / 32) * 2, K / 2, 16] int32, pack_bf16_pairs
 
 
 def onednn_available() -> bool:
@@ -90,49 +92,67 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def prepack_onednn_weight(weight: Tensor) -> OneDNNLinear:
-    """weight [N, K] (CPU, bf16 or float32) -> OneDNNLinear; the row-major tensor is not kept. A bf16 weight
-    with an even K also gets the pair layout (the weights' memory twice), unless that would leave less than
-    PAIR_MIN_FREE_FRACTION of the machine's available memory."""
+def pairs_take_every_m(lib) -> bool:
+    """Whether linear.c's pair layout runs bf16 linears at every M with `lib`: where the build has vdpbf16ps and
+    the CPU has no AMX (whose oneDNN GEMM is about twice as fast), unless LIGHTSERVE_ONEDNN_BF16_GEMM asks for
+    oneDNN. Zen 4, 2 threads, SmolLM2's projections and lm_head from DRAM, the C GEMM's time over oneDNN's:
+    0.63-0.66 at M = 8-16, 0.82 at M = 64, 0.94-0.95 at M = 256-512."""
+    from lightserve import envs
+    from lightserve.kernels.cpu import cpu_flags
+
+    return lib is not None and bool(lib.linear_bf16_pairs_dpbf16()) and "amx_bf16" not in cpu_flags().split() \
+        and not envs.onednn_bf16_gemm()
+
+
+def prepack_weight(weight: Tensor) -> PrepackedLinear:
+    """weight [N, K] (CPU, bf16 or float32) -> PrepackedLinear; the row-major tensor is not kept. A bf16 weight with
+    an even K gets the pair layout: alone where the C kernel runs every M (pairs_take_every_m), else beside oneDNN's
+    (the weights' memory twice), unless that would leave less than PAIR_MIN_FREE_FRACTION of the machine's memory
+    available."""
+    from lightserve.kernels.cpu import library
+
+    n, k = weight.shape
+    pairs_ok = weight.dtype == torch.bfloat16 and k % 2 == 0 and library() is not None
+    if pairs_ok and pairs_take_every_m(library()):
+        return PrepackedLinear(None, n, k, pairs=pack_bf16_pairs(weight))
     with torch.no_grad():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    pairs = None
-    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0 and _pairs_fit(weight):
-        pairs = pack_bf16_pairs(weight)
-    return OneDNNLinear(packed, *weight.shape, pairs=pairs)
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+    pairs = pack_bf16_pairs(weight) if pairs_ok and _pairs_fit(weight) else None
+    return PrepackedLinear(onednn, n, k, pairs=pairs)
 
 
-PAIR_MAX_M = 4  # linear.c's limit: above it oneDNN's GEMM is as fast (Zen 4: 0.89-0.94x at M = 4) and then faster
+PAIR_MAX_M = 4  # up to here the pair kernel streams the weights (0.50-0.69x oneDNN's time at M = 1 on Zen 4)
 PAIR_PANEL = 16  # output features per panel of the pair layout (linear.c's PAIR_PW), on every CPU
-PAIR_MIN_FREE_FRACTION = 0.5  # the second copy is made only while MemAvailable stays over half the total
+PAIR_MIN_FREE_FRACTION = 0.5  # a second copy beside oneDNN's is made only while MemAvailable stays over half the total
 
 
 def pack_bf16_pairs(weight: Tensor) -> Tensor:
-    """weight [N, K] bf16, K even -> [ceil(N / 16), K / 2, 16] int32: element [p, j, f] holds the bf16 pair
-    (w[16p + f, 2j], w[16p + f, 2j + 1]), low half first (linear.c's layout); padding rows are zero."""
+    """weight [N, K] bf16, K even -> [ceil(N / 32) * 2, K / 2, 16] int32: element [p, j, f] holds the bf16 pair
+    (w[16p + f, 2j], w[16p + f, 2j + 1]), low half first (linear.c's layout); padding rows are zero. The panels come
+    in pairs (the GEMM's tile is two panels wide)."""
     n, k = weight.shape
-    padded = torch.zeros(-(-n // PAIR_PANEL) * PAIR_PANEL, k, dtype=torch.bfloat16)
+    padded = torch.zeros(-(-n // (2 * PAIR_PANEL)) * 2 * PAIR_PANEL, k, dtype=torch.bfloat16)
     padded[:n] = weight
     # [Np, K] -> [Np / 16, 16, K / 2, 2] -> [Np / 16, K / 2, 16, 2]; each trailing pair is one int32.
     return padded.view(-1, PAIR_PANEL, k // 2, 2).transpose(1, 2).contiguous().view(torch.int32).squeeze(-1)
 
 
 def unpack_bf16_pairs(pairs: Tensor, n: int) -> Tensor:
-    """The [N, K] bf16 weight back from pack_bf16_pairs (tests)."""
+    """The [N, K] bf16 weight back from pack_bf16_pairs (tests, and inputs the C kernel declines)."""
     panels, half_k, width = pairs.shape
     return pairs.unsqueeze(-1).view(torch.bfloat16).transpose(1, 2).reshape(panels * width, 2 * half_k)[:n]
 
 
 def _pairs_fit(weight: Tensor) -> bool:
-    from lightserve.kernels.cpu import library, memory_bytes
+    from lightserve.kernels.cpu import memory_bytes
 
     need = weight.numel() * weight.element_size()
-    return library() is not None and memory_bytes() - need > PAIR_MIN_FREE_FRACTION * memory_bytes("MemTotal")
+    return memory_bytes() - need > PAIR_MIN_FREE_FRACTION * memory_bytes("MemTotal")
 
 
-def cpu_pack_for(weight: Tensor) -> Callable[[Tensor], PackedLinear | OneDNNLinear] | None:
+def cpu_pack_for(weight: Tensor) -> Callable[[Tensor], PackedLinear | PrepackedLinear] | None:
     """How a model packs its linear weights of weight's dtype at load on CPU: the C kernel's panels for float32
-    (when the C library builds here), oneDNN's layout for bfloat16; None on GPU or where neither applies."""
+    (when the C library builds here), prepack_weight for bfloat16; None on GPU or where neither applies."""
     from lightserve.kernels.cpu import library
 
     if weight.device.type != "cpu":
@@ -140,39 +160,42 @@ def cpu_pack_for(weight: Tensor) -> Callable[[Tensor], PackedLinear | OneDNNLine
     if weight.dtype == torch.float32 and library() is not None:
         return pack_linear_weight
     if weight.dtype == torch.bfloat16 and onednn_available():
-        return prepack_onednn_weight
+        return prepack_weight
     return None
 
 
-def linear(x: Tensor, weight: Tensor | PackedLinear | OneDNNLinear, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] -> [M, N]: the C kernel for a packed weight, oneDNN for a prepacked one, F.linear for a
-    plain one."""
+def linear(x: Tensor, weight: Tensor | PackedLinear | PrepackedLinear, bias: Tensor | None = None) -> Tensor:
+    """x [M, K] -> [M, N]: the C kernel for a packed weight, linear.c's pair kernels or oneDNN for a prepacked one,
+    F.linear for a plain one."""
     if isinstance(weight, PackedLinear):
         out = linear_cpu(x, weight, bias)
         if out is not None:
             return out
         return linear_ref(x, weight, bias)  # not reached by the model: it packs only what the kernel takes
-    if isinstance(weight, OneDNNLinear):
-        if weight.pairs is not None and x.shape[0] <= PAIR_MAX_M:
-            out = linear_bf16_small(x, weight, bias)
+    if isinstance(weight, PrepackedLinear):
+        if weight.pairs is not None and (weight.onednn is None or x.shape[0] <= PAIR_MAX_M):
+            out = linear_bf16_pairs(x, weight, bias)
             if out is not None:
                 return out
-        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+        if weight.onednn is None:  # an input the C kernel declines (odd row stride, float32 x): slow, not reached
+            return F.linear(x, unpack_bf16_pairs(weight.pairs, weight.out_features).to(x.dtype), bias)
+        return torch.ops.mkldnn._linear_pointwise(x, weight.onednn, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def linear_bf16_small(x: Tensor, weight: OneDNNLinear, bias: Tensor | None = None, lib=None) -> Tensor | None:
-    """linear.c's pair kernel: x [M, K] bf16 (rows may be strided), M <= PAIR_MAX_M, bias [N] bf16 or None ->
-    [M, N] bf16. None when it cannot run here (no pair layout, another dtype, layout or M).
-    `lib`: a loaded kernel library other than the default build (tests of the portable C path)."""
+def linear_bf16_pairs(x: Tensor, weight: PrepackedLinear, bias: Tensor | None = None, lib=None) -> Tensor | None:
+    """linear.c's pair kernels: x [M, K] bf16 (rows may be strided), bias [N] bf16 or None -> [M, N] bf16. None
+    when they cannot run here: no pair layout, another dtype or layout, or M over PAIR_MAX_M in a build without
+    vdpbf16ps. `lib`: a loaded kernel library other than the default build (tests of the portable C path)."""
     from lightserve.kernels.cpu import library, profiled
 
     lib = lib or library()
-    if lib is None or weight.pairs is None or x.dim() != 2 or not 1 <= x.shape[0] <= PAIR_MAX_M \
+    m = x.shape[0] if x.dim() == 2 else 0
+    if lib is None or weight.pairs is None or m < 1 or (m > PAIR_MAX_M and not lib.linear_bf16_pairs_dpbf16()) \
             or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.shape[1] != weight.in_features \
             or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
         return None
-    m, n = x.shape[0], weight.out_features
+    n = weight.out_features
     out = torch.empty(m, n, dtype=torch.bfloat16)  # [M, N]
     with profiled("linear_bf16_cpu"):  # visible in scripts/profile_step.py
         rc = lib.linear_bf16_pairs(x.data_ptr(), x.stride(0), m, weight.in_features, weight.pairs.data_ptr(), n,

@@ -21,7 +21,7 @@ from lightserve.kernels.decode_attention import (
     _decode_merge_kernel,
     _default_num_splits,
 )
-from lightserve.kernels.linear import OneDNNLinear, PackedLinear, linear
+from lightserve.kernels.linear import PackedLinear, PrepackedLinear, linear
 from lightserve.kernels.prefill_attention import dot_precision
 
 _LOG2E = 1.4426950408889634
@@ -189,7 +189,7 @@ def warm_up_mla_decode_attention(q_latent: Tensor, q_pe: Tensor, latent_cache: T
 
 
 def mla_prefill_attention(
-    q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, kv_b_proj: Tensor | PackedLinear | OneDNNLinear,
+    q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, kv_b_proj: Tensor | PackedLinear | PrepackedLinear,
     v_head_dim: int, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor, prefix_lens: Tensor,
     extend_lens: Tensor, sm_scale: float,
 ) -> Tensor:

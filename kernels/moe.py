@@ -22,10 +22,10 @@ from lightserve.kernels.activation import (
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
-from lightserve.kernels.linear import OneDNNLinear, PackedLinear, linear
+from lightserve.kernels.linear import PackedLinear, PrepackedLinear, linear
 from lightserve.kernels.prefill_attention import dot_precision
 
-ExpertLinear = Tensor | PackedLinear | OneDNNLinear
+ExpertLinear = Tensor | PackedLinear | PrepackedLinear
 
 
 # ---- routing -------------------------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ class ExpertWeights:
 
 
 def pack_expert_weights(weights: ExpertWeights, pack: Callable[[Tensor], ExpertLinear]) -> ExpertWeights:
-    """One packed weight per expert (`kernels.pack_linear_weight` for float32, `prepack_onednn_weight` for bf16);
+    """One packed weight per expert (`kernels.pack_linear_weight` for float32, `prepack_weight` for bf16);
     the stacked tensors are not kept."""
     assert isinstance(weights.gate_up, Tensor) and isinstance(weights.down, Tensor), "already packed"
     return replace(weights, gate_up=tuple(pack(w) for w in weights.gate_up.unbind(0)),

@@ -23,3 +23,9 @@ def no_tcmalloc() -> bool:
 def no_c_kernels() -> bool:
     """LIGHTSERVE_NO_C_KERNELS=1: run the torch reference ops instead of the CPU C kernels."""
     return os.environ.get("LIGHTSERVE_NO_C_KERNELS", "") not in ("", "0")
+
+
+def onednn_bf16_gemm() -> bool:
+    """LIGHTSERVE_ONEDNN_BF16_GEMM=1: run bf16 linears of more than a few rows on oneDNN also where linear.c's
+    vdpbf16ps GEMM would run them (to measure one against the other)."""
+    return os.environ.get("LIGHTSERVE_ONEDNN_BF16_GEMM", "") not in ("", "0")

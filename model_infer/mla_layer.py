@@ -35,10 +35,10 @@ from lightserve.kernels.mla_attention import (
 )
 
 if TYPE_CHECKING:
-    from lightserve.kernels.linear import OneDNNLinear, PackedLinear
+    from lightserve.kernels.linear import PackedLinear, PrepackedLinear
     from lightserve.model_infer.forward_batch import ForwardBatch
 
-    LinearWeight = Tensor | PackedLinear | OneDNNLinear
+    LinearWeight = Tensor | PackedLinear | PrepackedLinear
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 _LATENT_NORM_EPS = 1e-6  # DeepseekV3RMSNorm's default (MLAConfig.from_hf)

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 if TYPE_CHECKING:
-    from lightserve.kernels.linear import OneDNNLinear, PackedLinear
+    from lightserve.kernels.linear import PackedLinear, PrepackedLinear
     from lightserve.model_config import ModelConfig
     from lightserve.model_infer.moe_layers import MoEWeights
 
@@ -85,18 +85,18 @@ class TPShards:
 @dataclass
 class LayerWeights:
     # The four projections are [N, K] tensors as loaded; a model on CPU replaces them with the same
-    # weights packed for its GEMM: kernels.PackedLinear in float32, kernels.OneDNNLinear in bfloat16
+    # weights packed for its GEMM: kernels.PackedLinear in float32, kernels.PrepackedLinear in bfloat16
     # (see models/base.py). Norm weights are stored as the multiplier: Gemma's (1 + w) is added at load.
     input_norm: torch.Tensor            # [hidden], before attention
-    qkv_proj: torch.Tensor | PackedLinear | OneDNNLinear  # [(Hq_local + 2*Hk_local) * D, hidden]; rows q | k | v
+    qkv_proj: torch.Tensor | PackedLinear | PrepackedLinear  # [(Hq_local + 2*Hk_local) * D, hidden]; rows q | k | v
     qkv_bias: torch.Tensor | None       # [(Hq_local + 2*Hk_local) * D]
     q_norm: torch.Tensor | None         # [D] (Qwen3)
     k_norm: torch.Tensor | None         # [D] (Qwen3)
-    o_proj: torch.Tensor | PackedLinear | OneDNNLinear    # [hidden, Hq_local * D]
+    o_proj: torch.Tensor | PackedLinear | PrepackedLinear    # [hidden, Hq_local * D]
     o_bias: torch.Tensor | None         # [hidden], full; added once after the all-reduce
     post_attn_norm: torch.Tensor        # [hidden], before the MLP (HF Llama's post_attention_layernorm)
-    gate_up_proj: torch.Tensor | PackedLinear | OneDNNLinear | None  # [2 * I_local, hidden]; rows gate | up
-    down_proj: torch.Tensor | PackedLinear | OneDNNLinear | None  # [hidden, I_local]; both None on a MoE layer
+    gate_up_proj: torch.Tensor | PackedLinear | PrepackedLinear | None  # [2 * I_local, hidden]; rows gate | up
+    down_proj: torch.Tensor | PackedLinear | PrepackedLinear | None  # [hidden, I_local]; both None on a MoE layer
     attn_out_norm: torch.Tensor | None = None  # [hidden], on the attention output (Gemma)
     mlp_out_norm: torch.Tensor | None = None   # [hidden], on the MLP output (Gemma)
     moe: MoEWeights | None = None              # a MoE layer's router and experts (models/moe.py), instead of the MLP

@@ -92,17 +92,21 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// bfloat16 weights at small M (decode of one to a few requests): out[M, N] = x[M, K] . w[N, K]^T (+ bias), all
-// bf16, M <= PAIR_MAX_M. At these M the GEMM is a stream of the weights; oneDNN's prepacked bf16 GEMM (what
-// bf16 models run at larger M, kernels/linear.py) read them at 17-23 GB/s on Zen 4 at M = 1 against 32-35 for
-// this loop (SmolLM2's shapes, weights from DRAM).
+// bfloat16 weights: out[M, N] = x[M, K] . w[N, K]^T (+ bias), all bf16.
+// - M <= PAIR_MAX_M (decode of one to a few requests), every build: a stream of the weights. oneDNN's prepacked
+//   bf16 GEMM read them at 17-23 GB/s on Zen 4 at M = 1 against 32-35 for this loop (SmolLM2's shapes, weights
+//   from DRAM).
+// - Larger M, builds with vdpbf16ps only: a register-tiled GEMM (below). Other builds return -1 and the caller runs
+//   oneDNN.
 //
 // Weight layout, packed once at load (kernels/linear.py, pack_bf16_pairs), the same on every CPU:
-//   wp   [Np / PAIR_PW, K / 2, PAIR_PW]  uint32, Np = N rounded up to PAIR_PW (padding rows are zero)
+//   wp   [Np / PAIR_PW, K / 2, PAIR_PW]  uint32, Np = N rounded up to 2 * PAIR_PW (padding rows are zero)
 // each uint32 holding the bf16 pair (w[n, 2j], w[n, 2j + 1]), low half first: one 64-byte row of a panel is
 // 16 output features times one pair of k, which is what vdpbf16ps multiplies against a broadcast pair of x
 // (AVX512-BF16). Elsewhere each pair is split by a shift and a mask into two float vectors (vec.h's trick).
-//   x    [M, K]  bf16, row stride x_row (K even);  bias [N] bf16 or NULL;  out [M, N] bf16, row stride out_row
+// Panels come in pairs, so the GEMM's two-panel tile needs no one-panel variant (which measured 3% slower).
+//   x    [M, K]  bf16, row stride x_row (K even; above PAIR_MAX_M also x_row even);  bias [N] bf16 or NULL;
+//   out  [M, N]  bf16, row stride out_row
 // The products are exact in float and summed in float; the output is rounded once (bias added first), as
 // oneDNN's bf16 GEMM rounds.
 #define PAIR_PW 16
@@ -160,10 +164,119 @@ static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, 
 #endif
 }
 
-// num_threads: torch's. Returns 0, or -1 for arguments it does not take (M outside 1..PAIR_MAX_M, K odd).
+#if PAIR_DPBF16
+// Above PAIR_MAX_M rows the same layout runs a register-tiled GEMM: GEMM_MR rows of x by two panels (32
+// features) in 24 zmm accumulators, so each k pair costs two 64-byte weight loads, GEMM_MR broadcasts of an x pair
+// and 24 vdpbf16ps, and the 24 accumulator chains hide vdpbf16ps's latency. A thread takes a contiguous run of
+// panel pairs (static), and each pair meets every row of its x block before the next is read: weights stream from
+// memory once per x block, and the first tile of a pair prefetches the next pair into L2 so the stream overlaps
+// the tiles. Zen 4, 2 threads, SmolLM2's four projections over 30 layers plus its lm_head, weights from DRAM:
+// 424-430 GFLOP/s at M = 64 and 414-430 at M = 512, against 446 for back-to-back vdpbf16ps there and 338-351 and
+// 391-413 for oneDNN's prepacked bf16 GEMM (kernels/linear.py says which runs where). Packing x into tiles (to
+// free the rows' address registers) and 8 x 3 or 6 x 4 tiles measured no faster.
+#define GEMM_MR 12
+#define GEMM_X_BLOCK_BYTES (2 << 20)
+
+// One tile: rows 0 .. mr-1 of x by the two panels at w (panel stride pstride), all K, into acc
+// [GEMM_MR][2 * PAIR_PW] floats; mr is a constant at each call site. With `prefetch` the next panel pair (next,
+// at the same offsets as w) is fetched into L2 alongside.
+static inline __attribute__((always_inline)) void gemm_tile(const uint16_t *x, int64_t x_row, const int mr,
+                                                            int kp, const uint32_t *w, int64_t pstride,
+                                                            const uint32_t *next, int prefetch, float *acc) {
+    __m512 c[GEMM_MR][2];
+    const uint32_t *xr[GEMM_MR];
+    for (int i = 0; i < mr; i++) {
+        xr[i] = (const uint32_t *)(x + i * x_row);  // K and x_row even: 4-byte aligned pairs
+        c[i][0] = c[i][1] = _mm512_setzero_ps();
+    }
+    for (int j = 0; j < kp; j++) {
+        __m512bh b[2];
+        for (int p = 0; p < 2; p++) {
+            b[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + (int64_t)j * PAIR_PW);
+            if (prefetch) _mm_prefetch((const char *)(next + p * pstride + (int64_t)j * PAIR_PW), _MM_HINT_T1);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i][j]);
+            for (int p = 0; p < 2; p++) c[i][p] = _mm512_dpbf16_ps(c[i][p], b[p], a);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int p = 0; p < 2; p++) _mm512_storeu_ps(acc + (i * 2 + p) * PAIR_PW, c[i][p]);
+}
+
+// out rows 0 .. mr-1, columns n0 .. n0 + ncols - 1 (ncols <= 32) = acc + bias, rounded to bf16 (RNE).
+static void gemm_store(const float *acc, int mr, const uint16_t *bias, uint16_t *out, int64_t out_row, int64_t n0,
+                       int ncols) {
+    for (int p = 0; p * PAIR_PW < ncols; p++) {
+        const int cols = ncols - p * PAIR_PW < PAIR_PW ? ncols - p * PAIR_PW : PAIR_PW;
+        const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (bias)
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0 + p * PAIR_PW)), 16));
+        for (int i = 0; i < mr; i++) {
+            const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + (i * 2 + p) * PAIR_PW), b);
+            const __m256i y = (__m256i)_mm512_cvtneps_pbh(v);
+            uint16_t *o = out + i * out_row + n0 + p * PAIR_PW;
+            if (cols == PAIR_PW)  // a full panel: a plain store (masked stores are slow on Zen 4)
+                _mm256_storeu_si256((__m256i *)o, y);
+            else
+                _mm256_mask_storeu_epi16(o, mask, y);
+        }
+    }
+}
+
+#define GEMM_CASE(m) \
+    case m: gemm_tile(xb, x_row, m, kp, w, pstride, next, prefetch, acc); break;
+
+static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                             const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
+    const int kp = K / 2;
+    const int64_t pstride = (int64_t)kp * PAIR_PW;
+    const int64_t pairs = ((int64_t)N + 2 * PAIR_PW - 1) / (2 * PAIR_PW);  // wp has 2 * pairs panels
+    // Row blocks of equal size (a multiple of GEMM_MR) of at most GEMM_X_BLOCK_BYTES each.
+    const int64_t max_rows = GEMM_X_BLOCK_BYTES / ((int64_t)K * 2);
+    const int64_t blocks = max_rows < GEMM_MR ? (M + GEMM_MR - 1) / GEMM_MR : (M + max_rows - 1) / max_rows;
+    const int MC = (int)(((M + blocks - 1) / blocks + GEMM_MR - 1) / GEMM_MR * GEMM_MR);
+    for (int m0 = 0; m0 < M; m0 += MC) {
+        const int mc = M - m0 < MC ? M - m0 : MC;
+        #pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < pairs; g++) {
+            const uint32_t *w = wp + 2 * g * pstride;
+            const uint32_t *next = g + 1 < pairs ? w + 2 * pstride : w;
+            const int64_t n0 = 2 * g * PAIR_PW;
+            const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
+            float acc[GEMM_MR * 2 * PAIR_PW];
+            for (int i0 = 0; i0 < mc; i0 += GEMM_MR) {
+                const int mr = mc - i0 < GEMM_MR ? mc - i0 : GEMM_MR;
+                const uint16_t *xb = x + (int64_t)(m0 + i0) * x_row;
+                const int prefetch = i0 == 0;  // the first tile of a pair fetches the next pair
+                switch (mr) {
+                    GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4) GEMM_CASE(5) GEMM_CASE(6) GEMM_CASE(7)
+                    GEMM_CASE(8) GEMM_CASE(9) GEMM_CASE(10) GEMM_CASE(11)
+                    default: gemm_tile(xb, x_row, GEMM_MR, kp, w, pstride, next, prefetch, acc); break;
+                }
+                gemm_store(acc, mr, bias, out + (int64_t)(m0 + i0) * out_row, out_row, n0, ncols);
+            }
+        }
+    }
+}
+#endif
+
+// num_threads: torch's. Returns 0, or -1 for arguments it does not take (K odd or x_row odd, or M over PAIR_MAX_M
+// in a build without vdpbf16ps: the caller then runs oneDNN).
 int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
                       const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
-    if (M < 1 || M > PAIR_MAX_M || K < 2 || K % 2 || N < 1) return -1;
+    if (M < 1 || K < 2 || K % 2 || N < 1) return -1;
+#if PAIR_DPBF16
+    if (M > PAIR_MAX_M) {
+        if (x_row % 2) return -1;
+        linear_bf16_gemm(x, x_row, M, K, wp, N, bias, out, out_row, num_threads);
+        return 0;
+    }
+#else
+    if (M > PAIR_MAX_M) return -1;
+#endif
     const int64_t panels = ((int64_t)N + PAIR_PW - 1) / PAIR_PW;
     const int kp = K / 2;
     // Static: each thread streams one contiguous part of wp.
@@ -186,5 +299,5 @@ int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint
     return 0;
 }
 
-// Whether this build multiplies the pairs with vdpbf16ps (tests report which path they checked).
+// Whether this build multiplies the pairs with vdpbf16ps, and so also takes every M (kernels/linear.py).
 int linear_bf16_pairs_dpbf16(void) { return PAIR_DPBF16; }

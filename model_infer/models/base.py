@@ -22,7 +22,7 @@ from lightserve.model_infer.kv_cache import KVCache
 from lightserve.model_infer.rope import build_cos_sin_cache
 
 if TYPE_CHECKING:
-    from lightserve.kernels.linear import OneDNNLinear, PackedLinear
+    from lightserve.kernels.linear import PackedLinear, PrepackedLinear
     from lightserve.model_config import ModelConfig
     from lightserve.model_infer.forward_batch import ForwardBatch
     from lightserve.model_infer.weights import LayerWeights, ModelWeights
@@ -55,7 +55,7 @@ class DecoderLM:
             self.lm_head = pack(weights.lm_head)
         self._init_layers(pack)
 
-    def _init_layers(self, pack: Callable[[torch.Tensor], PackedLinear | OneDNNLinear] | None) -> None:
+    def _init_layers(self, pack: Callable[[torch.Tensor], PackedLinear | PrepackedLinear] | None) -> None:
         """The layers' attention state (heads, rope tables) and, with `pack`, their projections packed.
         A family whose layers are not multi-head attention over K/V (models/deepseek.py) builds its own."""
         config, weights = self.config, self.weights

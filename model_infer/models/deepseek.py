@@ -41,14 +41,14 @@ from lightserve.model_infer.weights import TPShards
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from lightserve.kernels.linear import OneDNNLinear, PackedLinear
+    from lightserve.kernels.linear import PackedLinear, PrepackedLinear
     from lightserve.model_infer.forward_batch import ForwardBatch
     from lightserve.model_infer.mla_layer import MLAWeights
     from lightserve.model_infer.models.base import AttentionInputs
     from lightserve.model_infer.moe_layers import MoEWeights
     from lightserve.model_infer.weights import CheckpointReader, ModelWeights
 
-    LinearWeight = torch.Tensor | PackedLinear | OneDNNLinear
+    LinearWeight = torch.Tensor | PackedLinear | PrepackedLinear
 
 logger = get_logger(__name__)
 
@@ -150,7 +150,7 @@ def read_weights(reader: CheckpointReader, config: ModelConfig, sh: TPShards) ->
 class DeepseekV3ForCausalLM(llama.LlamaForCausalLM):
     """Llama's forward, whose attention is MLA over the latent cache and whose MoE layers run their MoEBlock."""
 
-    def _init_layers(self, pack: Callable[[torch.Tensor], PackedLinear | OneDNNLinear] | None) -> None:
+    def _init_layers(self, pack: Callable[[torch.Tensor], PackedLinear | PrepackedLinear] | None) -> None:
         mla = mla_config(self.config)
         self.mla = mla
         self.num_heads = self.weights.shards.num_heads  # this rank's

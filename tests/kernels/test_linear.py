@@ -1,7 +1,8 @@
 """linear: the CPU C kernel on packed weights (every build the CPU runs) against F.linear, over the
 row counts its tiles split into (6-row tiles, row blocks of a large x), output features that leave the last
 panel partial, bias and strided input rows; what it declines falls back to F.linear. Then the bf16 pair kernel
-that runs bf16 models' linears at M <= PAIR_MAX_M, and its dispatch beside oneDNN."""
+that runs bf16 models' linears at M <= PAIR_MAX_M in every build, its vdpbf16ps GEMM above that (AVX512-BF16
+builds), and the dispatch between them and oneDNN."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,13 +12,14 @@ from lightserve.kernels.linear import (
     PAIR_MAX_M,
     PAIR_PANEL,
     linear,
-    linear_bf16_small,
+    linear_bf16_pairs,
     linear_cpu,
     linear_ref,
     onednn_available,
     pack_bf16_pairs,
     pack_linear_weight,
-    prepack_onednn_weight,
+    pairs_take_every_m,
+    prepack_weight,
     unpack_bf16_pairs,
     unpack_linear_weight,
 )
@@ -89,9 +91,9 @@ def test_declines_what_it_does_not_take_and_dispatch_falls_back():
     torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))  # a plain weight: F.linear
 
 
-# bf16 weights at small M: linear.c's pair kernel (vdpbf16ps in an AVX512-BF16 native build, shift/mask and
-# FMAs in every other build) against F.linear in float32 rounded to bf16. Sums in another order may move the
-# rounded result by one bf16 ulp (2^-8 relative).
+# bf16 weights: linear.c's pair kernels (vdpbf16ps in an AVX512-BF16 native build, shift/mask and FMAs in every
+# other build at small M) against F.linear in float32 rounded to bf16. Sums in another order may move the rounded
+# result by one bf16 ulp (2^-8 relative).
 BF16_TOL = {"rtol": 8e-3, "atol": 1e-3}
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN prepacking")
 
@@ -109,7 +111,8 @@ def _bf16_ref(x, w, b=None):
 def test_bf16_pairs_round_trip(n, k):
     _, w, _ = _bf16_case(1, n, k)
     pairs = pack_bf16_pairs(w)
-    assert pairs.dtype == torch.int32 and pairs.shape == (-(-n // PAIR_PANEL), k // 2, PAIR_PANEL)
+    # Panels come in pairs (the GEMM's tile is two panels wide); the padding is zero.
+    assert pairs.dtype == torch.int32 and pairs.shape == (-(-n // (2 * PAIR_PANEL)) * 2, k // 2, PAIR_PANEL)
     assert torch.equal(unpack_bf16_pairs(pairs, n), w)
     # Element [p, j, f] is the pair (w[16p + f, 2j], w[16p + f, 2j + 1]), the low half first.
     bits = int(pairs[1, 0, 3]) & 0xFFFFFFFF
@@ -127,33 +130,94 @@ def test_bf16_small_m_matches_f_linear(m, n, variant):
     # The native build of an AVX512-BF16 CPU multiplies with vdpbf16ps; narrower builds split the pairs.
     assert lib.linear_bf16_pairs_dpbf16() == int(variant == "native" and "avx512_bf16" in cpu_flags())
     x, w, b = _bf16_case(m, n, 72, seed=m * 100 + n)
-    weight = prepack_onednn_weight(w)
+    weight = prepack_weight(w)
     assert weight.pairs is not None
     for bias in (None, b):
-        torch.testing.assert_close(linear_bf16_small(x, weight, bias, lib=lib).float(), _bf16_ref(x, w, bias),
+        torch.testing.assert_close(linear_bf16_pairs(x, weight, bias, lib=lib).float(), _bf16_ref(x, w, bias),
                                    **BF16_TOL)
 
 
+needs_dpbf16 = pytest.mark.skipif(library() is None or not library().linear_bf16_pairs_dpbf16(),
+                                  reason="the bf16 GEMM needs a vdpbf16ps build (an AVX512-BF16 CPU)")
+
+
 @needs_onednn
-def test_bf16_small_m_dispatch_strided_rows_and_lm_head_shape():
-    """linear() takes the pair kernel up to PAIR_MAX_M rows and oneDNN above; rows of a wider tensor (the model
-    passes views of qkv); a vocabulary-sized N over many panels."""
-    x, w, b = _bf16_case(PAIR_MAX_M + 1, 1000, 576)
-    weight = prepack_onednn_weight(w)
+@needs_dpbf16
+@pytest.mark.parametrize("m", [5, 11, 12, 13, 24, 47, 100])  # partial and whole 12-row tiles
+@pytest.mark.parametrize("n,k", [(13, 72), (32, 2), (48, 24), (100, 576), (1000, 64)])  # a partial panel pair
+def test_bf16_gemm_matches_f_linear(m, n, k):
+    x, w, b = _bf16_case(m, n, k, seed=m * 1000 + n)
+    weight = prepack_weight(w)
+    for bias in (None, b):
+        torch.testing.assert_close(linear_bf16_pairs(x, weight, bias).float(), _bf16_ref(x, w, bias), **BF16_TOL)
+
+
+@needs_onednn
+@needs_dpbf16
+def test_bf16_gemm_row_blocks_and_strided_rows():
+    """An x over the GEMM's 2 MB block (K = 1536: 682 rows a block) is cut into blocks; rows of a wider tensor with
+    an even row stride run in place, an odd stride is declined (linear() then multiplies the unpacked weight)."""
+    x, w, b = _bf16_case(700, 40, 1536)
+    weight = prepack_weight(w)
+    torch.testing.assert_close(linear_bf16_pairs(x, weight, b).float(), _bf16_ref(x, w, b), **BF16_TOL)
+    wide = torch.zeros(30, 1538, dtype=torch.bfloat16)
+    wide[:, :1536] = x[:30]
+    torch.testing.assert_close(linear_bf16_pairs(wide[:, :1536], weight).float(), _bf16_ref(x[:30], w), **BF16_TOL)
+    odd = torch.zeros(30, 1537, dtype=torch.bfloat16)
+    odd[:, :1536] = x[:30]
+    assert linear_bf16_pairs(odd[:, :1536], weight) is None
+    torch.testing.assert_close(linear(odd[:, :1536], weight).float(), _bf16_ref(x[:30], w), **BF16_TOL)
+
+
+@needs_onednn
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_bf16_gemm_only_in_dpbf16_builds(variant):
+    """Above PAIR_MAX_M rows the builds without vdpbf16ps decline (oneDNN runs those M); the vdpbf16ps one takes
+    them."""
+    lib = variant_library(variant)
+    x, w, _ = _bf16_case(PAIR_MAX_M + 1, 40, 64)
+    out = linear_bf16_pairs(x, prepack_weight(w), lib=lib)
+    assert (out is not None) == bool(lib.linear_bf16_pairs_dpbf16())
+
+
+@needs_onednn
+def test_bf16_dispatch(monkeypatch):
+    """Where the C GEMM takes every M (a vdpbf16ps build on a CPU without AMX) a bf16 weight keeps only the pair
+    layout and linear() runs it at every M; elsewhere, or with LIGHTSERVE_ONEDNN_BF16_GEMM=1, oneDNN's copy is
+    made too and runs M over PAIR_MAX_M."""
+    x, w, b = _bf16_case(PAIR_MAX_M + 20, 1000, 576)
+    every_m = pairs_take_every_m(library())
+    assert every_m == (bool(library().linear_bf16_pairs_dpbf16()) and "amx_bf16" not in cpu_flags().split())
+    weight = prepack_weight(w)
+    assert (weight.onednn is None) == every_m and weight.pairs is not None
     small = x[:PAIR_MAX_M]
-    assert torch.equal(linear(small, weight, b), linear_bf16_small(small, weight, b))
-    torch.testing.assert_close(linear(x, weight, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)  # oneDNN
+    assert torch.equal(linear(small, weight, b), linear_bf16_pairs(small, weight, b))
+    if every_m:
+        assert torch.equal(linear(x, weight, b), linear_bf16_pairs(x, weight, b))
+    torch.testing.assert_close(linear(x, weight, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")
+    assert not pairs_take_every_m(library())
+    both = prepack_weight(w)
+    assert both.onednn is not None and both.pairs is not None
+    torch.testing.assert_close(linear(x, both, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)  # oneDNN
+
+
+@needs_onednn
+def test_bf16_small_m_strided_rows_and_lm_head_shape():
+    """Rows of a wider tensor (the model passes views of qkv); a vocabulary-sized N over many panels."""
+    x, w, _ = _bf16_case(2, 1000, 576)
+    weight = prepack_weight(w)
     wide = torch.zeros(2, 700, dtype=torch.bfloat16)
-    wide[:, :576] = x[:2]
-    torch.testing.assert_close(linear_bf16_small(wide[:, :576], weight).float(), _bf16_ref(x[:2], w), **BF16_TOL)
+    wide[:, :576] = x
+    torch.testing.assert_close(linear_bf16_pairs(wide[:, :576], weight).float(), _bf16_ref(x, w), **BF16_TOL)
 
 
 @needs_onednn
 def test_bf16_pairs_decline_what_they_do_not_take():
     x, w, _ = _bf16_case(PAIR_MAX_M + 1, 16, 24)
-    weight = prepack_onednn_weight(w)
-    assert linear_bf16_small(x, weight) is None  # M over PAIR_MAX_M
-    assert linear_bf16_small(x[:1].float(), weight) is None  # float32 activations
-    assert linear_bf16_small(x[:1, :20], weight) is None  # K differs from the weight's
-    assert prepack_onednn_weight(w[:, :23].contiguous()).pairs is None  # odd K: no pair layout
-    assert prepack_onednn_weight(w.float()).pairs is None  # float32 weights keep oneDNN alone
+    weight = prepack_weight(w)
+    assert linear_bf16_pairs(x[:0], weight) is None  # no rows
+    assert linear_bf16_pairs(x[:1].float(), weight) is None  # float32 activations
+    assert linear_bf16_pairs(x[:1, :20], weight) is None  # K differs from the weight's
+    assert prepack_weight(w[:, :23].contiguous()).pairs is None  # odd K: no pair layout
+    assert prepack_weight(w.float()).pairs is None  # float32 weights keep oneDNN alone

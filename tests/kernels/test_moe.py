@@ -7,7 +7,7 @@ from lightserve.kernels.cpu import library
 from lightserve.kernels.linear import (
     onednn_available,
     pack_linear_weight,
-    prepack_onednn_weight,
+    prepack_weight,
 )
 from lightserve.kernels.moe import (
     ExpertWeights,
@@ -109,7 +109,7 @@ def test_fused_experts_cpu_matches_reference(num_tokens, dtype):
     tol = TOL[dtype] if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(fused_experts_cpu(x, weights, topk_w, topk_ids), expect, **tol)
     pack = pack_linear_weight if dtype == torch.float32 and library() is not None else \
-        prepack_onednn_weight if dtype == torch.bfloat16 and onednn_available() else None
+        prepack_weight if dtype == torch.bfloat16 and onednn_available() else None
     if pack is not None:  # the serving layout: one packed weight per expert, the C / oneDNN GEMMs
         packed = pack_expert_weights(weights, pack)
         torch.testing.assert_close(fused_experts_cpu(x, packed, topk_w, topk_ids), expect, **tol)

@@ -8,8 +8,8 @@ and prefill alike. For bfloat16 models the weights are laid out once at load (`p
   against a broadcast pair of x) runs every M where the C build has vdpbf16ps (AVX512-BF16) and the CPU has no
   AMX: a 12-row by 32-feature register tile above PAIR_MAX_M rows, a weight stream at or below it. Zen 4, 2 threads,
   SmolLM2's four projections over 30 layers plus the lm_head, weights from DRAM, GFLOP/s against oneDNN's prepacked
-  GEMM in the same run: M=8 280 / 162, M=64 424-430 / 338-351, M=512 414-430 / 391-413 (the CPU's vdpbf16ps
-  ceiling measured 446); at M=1 the stream reads 32-35 GB/s against oneDNN's 17-23.
+  GEMM in the same run (scripts/bench_cpu_kernels.py --linears): M=8 241 / 130, M=64 415 / 328, M=512 432 / 413
+  (the CPU's vdpbf16ps ceiling measured 446); at M=1 the stream reads 32-35 GB/s against oneDNN's 17-23.
 - Elsewhere oneDNN's blocked layout runs M over PAIR_MAX_M (AMX where the CPU has it, about twice the vdpbf16ps
   rate; AVX2 without native bf16), and the pair layout, a second copy, the decode of one to four requests (its
   portable build widens each pair by a shift and a mask). torch's F.linear on plain bf16 weights repacks them on
@@ -95,8 +95,8 @@ def onednn_available() -> bool:
 def pairs_take_every_m(lib) -> bool:
     """Whether linear.c's pair layout runs bf16 linears at every M with `lib`: where the build has vdpbf16ps and
     the CPU has no AMX (whose oneDNN GEMM is about twice as fast), unless LIGHTSERVE_ONEDNN_BF16_GEMM asks for
-    oneDNN. Zen 4, 2 threads, SmolLM2's projections and lm_head from DRAM, the C GEMM's time over oneDNN's:
-    0.63-0.66 at M = 8-16, 0.82 at M = 64, 0.94-0.95 at M = 256-512."""
+    oneDNN. Zen 4, 2 threads, SmolLM2's projections and lm_head from DRAM, the C kernels' time over oneDNN's:
+    0.58 at M = 1, 0.54-0.68 at M = 8-16, 0.79 at M = 64, 0.95-0.96 at M = 256-512."""
     from lightserve import envs
     from lightserve.kernels.cpu import cpu_flags
 

@@ -9,6 +9,7 @@ time per layer, the KV bytes it read and its GB/s as a share of the measured ban
     python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
     python scripts/bench_cpu_kernels.py --heads 32 8 128 --layers 8 --dtypes bfloat16
     python scripts/bench_cpu_kernels.py --variants native avx2 portable   # the same source, narrower builds
+    python scripts/bench_cpu_kernels.py --linears 1 4 8 16 64 512   # bf16 linears as served against oneDNN
 
 The variants (lightserve.kernels.cpu.BUILD_VARIANTS): `native` is the serving build (-march=native: AVX-512
 where the CPU has it), `avx2` the same source with AVX-512 off (what an AVX2-only CPU runs), `portable` with
@@ -18,16 +19,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from lightserve.kernels.cpu import BUILD_VARIANTS, variant_library
+from lightserve.engine_procs import preload_tcmalloc
+from lightserve.kernels.cpu import BUILD_VARIANTS, library, variant_library
 from lightserve.kernels.decode_attention import decode_attention_cpu
+from lightserve.kernels.linear import linear, pairs_take_every_m, prepack_weight
 
 # (batch, context): a full decode batch, a mid batch of long requests, one long request.
 DECODE_SHAPES = [(64, 384), (16, 1100), (1, 2000)]
@@ -96,6 +101,54 @@ def time_decode(case: dict, lib, reps: int) -> float:
     return statistics.median(times)
 
 
+# SmolLM2's projections (N x K) and its lm_head: what one decode or prefill step multiplies, per layer and once.
+LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+LM_HEAD = (49152, 576)
+
+
+def time_linears(rows: list[int], layers: int, reps: int) -> list[dict]:
+    """bf16 linears of every row count: as served (kernels.linear on prepack_weight's layout) against oneDNN's
+    prepacked GEMM, over `layers` layers of distinct weights plus the lm_head (weights from memory, as in a step),
+    the two alternated rep by rep. GFLOP/s of the whole pass, medians."""
+    gen = torch.Generator().manual_seed(0)
+    raw = {name: [torch.randn(n, k, generator=gen).to(torch.bfloat16) * 0.05 for _ in range(layers)]
+           for name, (n, k) in LINEAR_SHAPES.items()}
+    raw["lm_head"] = [torch.randn(*LM_HEAD, generator=gen).to(torch.bfloat16) * 0.05]
+    served = {name: [prepack_weight(w) for w in ws] for name, ws in raw.items()}
+    onednn = {name: [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for name, ws in raw.items()}
+    del raw
+    results = []
+    for m in rows:
+        xs = {name: torch.randn(m, ws[0].in_features, generator=gen).to(torch.bfloat16) for name, ws in served.items()}
+        flops = 2 * m * sum(w.out_features * w.in_features for ws in served.values() for w in ws)
+
+        def run_served(xs: dict = xs) -> None:
+            for name, ws in served.items():
+                for w in ws:
+                    linear(xs[name], w)
+
+        def run_onednn(xs: dict = xs) -> None:
+            for name, ws in onednn.items():
+                for w in ws:
+                    torch.ops.mkldnn._linear_pointwise(xs[name], w, None, "none", [], "")
+
+        times = {"served": [], "onednn": []}
+        run_served(), run_onednn()
+        for _ in range(reps):
+            for key, fn in (("served", run_served), ("onednn", run_onednn)):
+                t = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t)
+        sec = {key: statistics.median(v) for key, v in times.items()}
+        results.append({"op": "linear_bf16", "rows": m, "layers": layers, "ms_served": 1e3 * sec["served"],
+                        "ms_onednn": 1e3 * sec["onednn"], "gflops_served": flops / sec["served"] / 1e9,
+                        "gflops_onednn": flops / sec["onednn"] / 1e9})
+        print(f"bf16 linears M={m:<5d} served {1e3 * sec['served']:8.2f} ms {flops / sec['served'] / 1e9:6.1f} GFLOP/s"
+              f"   oneDNN {1e3 * sec['onednn']:8.2f} ms {flops / sec['onednn'] / 1e9:6.1f} GFLOP/s"
+              f"   served/oneDNN {sec['served'] / sec['onednn']:.2f}")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, nargs=3, default=(9, 3, 64), metavar=("HQ", "HK", "D"),
@@ -106,11 +159,27 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=["native"], choices=list(BUILD_VARIANTS))
     ap.add_argument("--scatter", action="store_true", help="scatter each request's tokens through the cache")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--linears", type=int, nargs="+", metavar="M",
+                    help="instead: bf16 linears at these row counts, as served against oneDNN's prepacked GEMM")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    # Under tcmalloc, as the server's CPU workers run: with glibc's malloc each large output (a prefill chunk's
+    # activations) is a fresh mapping whose pages fault in on first write, on both sides of a comparison.
+    before = os.environ.get("LD_PRELOAD", "").split(":")
+    if (path := preload_tcmalloc()) and path not in before:
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+    print(f"# {cpu_caption()}, {time.strftime('%Y-%m-%d %H:%M')}")
+    if args.linears:
+        every_m = pairs_take_every_m(library())
+        print(f"served: {'linear.c at every M' if every_m else 'linear.c at M <= 4, oneDNN above'}; "
+              f"SmolLM2's projections over {args.layers} layers and its lm_head")
+        results = time_linears(args.linears, args.layers, args.reps)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "results": results}, indent=1))
+        return
 
     libs = {name: variant_library(name) for name in args.variants}
-    print(f"# {cpu_caption()}, {time.strftime('%Y-%m-%d %H:%M')}")
     # This VM's read bandwidth drifts (33-90 GB/s within an hour here): read it between every timing and
     # take the shares against the median of those readings.
     bws = [read_bandwidth()]

@@ -171,9 +171,9 @@ static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, 
 // panel pairs (static), and each pair meets every row of its x block before the next is read: weights stream from
 // memory once per x block, and the first tile of a pair prefetches the next pair into L2 so the stream overlaps
 // the tiles. Zen 4, 2 threads, SmolLM2's four projections over 30 layers plus its lm_head, weights from DRAM:
-// 424-430 GFLOP/s at M = 64 and 414-430 at M = 512, against 446 for back-to-back vdpbf16ps there and 338-351 and
-// 391-413 for oneDNN's prepacked bf16 GEMM (kernels/linear.py says which runs where). Packing x into tiles (to
-// free the rows' address registers) and 8 x 3 or 6 x 4 tiles measured no faster.
+// 415 GFLOP/s at M = 64 and 432 at M = 512, against 446 for back-to-back vdpbf16ps there and 328 and 413 for
+// oneDNN's prepacked bf16 GEMM (scripts/bench_cpu_kernels.py --linears; kernels/linear.py says which runs where).
+// Packing x into tiles (to free the rows' address registers) and 8 x 3 or 6 x 4 tiles measured no faster.
 #define GEMM_MR 12
 #define GEMM_X_BLOCK_BYTES (2 << 20)
 

@@ -11,11 +11,6 @@ class KVAllocator:
     """Free kv_locs kept as a stack in one int32 array: alloc pops n rows and free pushes rows back,
     each as one vectorized slice copy, so the cost does not depend on Python per token.
 
-    A prompt's rows are taken with `contiguous=True`: the stack is first sorted (when a free has touched it
-    since), so they are the lowest free rows in ascending order. Without that, once the prefix cache has
-    evicted finished requests (their decode tokens interleaved row by row across the batch), new prompts got
-    rows scattered through the cache, and decode attention reads scattered rows about 10% slower than runs.
-
     A row has exactly one owner at a time: this pool, a request (rows it allocated and has not yet
     handed to the prefix cache), or the RadixCache.
     """
@@ -28,7 +23,6 @@ class KVAllocator:
         # Reversed so that a fresh pool hands out 0, 1, 2, ... in order (readable in logs and tests).
         self._stack = np.arange(num_tokens - 1, -1, -1, dtype=np.int32)   # [num_total]; [:_top] are free
         self._top = num_tokens
-        self._sorted = True  # [:_top] descending, so pops give ascending rows
         self._is_free = np.ones(num_tokens, dtype=bool) if check_double_free else None
 
     @property
@@ -39,16 +33,12 @@ class KVAllocator:
     def num_total(self) -> int:
         return self._num_total
 
-    def alloc(self, n: int, contiguous: bool = False) -> np.ndarray | None:
-        """Take `n` free kv_locs and return them as a new int32 array the caller owns; with `contiguous`, the
-        lowest free rows, ascending (one sort of the free rows, ~1 ms at 65k, when frees came since the last).
+    def alloc(self, n: int) -> np.ndarray | None:
+        """Take `n` free kv_locs and return them as a new int32 array the caller owns.
         Returns None, and takes nothing, when fewer than `n` are free (the caller may evict and retry)."""
         assert n >= 0, f"alloc of {n} rows"
         if n > self._top:
             return None
-        if contiguous and not self._sorted and n > 1:
-            self._stack[: self._top] = np.sort(self._stack[: self._top])[::-1]
-            self._sorted = True
         locs = self._stack[self._top - n: self._top][::-1].copy()   # [n]
         self._top -= n
         if self._is_free is not None:
@@ -70,7 +60,6 @@ class KVAllocator:
             f"double free: {n} rows returned with only {self._num_total - self._top} in use")
         self._stack[self._top: self._top + n] = locs
         self._top += n
-        self._sorted = False
 
     def _check_free(self, locs: np.ndarray) -> None:
         assert locs.min() >= 0 and locs.max() < self._num_total, "kv_loc out of range"

@@ -234,11 +234,10 @@ class Scheduler:
         return self.allocator.num_free >= n
 
     def _grow(self, req: Req, n: int) -> bool:
-        """Allocate `n` more KV rows for `req`'s next tokens (a prompt chunk: rows in one ascending run where the
-        pool has one)."""
+        """Allocate `n` more KV rows for `req`'s next tokens."""
         if not self._ensure_free(n):
             return False
-        locs = self.allocator.alloc(n, contiguous=True)
+        locs = self.allocator.alloc(n)
         assert locs is not None
         req.ensure_capacity(req.computed_len + n)
         req.kv_locs[req.computed_len: req.computed_len + n] = locs

@@ -64,20 +64,3 @@ def test_double_free_is_caught():
         alloc.free(locs[:1])
     with pytest.raises(AssertionError, match="double free"):
         KVAllocator(2).free(np.arange(3, dtype=np.int32))   # overflow is caught even without the flag
-
-
-
-def test_contiguous_alloc_takes_the_lowest_free_rows_in_order():
-    """Decode rows are taken a step at a time across the batch, so a finished request's rows interleave with its
-    neighbours'. Once they come back in another order, a prompt's rows (contiguous=True) are still the lowest free
-    rows, ascending, while a plain alloc pops the most recently freed ones."""
-    a = KVAllocator(64, check_double_free=True)
-    rows = a.alloc(64)
-    a.free(rows[1::2])  # two interleaved halves: the odd rows, then the even ones last to first
-    a.free(rows[0::2][::-1])
-    assert a.alloc(4).tolist() == [0, 2, 4, 6]  # the last freed: every other row
-    assert a.alloc(10, contiguous=True).tolist() == [1, 3, 5, 7, 8, 9, 10, 11, 12, 13]
-    assert a.alloc(5, contiguous=True).tolist() == [14, 15, 16, 17, 18]
-    a.free(np.array([3, 1], dtype=np.int32))
-    assert a.alloc(2, contiguous=True).tolist() == [1, 3]
-    assert a.num_free == 64 - 4 - 10 - 5

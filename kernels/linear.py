@@ -190,12 +190,12 @@ def linear_bf16_pairs(x: Tensor, weight: PrepackedLinear, bias: Tensor | None = 
     from lightserve.kernels.cpu import library, profiled
 
     lib = lib or library()
-    m = x.shape[0] if x.dim() == 2 else 0
-    if lib is None or weight.pairs is None or m < 1 or (m > PAIR_MAX_M and not lib.linear_bf16_pairs_dpbf16()) \
-            or x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.shape[1] != weight.in_features \
+    if lib is None or weight.pairs is None or x.dim() != 2 or x.shape[0] < 1 or x.dtype != torch.bfloat16 \
+            or x.stride(1) != 1 or x.shape[1] != weight.in_features \
             or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
         return None
-    n = weight.out_features
+    # M over PAIR_MAX_M in a build without vdpbf16ps, or an odd row stride there: the kernel returns -1.
+    m, n = x.shape[0], weight.out_features
     out = torch.empty(m, n, dtype=torch.bfloat16)  # [M, N]
     with profiled("linear_bf16_cpu"):  # visible in scripts/profile_step.py
         rc = lib.linear_bf16_pairs(x.data_ptr(), x.stride(0), m, weight.in_features, weight.pairs.data_ptr(), n,

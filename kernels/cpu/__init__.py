@@ -113,8 +113,10 @@ def build(extra_flags: tuple[str, ...] = ()) -> Path:
     return target
 
 
+@functools.cache
 def cpu_flags() -> str:
-    """The CPU's flags line from /proc/cpuinfo ("" where there is none): what the builds may use."""
+    """The CPU's flags line from /proc/cpuinfo ("" where there is none): what the builds may use. Read once: the
+    model asks for every weight it packs."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")

@@ -64,16 +64,21 @@ static void tile(const float *x, int64_t x_row, int mr, const float *b, int K, f
     }
 }
 
+// Rows of x per block, a multiple of mr: M cut into equal blocks of at most block_bytes of x (rows of row_bytes),
+// each streaming the weights once. Shared by the float32 and the bf16 GEMM.
+static int row_block(int M, int64_t row_bytes, int64_t block_bytes, int mr) {
+    const int64_t max_rows = block_bytes / row_bytes;
+    const int64_t blocks = max_rows < mr ? (M + mr - 1) / mr : (M + max_rows - 1) / max_rows;
+    return (int)(((M + blocks - 1) / blocks + mr - 1) / mr * mr);
+}
+
 // num_threads: torch's (the OpenMP pool is shared). Returns 0, or -1 for arguments this kernel
 // does not take (the caller then runs the torch path).
 int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, int N,
                   const float *bias, float *out, int64_t out_row, int num_threads) {
     if (M < 1 || N < 1 || K < 1) return -1;
     int64_t panels = ((int64_t)N + NR - 1) / NR;
-    // Row blocks of equal size (a multiple of MR) of at most X_BLOCK_BYTES each.
-    int64_t max_rows = X_BLOCK_BYTES / ((int64_t)K * 4);
-    int64_t blocks = max_rows < MR ? (M + MR - 1) / MR : (M + max_rows - 1) / max_rows;
-    int MC = (int)(((M + blocks - 1) / blocks + MR - 1) / MR * MR);
+    const int MC = row_block(M, (int64_t)K * 4, X_BLOCK_BYTES, MR);
     for (int m0 = 0; m0 < M; m0 += MC) {
         int mc = M - m0 < MC ? M - m0 : MC;
         const float *xb = x + (int64_t)m0 * x_row;
@@ -104,7 +109,8 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
 // each uint32 holding the bf16 pair (w[n, 2j], w[n, 2j + 1]), low half first: one 64-byte row of a panel is
 // 16 output features times one pair of k, which is what vdpbf16ps multiplies against a broadcast pair of x
 // (AVX512-BF16). Elsewhere each pair is split by a shift and a mask into two float vectors (vec.h's trick).
-// Panels come in pairs, so the GEMM's two-panel tile needs no one-panel variant (which measured 3% slower).
+// Panels come in pairs, so the GEMM's two-panel tile needs no one-panel variant (which cost 0-8% per shape at
+// M = 512).
 //   x    [M, K]  bf16, row stride x_row (K even; above PAIR_MAX_M also x_row even);  bias [N] bf16 or NULL;
 //   out  [M, N]  bf16, row stride out_row
 // The products are exact in float and summed in float; the output is rounded once (bias added first), as
@@ -173,7 +179,8 @@ static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, 
 // the tiles. Zen 4, 2 threads, SmolLM2's four projections over 30 layers plus its lm_head, weights from DRAM:
 // 415 GFLOP/s at M = 64 and 432 at M = 512, against 446 for back-to-back vdpbf16ps there and 328 and 413 for
 // oneDNN's prepacked bf16 GEMM (scripts/bench_cpu_kernels.py --linears; kernels/linear.py says which runs where).
-// Packing x into tiles (to free the rows' address registers) and 8 x 3 or 6 x 4 tiles measured no faster.
+// Packing x into tiles (to free the rows' address registers) measured no faster; 8 x 3 tiles ran -2% to +6% of
+// this one's time across M, 6 x 4 tiles 1-14% slower.
 #define GEMM_MR 12
 #define GEMM_X_BLOCK_BYTES (2 << 20)
 
@@ -234,10 +241,7 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
     const int kp = K / 2;
     const int64_t pstride = (int64_t)kp * PAIR_PW;
     const int64_t pairs = ((int64_t)N + 2 * PAIR_PW - 1) / (2 * PAIR_PW);  // wp has 2 * pairs panels
-    // Row blocks of equal size (a multiple of GEMM_MR) of at most GEMM_X_BLOCK_BYTES each.
-    const int64_t max_rows = GEMM_X_BLOCK_BYTES / ((int64_t)K * 2);
-    const int64_t blocks = max_rows < GEMM_MR ? (M + GEMM_MR - 1) / GEMM_MR : (M + max_rows - 1) / max_rows;
-    const int MC = (int)(((M + blocks - 1) / blocks + GEMM_MR - 1) / GEMM_MR * GEMM_MR);
+    const int MC = row_block(M, (int64_t)K * 2, GEMM_X_BLOCK_BYTES, GEMM_MR);
     for (int m0 = 0; m0 < M; m0 += MC) {
         const int mc = M - m0 < MC ? M - m0 : MC;
         #pragma omp parallel for schedule(static) num_threads(num_threads)

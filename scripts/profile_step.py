@@ -54,7 +54,8 @@ GROUPS = {  # aten op name fragment -> op group
     "silu_and_mul_cpu": "activation", "rotary_cpu": "rotary", "argmax_logsumexp_cpu": "sampling",
     "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
     "softmax": "attention", "rsqrt": "norms", "pow": "norms", "mean": "norms", "silu": "activation",
-    "embedding": "embedding", "index_put": "KV write / tables", "copy_": "copies", "cat": "copies",
+    "embedding": "embedding", "index_put": "KV write / tables", "store_kv_cpu": "KV write / tables",
+    "index_copy": "KV write / tables", "copy_": "copies", "cat": "copies",
 }
 
 

@@ -163,4 +163,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
     lib.rmsnorm.restype = None
     lib.rmsnorm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32, i32]
+    lib.store_kv.restype = ctypes.c_int
+    lib.store_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr, i32, i64, i64, i64, i32, i32]
     return lib

@@ -29,7 +29,8 @@ def test_silu_and_mul_triton_strided_rows_and_no_tokens():
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("num_tokens, inter", [(1, 64), (5, 100), (64, 1536)])  # 64 x 1536: parallel
+# 300: a bf16 chunk (CHUNK in elementwise.c) and a tail; 64 x 1536: parallel
+@pytest.mark.parametrize("num_tokens, inter", [(1, 64), (5, 100), (3, 300), (64, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("variant", c_library_variants())
 def test_silu_and_mul_c_kernel_matches_reference(num_tokens, inter, dtype, variant):

@@ -1,9 +1,11 @@
-"""store_kv: the Triton kernel and the reference against a per-token copy, from strided views of a fused qkv."""
+"""store_kv: the Triton kernel, the C kernel and the reference against a per-token copy, from strided views of a
+fused qkv."""
 import pytest
 import torch
 
-from lightserve.kernels.kv_store import store_kv_ref, store_kv_triton
-from tests.kernels.kernel_cases import DEVICE
+from lightserve.kernels.cpu import variant_library
+from lightserve.kernels.kv_store import store_kv, store_kv_cpu, store_kv_ref, store_kv_triton
+from tests.kernels.kernel_cases import DEVICE, c_library_variants
 
 
 def _case(dtype, num_tokens=5, num_q_heads=4, num_kv_heads=2, head_dim=64, num_rows=20):
@@ -40,3 +42,33 @@ def test_store_kv_triton_no_tokens_is_a_no_op():
     k, v, k_cache, v_cache, kv_locs = _case(torch.float16)
     store_kv_triton(k[:0], v[:0], k_cache, v_cache, kv_locs[:0])
     assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("locs_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_tokens", [5, 600])  # 600 x 2 heads x 64: both threads
+def test_store_kv_c_kernel_is_the_reference(num_tokens, locs_dtype, dtype, variant):
+    k, v, k_cache, v_cache, kv_locs = _case(dtype, num_tokens=num_tokens, num_rows=1000)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, want_k, want_v, kv_locs)
+    assert store_kv_cpu(k, v, k_cache, v_cache, kv_locs.to(locs_dtype), lib=variant_library(variant))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
+def test_store_kv_c_kernel_strided_heads_and_what_it_declines():
+    k, v, k_cache, v_cache, kv_locs = _case(torch.bfloat16, num_tokens=4, num_kv_heads=3, num_rows=10)
+    k_t = k.transpose(0, 1).contiguous().transpose(0, 1)  # head stride T * D, not D: one copy per head
+    assert store_kv_cpu(k_t, v, k_cache, v_cache, kv_locs)
+    assert torch.equal(k_cache[kv_locs], k) and torch.equal(v_cache[kv_locs], v)
+    bad = kv_locs.clone()
+    bad[-1] = 10  # past the last row: nothing is written, and the dispatch's reference raises
+    before = k_cache.clone()
+    assert not store_kv_cpu(k + 1, v, k_cache, v_cache, bad)
+    assert torch.equal(k_cache, before)
+    with pytest.raises((IndexError, RuntimeError)):
+        store_kv(k, v, k_cache, v_cache, bad)
+    assert not store_kv_cpu(k.float(), v.float(), k_cache, v_cache, kv_locs)  # a cast: the reference's job
+    assert not store_kv_cpu(k.half(), v.half(), k_cache.half(), v_cache.half(), kv_locs)  # no C float16

@@ -68,16 +68,18 @@ def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dt
 @pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 300])  # 300 x 12 heads x 64: past the threshold for both threads
-def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, dtype, variant):
+# 24: shorter than a vector; 320: past the bf16 array path's largest head (ROT_MAX_HALF), the per-element loop
+@pytest.mark.parametrize("head_dim", [64, 24, 320])
+def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, head_dim, dtype, variant):
     """Every build this CPU runs, in both dtypes: bfloat16 rounds cos, sin, each product and each sum as
     HF's bf16 ops do, so the result is exact there too."""
     lib = variant_library(variant)
-    cos_sin, _ = _cos_sin(64, 4096)
-    qkv, q, k = _qkv_views(dtype, num_tokens, 9, 3, 64)
+    cos_sin, _ = _cos_sin(head_dim, 4096)
+    qkv, q, k = _qkv_views(dtype, num_tokens, 9, 3, head_dim)
     positions = torch.randint(0, 4096, (num_tokens,), generator=torch.Generator().manual_seed(0))
     qkv_ref = qkv.clone()
-    q_ref = qkv_ref[:, :9 * 64].view(q.shape)
-    k_ref = qkv_ref[:, 9 * 64:12 * 64].view(k.shape)
+    q_ref = qkv_ref[:, :9 * head_dim].view(q.shape)
+    k_ref = qkv_ref[:, 9 * head_dim:12 * head_dim].view(k.shape)
     assert rotary_emb_cpu(q, k, positions.to(torch.int32), cos_sin, lib=lib)
     rotary_emb_ref(q_ref, k_ref, positions, cos_sin)
     assert torch.equal(qkv, qkv_ref)  # exact: the same roundings, and v untouched

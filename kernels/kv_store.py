@@ -68,7 +68,8 @@ def store_kv_cpu(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs
     from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
-    if lib is None or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype) or k.dtype not in C_DTYPES \
+    if lib is None or k.dim() != 3 or k.dtype not in C_DTYPES \
+            or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype) \
             or k.shape != v.shape or k_cache.shape != v_cache.shape or k_cache.shape[1:] != k.shape[1:] \
             or k.stride(2) != 1 or v.stride(2) != 1 or kv_locs.shape != (k.shape[0],) \
             or kv_locs.dtype not in (torch.int32, torch.int64) or not kv_locs.is_contiguous():

@@ -101,6 +101,15 @@ def time_decode(case: dict, lib, reps: int) -> float:
     return statistics.median(times)
 
 
+def rerun_under_tcmalloc() -> None:
+    """Re-exec this script with tcmalloc preloaded (read only at exec), as the server's CPU workers run, unless it
+    already is or there is none: with glibc's malloc each large output (a prefill chunk's activations) is a fresh
+    mapping whose pages fault in on first write, on both sides of a comparison. profile_step.py uses it too."""
+    before = os.environ.get("LD_PRELOAD", "").split(":")
+    if (path := preload_tcmalloc()) and path not in before:
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
 # SmolLM2's projections (N x K) and its lm_head: what one decode or prefill step multiplies, per layer and once.
 LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LM_HEAD = (49152, 576)
@@ -163,11 +172,7 @@ def main() -> None:
                     help="instead: bf16 linears at these row counts, as served against oneDNN's prepacked GEMM")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
-    # Under tcmalloc, as the server's CPU workers run: with glibc's malloc each large output (a prefill chunk's
-    # activations) is a fresh mapping whose pages fault in on first write, on both sides of a comparison.
-    before = os.environ.get("LD_PRELOAD", "").split(":")
-    if (path := preload_tcmalloc()) and path not in before:
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+    rerun_under_tcmalloc()
 
     print(f"# {cpu_caption()}, {time.strftime('%Y-%m-%d %H:%M')}")
     if args.linears:

@@ -22,18 +22,16 @@ import argparse
 import os
 import secrets
 import statistics
-import sys
 import time
 from collections import defaultdict
 
 import numpy as np
 import torch
-from bench_cpu_kernels import cpu_caption, read_bandwidth  # scripts/, beside this file
+from bench_cpu_kernels import cpu_caption, read_bandwidth, rerun_under_tcmalloc  # scripts/, beside this file
 
 from lightserve import kernels
 from lightserve.config import AdmissionPolicy
-from lightserve.engine_procs import preload_tcmalloc
-from lightserve.kernels.cpu import library
+from lightserve.kernels.linear import cpu_pack_for
 from lightserve.messages import decode, encode
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
@@ -59,20 +57,14 @@ GROUPS = {  # aten op name fragment -> op group
 }
 
 
-def _rerun_under_tcmalloc() -> None:
-    """Re-exec this script with tcmalloc preloaded (read only at exec), unless it already is or is absent."""
-    before = os.environ.get("LD_PRELOAD", "").split(":")
-    path = preload_tcmalloc()
-    if path and path not in before:
-        os.execv(sys.executable, [sys.executable, *sys.argv])
-
-
 def gemm_rate(dtype: torch.dtype, rows: int, mc: ModelConfig) -> float:
-    """GFLOP/s of the serving path's linear (the packed C kernel in float32, torch's otherwise) on the model's
-    widest layer (gate_up) at `rows` rows, median of 10."""
+    """GFLOP/s of the serving path's linear on the model's widest layer (gate_up) at `rows` rows, median of 10: the
+    weight laid out as the model lays it out at load (cpu_pack_for), so a bf16 rate is not torch's F.linear, which
+    repacks plain bf16 weights on every call."""
     x = torch.randn(rows, mc.hidden_size).to(dtype)
     w = torch.randn(2 * mc.intermediate_size, mc.hidden_size).to(dtype)
-    weight = kernels.pack_linear_weight(w) if dtype == torch.float32 and library() is not None else w
+    pack = cpu_pack_for(w)
+    weight = pack(w) if pack is not None else w
     kernels.linear(x, weight)
     times = []
     for _ in range(10):
@@ -97,7 +89,7 @@ def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype
     print(f"  physical floor ({cpu_caption()}):")
     print(f"    bytes: {params * size / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB KV at {bw:.1f} GB/s read "
           f"-> {mem_ms:.1f} ms")
-    print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s ({dtype} linear, M={max(batch, 512)}) "
+    print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s ({dtype} linear as served, M={max(batch, 512)}) "
           f"-> {flop_ms:.1f} ms")
     print(f"    floor: {max(mem_ms, flop_ms):.1f} ms")
     return max(mem_ms, flop_ms)
@@ -147,7 +139,7 @@ def main() -> None:
                     help="with --prefill: every prompt starts with the same PREFIX tokens, already in the "
                          "radix cache (one extra request computed them), so the step computes only the suffixes")
     args = ap.parse_args()
-    _rerun_under_tcmalloc()
+    rerun_under_tcmalloc()
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir or str(ensure_default_model())
     mc = read_model_config(model_dir)

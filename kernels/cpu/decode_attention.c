@@ -159,8 +159,12 @@ static inline __attribute__((always_inline)) void attend(
                 for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vreduce_lanes(&part[g][j0]) * scale);
                 if (softcap > 0.0f)
                     for (int j = 0; j < BLOCK; j++) p[g][j] = tanhf(p[g][j] / softcap) * softcap;
-                float mx = m[hg];
-                for (int j = 0; j < n; j++) mx = p[g][j] > mx ? p[g][j] : mx;
+                // Rows j >= n repeat row n - 1 (see the loads above), so the whole block's maximum is
+                // the real rows' maximum: vector maxes, no scalar chain.
+                vf bm = vload(p[g]);
+                for (int j0 = VL; j0 < BLOCK; j0 += VL) bm = vmax(vload(&p[g][j0]), bm);
+                float mx = vhmax(bm);
+                mx = mx > m[hg] ? mx : m[hg];
                 alpha[g] = expf(m[hg] - mx);  // 0 on the first block: m is -inf
                 m[hg] = mx;
                 for (int j = 0; j < BLOCK; j++) {

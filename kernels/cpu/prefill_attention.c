@@ -23,9 +23,9 @@
 //
 // One task = (request, KV head, block of BQ new tokens). Its R = BQ * G query rows (token-major:
 // row r is token r / G, head r % G) share every K/V row the task loads. Per block of BN keys:
-//   scores  St[key][row] = K[key] . Qt[:, row]     (register tile: KT keys x 16 rows, k = head dim)
+//   scores  St[key][row] = K[key] . Qt[:, row]     (register tile: 6 keys x 2 vectors of rows, k = head dim)
 //   online softmax down each row (vectorized across rows, since rows are St's contiguous axis)
-//   O[row] += P[row][key] V[key]                   (register tile: KT rows x 16 of the head dim)
+//   O[row] += P[row][key] V[key]                   (register tile: 6 rows x 2 vectors of the head dim)
 // Scores are computed transposed so that both tiles read K and V rows in place: one broadcast per
 // K element and contiguous V loads, with only Q (once per task) transposed.
 // bf16 q and KV on an AVX512-BF16 CPU (the native build's DPBF16): the same tiles with vdpbf16ps, over pairs
@@ -40,14 +40,16 @@
 #include "fastmath.h"
 #include "vec.h"
 
-#define BN 64         // keys per block
+#define BN 96         // keys per block: a multiple of 6 and 12, so no tile computes spare keys
 #define MAXR 64       // query rows per task (BQ * G)
-#define TARGET_R 48   // rows a task aims for: 8 PV tiles of 6, or 4 of 12
+#define TARGET_R 48   // rows a task aims for: 8 PV tiles of 6
 #define MAX_DIM 256
 
-// Both tiles are KT x 16 register tiles: each of the KT rows is 16 floats, 16 / VL of vec.h's vectors
-// (one zmm with AVX-512, two ymm with AVX2). KT = 12 where there are 32 vector registers (12 accumulators
-// keep both FMA units busy), 6 where there are 16. One source for every CPU.
+// The float tiles are 6 x 2 vectors (12 accumulators: two vector loads and six broadcasts a step). The
+// vector is vec.h's: 16 floats with AVX-512, 8 with AVX2. Where rows (scores) or head dims (P V) do not
+// fill 2 vectors, the tail is a 16-wide tile of KT rows (12 zmm or 6 x 2 ymm accumulators).
+// Zen 4, 2 threads, float32, W3's suffix step below: 11.4 -> 10.5 ms a layer against 12 x 16 tiles
+// over 64-key blocks (AVX2 build 12.3 -> 11.8). One source for every CPU.
 #if VL == 16
 #define KT 12
 #else
@@ -62,44 +64,49 @@
 #define DPBF16 0
 #endif
 
-// St[j][r0 .. r0+16) = k_j . Qt[:, r0 .. r0+16) for the KT keys k_0 .. k_{KT-1} (row pointers).
-static void score_tile(const float *const *k, const float *qt, int64_t qt_row, int dim, float *st,
-                       int64_t st_row) {
-    vf c[KT][TV];
-    for (int j = 0; j < KT; j++)
-        for (int t = 0; t < TV; t++) c[j][t] = (vf){0};
+// St[j][r0 .. r0+NV*VL) = k_j . Qt[:, r0 .. r0+NV*VL) for the NK keys k_0 .. k_{NK-1} (row pointers). Called
+// with constant NK and NV, as pv_tile.
+static inline __attribute__((always_inline)) void score_tile(const float *const *k, const float *qt, int64_t qt_row,
+                                                             int dim, float *st, int64_t st_row, const int NK,
+                                                             const int NV) {
+    vf c[KT][2];
+    for (int j = 0; j < NK; j++)
+        for (int t = 0; t < NV; t++) c[j][t] = (vf){0};
     for (int d = 0; d < dim; d++, qt += qt_row) {
-        vf b[TV];
-        for (int t = 0; t < TV; t++) b[t] = vload(qt + t * VL);
-        for (int j = 0; j < KT; j++) {
+        vf b[2];
+        for (int t = 0; t < NV; t++) b[t] = vload(qt + t * VL);
+        for (int j = 0; j < NK; j++) {
             vf a = vbroadcast(k[j][d]);
-            for (int t = 0; t < TV; t++) c[j][t] += a * b[t];
+            for (int t = 0; t < NV; t++) c[j][t] += a * b[t];
         }
     }
-    for (int j = 0; j < KT; j++)
-        for (int t = 0; t < TV; t++) vstore(st + j * st_row + t * VL, c[j][t]);
+    for (int j = 0; j < NK; j++)
+        for (int t = 0; t < NV; t++) vstore(st + j * st_row + t * VL, c[j][t]);
 }
 
-// O[r0+i][d0 .. d0+16) += sum_j Pt[j][r0+i] v_j[d0 .. d0+16) for i < KT (rows past mr repeat the last).
-static void pv_tile(const float *pt, int64_t pt_row, int mr, const float *const *v, int d0, int nkeys,
-                    float *o, int64_t o_row) {
+// O[r0+i][d0 .. d0+NV*VL) += sum_j Pt[j][r0+i] v_j[d0 .. d0+NV*VL) for i < NR (rows past mr repeat the
+// last). Called with constant NR and NV, so each call site is its own fully unrolled register tile:
+// NR x NV accumulators, NV loads of V and NR broadcasts of P per key.
+static inline __attribute__((always_inline)) void pv_tile(const float *pt, int64_t pt_row, int mr,
+                                                          const float *const *v, int d0, int nkeys, float *o,
+                                                          int64_t o_row, const int NR, const int NV) {
     int row[KT];
-    vf c[KT][TV];
-    for (int i = 0; i < KT; i++) {
+    vf c[KT][2];
+    for (int i = 0; i < NR; i++) {
         row[i] = i < mr ? i : mr - 1;
-        for (int t = 0; t < TV; t++) c[i][t] = vload(o + row[i] * o_row + t * VL);
+        for (int t = 0; t < NV; t++) c[i][t] = vload(o + row[i] * o_row + t * VL);
     }
     for (int j = 0; j < nkeys; j++, pt += pt_row) {
-        vf b[TV];
-        for (int t = 0; t < TV; t++) b[t] = vload(v[j] + d0 + t * VL);
-        for (int i = 0; i < KT; i++) {
+        vf b[2];
+        for (int t = 0; t < NV; t++) b[t] = vload(v[j] + d0 + t * VL);
+        for (int i = 0; i < NR; i++) {
             vf a = vbroadcast(pt[row[i]]);
-            for (int t = 0; t < TV; t++) c[i][t] += a * b[t];
+            for (int t = 0; t < NV; t++) c[i][t] += a * b[t];
         }
     }
     // Stores in reverse, so the real row's value is the last written when rows repeat.
-    for (int i = KT - 1; i >= 0; i--)
-        for (int t = 0; t < TV; t++) vstore(o + row[i] * o_row + t * VL, c[i][t]);
+    for (int i = NR - 1; i >= 0; i--)
+        for (int t = 0; t < NV; t++) vstore(o + row[i] * o_row + t * VL, c[i][t]);
 }
 
 #if DPBF16
@@ -238,9 +245,14 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
                 }
             }
             for (int j = nb; j < nb + KT; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
-            for (int j0 = 0; j0 < nb; j0 += KT)
-                for (int r0 = 0; r0 < RP; r0 += 16)
-                    score_tile(kr + j0, s->qt + r0, MAXR, dim, s->st + j0 * MAXR + r0, MAXR);
+            // 6 keys x 2 vectors of rows where the rows fill them (as pv_tile), 16 rows at a time after.
+            int r0 = 0;
+            for (; r0 + 2 * VL <= RP; r0 += 2 * VL)
+                for (int j0 = 0; j0 < nb; j0 += 6)
+                    score_tile(kr + j0, s->qt + r0, MAXR, dim, s->st + j0 * MAXR + r0, MAXR, 6, 2);
+            for (; r0 < RP; r0 += 16)
+                for (int j0 = 0; j0 < nb; j0 += KT)
+                    score_tile(kr + j0, s->qt + r0, MAXR, dim, s->st + j0 * MAXR + r0, MAXR, KT, TV);
         }
         if (a->softcap > 0.0f) {
             const float cap = a->softcap;
@@ -280,6 +292,7 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
         }
         for (int r = 0; r < RP; r++) {
             l[r] = l[r] * alpha[r] + sum[r];
+            if (alpha[r] == 1.0f) continue;  // the row's max held (most blocks past the first few)
             float *orow = s->o + (int64_t)r * dim;
             for (int d = 0; d < dim; d++) orow[d] *= alpha[r];
         }
@@ -300,9 +313,17 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
             continue;
         }
 #endif
-        for (int r0 = 0; r0 < R; r0 += KT)
-            for (int d0 = 0; d0 < dim; d0 += 16)
-                pv_tile(s->st + r0, MAXR, R - r0 < KT ? R - r0 : KT, vr, d0, nb, s->o + (int64_t)r0 * dim + d0, dim);
+        // 6 rows x 2 vectors: two V loads and six P broadcasts a key for 12 FMAs (a 12 x 1 tile
+        // needs 12 broadcasts); a head dim that is not a multiple of 2 vectors ends with 16-wide tiles.
+        const int dw = dim - dim % (2 * VL);
+        for (int r0 = 0; r0 < R; r0 += 6)
+            for (int d0 = 0; d0 < dw; d0 += 2 * VL)
+                pv_tile(s->st + r0, MAXR, R - r0 < 6 ? R - r0 : 6, vr, d0, nb, s->o + (int64_t)r0 * dim + d0, dim,
+                        6, 2);
+        for (int r0 = 0; r0 < R && dw < dim; r0 += KT)
+            for (int d0 = dw; d0 < dim; d0 += 16)
+                pv_tile(s->st + r0, MAXR, R - r0 < KT ? R - r0 : KT, vr, d0, nb, s->o + (int64_t)r0 * dim + d0, dim,
+                        KT, TV);
     }
     for (int r = 0; r < R; r++) {
         float inv = 1.0f / l[r];

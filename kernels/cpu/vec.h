@@ -23,6 +23,27 @@ static inline void vstore(float *p, vf x) { *(vf_u *)p = x; }
 // x - (+0) is x for every x (signed zeros included), so gcc folds it to a plain broadcast; (vf){0} + x
 // is not (-0 + +0 = +0), and cost a vector add per broadcast.
 static inline vf vbroadcast(float x) { return x - (vf){0}; }
+// Lane-wise a > b ? a : b (b where either is NaN): one vmaxps. gcc leaves the same select written per
+// lane on floats as scalar maxss.
+static inline vf vmax(vf a, vf b) {
+    vu gt = (vu)(a > b);
+    return (vf)(((vu)a & gt) | ((vu)b & ~gt));
+}
+
+// The largest lane of x: log2(VL) shuffle-and-max levels instead of a chain of VL scalar maxes.
+static inline float vhmax(vf x) {
+#if VL == 16
+    x = vmax(x, __builtin_shuffle(x, (vu){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
+    x = vmax(x, __builtin_shuffle(x, (vu){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
+    x = vmax(x, __builtin_shuffle(x, (vu){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
+    x = vmax(x, __builtin_shuffle(x, (vu){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
+#else
+    x = vmax(x, __builtin_shuffle(x, (vu){4, 5, 6, 7, 0, 1, 2, 3}));
+    x = vmax(x, __builtin_shuffle(x, (vu){2, 3, 0, 1, 6, 7, 4, 5}));
+    x = vmax(x, __builtin_shuffle(x, (vu){1, 0, 3, 2, 5, 4, 7, 6}));
+#endif
+    return x[0];
+}
 
 // 2*VL bfloat16 values as two float vectors, de-interleaved: *even gets elements 0, 2, 4, ..., *odd
 // gets 1, 3, 5, .... A bf16 is the top half of a float, so each is one shift or one mask of the

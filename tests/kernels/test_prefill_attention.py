@@ -92,19 +92,20 @@ def test_prefill_triton_strided_q_and_default_blocks():
                                **TOL[torch.float16])
 
 
-# The C kernel's cases: every query-block and key-block edge (16-token query blocks at G=3, 64-key blocks),
+# The C kernel's cases: every query-block and key-block edge (16-token query blocks at G=3, 96-key blocks),
 # a 1-token extend after a long prefix, and a prefix ending inside a key block.
-C_REQS = [(0, 130), (100, 40), (64, 1), (0, 1), (5, 17), (63, 66)]
+C_REQS = [(0, 130), (100, 40), (64, 1), (0, 1), (5, 17), (63, 66), (95, 98)]
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype", [
     (9, 3, 64, torch.float32), (2, 2, 64, torch.float32), (8, 1, 128, torch.float32), (64, 1, 16, torch.float32),
-    (9, 3, 64, torch.bfloat16), (4, 1, 128, torch.bfloat16),
+    (4, 2, 80, torch.float32), (9, 3, 64, torch.bfloat16), (4, 1, 128, torch.bfloat16), (6, 2, 48, torch.bfloat16),
 ])
 def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype, variant):
-    """Every build this CPU runs (12- and 6-key tiles, plain C); bf16 q read in place and bf16 output."""
+    """Every build this CPU runs (its wide and 16-wide tiles, plain C); bf16 q read in place and bf16 output.
+    Head dims 80 and 48 end with a 16-wide tile after the 32-wide ones of AVX-512 builds."""
     lib = variant_library(variant)
     batch, q, meta = _prefill_case(C_REQS, num_heads, num_kv_heads, head_dim, dtype)
     # q as the model passes it: a strided view into the fused qkv projection

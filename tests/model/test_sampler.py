@@ -142,19 +142,23 @@ def test_candidate_filter_equals_full_sort_on_a_large_vocabulary():
 @pytest.mark.skipif(library() is None, reason="no C compiler: greedy sampling runs torch ops")
 @pytest.mark.parametrize("portable", [False, True])
 def test_fused_greedy_kernel_matches_torch(portable):
-    """The C argmax + logsumexp (the all-greedy CPU path) against torch's ops, on rows with ties,
-    -inf entries (banned tokens), a vocabulary off the kernel's 16 lanes and a batch over the
-    threading threshold; a NaN row declines it, so sample() gives torch's answer there."""
+    """The C argmax + logsumexp (the all-greedy CPU path) against torch's ops, on rows with ties (in the
+    first block and past it), -inf entries (banned tokens), a vocabulary off the kernel's 16 lanes and a
+    batch over the threading threshold; a NaN row declines it, so sample() gives torch's answer there."""
     lib = portable_library() if portable else None
     logits = torch.randn(70, 49157, generator=torch.Generator().manual_seed(5)) * 4
     logits[3, [10, 20000]] = 50.0  # a tie: the first index wins, as in torch.argmax
     logits[4, :40000] = float("-inf")
+    logits[5, [30000, 45000]] = 60.0  # a tie past the kernel's first blocks
     ids, lse = greedy_cpu(logits, lib=lib)
-    assert torch.equal(ids, logits.argmax(-1)) and int(ids[3]) == 10
+    assert torch.equal(ids, logits.argmax(-1)) and int(ids[3]) == 10 and int(ids[5]) == 30000
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-6, atol=1e-5)
     ids, logprobs = sample(logits, SamplingTensors(**_params(70, temperature=0.0)))
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None]).squeeze(1),
                                rtol=1e-5, atol=1e-5)
+    logits[4, 100] = float("nan")  # among the -inf entries before the row's first finite value
+    assert greedy_cpu(logits, lib=lib) is None
+    logits[4, 100] = float("-inf")
     logits[7, 5] = float("nan")
     assert greedy_cpu(logits, lib=lib) is None
     assert torch.equal(sample(logits, SamplingTensors(**_params(70, temperature=0.0)))[0], logits.argmax(-1))

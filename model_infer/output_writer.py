@@ -106,9 +106,13 @@ class OutputWriter:
         if top_rows.size:
             k = int(top_k.max())
             rows_t = torch.from_numpy(top_rows).to(raw.device)
-            top_vals, top_ids = torch.log_softmax(raw[rows_t], dim=-1).topk(k, dim=-1)   # [R, k]
+            log_probs = torch.log_softmax(raw[rows_t], dim=-1)                                 # [R, V]
+            top_vals, top_ids = log_probs.topk(k, dim=-1)                                       # [R, k]
             pool.top_ids[idx[top_rows], pos[top_rows], :k] = top_ids.cpu().numpy().astype(np.int32)
             pool.top_logprobs[idx[top_rows], pos[top_rows], :k] = top_vals.cpu().numpy()
+            # The chosen token's logprob from the same numbers, so it equals its entry among the
+            # alternatives (the sampler's logsumexp sums in another order: a few ulps apart).
+            lps[top_rows] = log_probs.gather(1, next_ids[rows_t].unsqueeze(1)).squeeze(1).cpu().numpy()
         if grammar_rows.size:
             self.grammars.accept(idx[grammar_rows], ids[grammar_rows])
         new_count = (num_out + 1).astype(np.int32)

@@ -4,12 +4,15 @@
 First it measures the streaming read bandwidth (torch.sum over a 256 MB buffer, all threads), then times
 the C decode attention over a KV cache spread across as many layers as the model has, so that every
 layer's K/V comes from memory as in a real step, not from the last-level cache. It prints each shape's
-time per layer, the KV bytes it read and its GB/s as a share of the measured bandwidth.
+time per layer, the KV bytes it read and its GB/s as a share of the measured bandwidth. --prefill and --greedy
+time kernels that compute more than they read instead (ms, and GFLOP/s for prefill attention).
 
     python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
     python scripts/bench_cpu_kernels.py --heads 32 8 128 --layers 8 --dtypes bfloat16
     python scripts/bench_cpu_kernels.py --variants native avx2 portable   # the same source, narrower builds
     python scripts/bench_cpu_kernels.py --linears 1 4 8 16 64 512   # bf16 linears as served against oneDNN
+    python scripts/bench_cpu_kernels.py --prefill 15x48+1024 1x512 --variants native avx2   # prefill attention
+    python scripts/bench_cpu_kernels.py --greedy 64x49152        # greedy sampling's argmax + logsumexp
 
 The variants (lightserve.kernels.cpu.BUILD_VARIANTS): `native` is the serving build (-march=native: AVX-512
 where the CPU has it), `avx2` the same source with AVX-512 off (what an AVX2-only CPU runs), `portable` with
@@ -33,6 +36,8 @@ from lightserve.engine_procs import preload_tcmalloc
 from lightserve.kernels.cpu import BUILD_VARIANTS, library, variant_library
 from lightserve.kernels.decode_attention import decode_attention_cpu
 from lightserve.kernels.linear import linear, pairs_take_every_m, prepack_weight
+from lightserve.kernels.prefill_attention import prefill_attention_cpu
+from lightserve.model_infer.sampler import greedy_cpu
 
 # (batch, context): a full decode batch, a mid batch of long requests, one long request.
 DECODE_SHAPES = [(64, 384), (16, 1100), (1, 2000)]
@@ -81,16 +86,12 @@ def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: to
     }
 
 
-def time_decode(case: dict, lib, reps: int) -> float:
-    """Median seconds per layer: each rep runs every layer once, in order, like a forward."""
-    layers = case["k"].shape[0]
-    scale = case["q"].shape[-1] ** -0.5
-
+def median_per_layer(attend, layers: int, reps: int) -> float:
+    """Median seconds per layer of attend(layer) (None: the C kernel declined): each rep runs every layer
+    once, in order, like a forward, so each layer's K/V comes from memory."""
     def one_pass() -> None:
         for i in range(layers):
-            out = decode_attention_cpu(case["q"], case["k"][i], case["v"][i], case["req_to_token"], case["req_rows"],
-                                       case["seq_lens"], scale, lib=lib)
-            assert out is not None, "the C kernel declined this shape"
+            assert attend(i) is not None, "the C kernel declined this shape"
 
     one_pass()
     times = []
@@ -99,6 +100,56 @@ def time_decode(case: dict, lib, reps: int) -> float:
         one_pass()
         times.append((time.perf_counter() - t) / layers)
     return statistics.median(times)
+
+
+def time_decode(case: dict, lib, reps: int) -> float:
+    scale = case["q"].shape[-1] ** -0.5
+    return median_per_layer(lambda i: decode_attention_cpu(case["q"], case["k"][i], case["v"][i], case["req_to_token"],
+                                                           case["req_rows"], case["seq_lens"], scale, lib=lib),
+                            case["k"].shape[0], reps)
+
+
+def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, int], dtype: torch.dtype,
+                 layers: int, seed: int = 0) -> dict:
+    """`batch` requests of `extend` new tokens over one shared `prefix` (already in the cache, as the radix
+    cache shares it), KV for `layers` layers; the FLOPs of the step's attention (QK and PV, causal)."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    rows = prefix + batch * extend
+    req_to_token = torch.empty(batch, prefix + extend, dtype=torch.int32)
+    for b in range(batch):
+        req_to_token[b, :prefix] = torch.arange(prefix)
+        req_to_token[b, prefix:] = prefix + b * extend + torch.arange(extend)
+    keys_seen = batch * sum(prefix + i + 1 for i in range(extend))  # (query token, key) pairs
+    return {
+        "k": torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype),
+        "v": torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype),
+        "q": torch.randn(batch * extend, num_heads, head_dim, generator=gen).to(dtype),
+        "meta": (req_to_token, torch.arange(batch, dtype=torch.int32), torch.arange(batch, dtype=torch.int32) * extend,
+                 torch.full((batch,), prefix, dtype=torch.int32), torch.full((batch,), extend, dtype=torch.int32)),
+        "flops": 4 * keys_seen * num_heads * head_dim,
+    }
+
+
+def time_prefill(case: dict, lib, reps: int) -> float:
+    scale = case["q"].shape[-1] ** -0.5
+    return median_per_layer(lambda i: prefill_attention_cpu(case["q"], case["k"][i], case["v"][i], *case["meta"], scale,
+                                                            lib=lib),
+                            case["k"].shape[0], reps)
+
+
+def time_greedy(rows: int, vocab: int, lib, reps: int) -> float:
+    """Median seconds of greedy sampling's argmax + logsumexp over [rows, vocab] float32 logits, each call on
+    logits just written (as the lm_head leaves them)."""
+    src = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 1):
+        logits.copy_(src)
+        t = time.perf_counter()
+        assert greedy_cpu(logits, lib=lib) is not None
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
 
 
 def rerun_under_tcmalloc() -> None:
@@ -158,6 +209,35 @@ def time_linears(rows: list[int], layers: int, reps: int) -> list[dict]:
     return results
 
 
+def time_compute_bound(args, libs: dict) -> list[dict]:
+    """--prefill and --greedy: ms and GFLOP/s (prefill) for each shape, dtype and build variant."""
+    results = []
+    for shape in args.prefill or []:
+        batch, extend = map(int, shape.split("+")[0].split("x"))
+        prefix = int(shape.split("+")[1]) if "+" in shape else 0
+        for dtype_name in args.dtypes:
+            case = prefill_case(batch, extend, prefix, tuple(args.heads), getattr(torch, dtype_name), args.layers)
+            for name, lib in libs.items():
+                if lib is None:
+                    print(f"{name}: this CPU cannot run that build")
+                    continue
+                sec = time_prefill(case, lib, args.reps)
+                results.append({"op": "prefill_attention", "variant": name, "dtype": dtype_name, "shape": shape,
+                                "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
+                                "gflops": case["flops"] / sec / 1e9})
+                print(f"prefill attention {dtype_name:8s} {shape:12s} {name:9s} {1e3 * sec:7.3f} ms/layer  "
+                      f"{case['flops'] / sec / 1e9:6.1f} GFLOP/s")
+    for shape in args.greedy or []:
+        rows, vocab = map(int, shape.split("x"))
+        for name, lib in libs.items():
+            if lib is None:
+                continue
+            sec = time_greedy(rows, vocab, lib, 10 * args.reps)
+            results.append({"op": "greedy_sampling", "variant": name, "shape": shape, "ms": 1e3 * sec})
+            print(f"greedy argmax + logsumexp [{rows}, {vocab}] {name:9s} {1e3 * sec:7.3f} ms")
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, nargs=3, default=(9, 3, 64), metavar=("HQ", "HK", "D"),
@@ -170,6 +250,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--linears", type=int, nargs="+", metavar="M",
                     help="instead: bf16 linears at these row counts, as served against oneDNN's prepacked GEMM")
+    ap.add_argument("--prefill", nargs="+", metavar="BxE[+P]",
+                    help="instead: prefill attention, B requests of E new tokens over a shared cached P-token prefix")
+    ap.add_argument("--greedy", nargs="+", metavar="BxV", help="instead: greedy sampling over [B, V] float32 logits")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     rerun_under_tcmalloc()
@@ -185,6 +268,11 @@ def main() -> None:
         return
 
     libs = {name: variant_library(name) for name in args.variants}
+    if args.prefill or args.greedy:
+        results = time_compute_bound(args, libs)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "results": results}, indent=1))
+        return
     # This VM's read bandwidth drifts (33-90 GB/s within an hour here): read it between every timing and
     # take the shares against the median of those readings.
     bws = [read_bandwidth()]

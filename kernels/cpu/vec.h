@@ -23,8 +23,8 @@ static inline void vstore(float *p, vf x) { *(vf_u *)p = x; }
 // x - (+0) is x for every x (signed zeros included), so gcc folds it to a plain broadcast; (vf){0} + x
 // is not (-0 + +0 = +0), and cost a vector add per broadcast.
 static inline vf vbroadcast(float x) { return x - (vf){0}; }
-// Lane-wise a > b ? a : b (b where either is NaN): one vmaxps. gcc leaves the same select written per
-// lane on floats as scalar maxss.
+// Lane-wise a > b ? a : b (b where either is NaN), as a vector compare and select. gcc compiled the same
+// select written per lane on a float array as scalar maxss (the greedy sampler's max ran that way).
 static inline vf vmax(vf a, vf b) {
     vu gt = (vu)(a > b);
     return (vf)(((vu)a & gt) | ((vu)b & ~gt));

@@ -65,19 +65,17 @@ def store_kv_cpu(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs
     """The C row copy (kernels/cpu/elementwise.c) where k, v and both caches share one dtype the C kernels take
     and every kv_loc is a row of the cache. False when it cannot run here (then nothing was written): a dtype cast,
     other layouts, or a loc out of range, for which the reference raises. `lib`: another kernel build (tests)."""
-    from lightserve.kernels.cpu import C_DTYPES, library, profiled
+    from lightserve.kernels.cpu import library, profiled
+    from lightserve.kernels.prefill_attention import c_kv_layout
 
     lib = lib or library()
-    if lib is None or k.dim() != 3 or k.dtype not in C_DTYPES \
+    if lib is None or not c_kv_layout(k_cache, v_cache) or k.dim() != 3 \
             or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype) \
             or k.shape != v.shape or k_cache.shape != v_cache.shape or k_cache.shape[1:] != k.shape[1:] \
             or k.stride(2) != 1 or v.stride(2) != 1 or kv_locs.shape != (k.shape[0],) \
             or kv_locs.dtype not in (torch.int32, torch.int64) or not kv_locs.is_contiguous():
         return False
     head_dim = k.shape[2]
-    for cache in (k_cache, v_cache):
-        if cache.stride(2) != 1 or cache.stride(1) != head_dim:
-            return False
     with profiled("store_kv_cpu"):  # visible in scripts/profile_step.py
         rc = lib.store_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
                           k_cache.data_ptr(), k_cache.stride(0), v_cache.data_ptr(), v_cache.stride(0),

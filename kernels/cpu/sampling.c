@@ -74,8 +74,10 @@ void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vo
             sum += block_sum_exp(x + b0, n, m);  // NaN in the block makes the sum NaN
         }
         int64_t arg = best;  // the first maximum: in the first block that reached it
-        while (arg < vocab - 1 && !(x[arg] == m)) arg++;
-        if (m == -INFINITY) arg = 0;  // as torch.argmax of an all -inf row (the caller redoes it anyway)
+        if (m == -INFINITY)
+            arg = 0;  // as torch.argmax of an all -inf row (the caller redoes it anyway)
+        else
+            while (!(x[arg] == m)) arg++;
         ids[r] = arg;
         lse[r] = nan ? NAN : m + logf(sum);
     }

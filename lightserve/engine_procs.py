@@ -31,6 +31,12 @@ STOP_GRACE_S = 5.0
 # running request's next token and every later prompt's first token wait (a 2,048-token step is ~5 s).
 CPU_BATCH_MAX_TOKENS = 512
 GPU_BATCH_MAX_TOKENS = 8192
+# On CPU a step's time grows with every prompt token (the GEMMs are compute-bound past a few rows), so a
+# step that gathers ten 48-token prompts takes as long as one 480-token prompt, and every prompt arriving
+# meanwhile waits for all of it. Past 128 prompt tokens a step takes in no further prompt: short prompts
+# arriving apart start within a short step (W3's TTFT p50 fell to 0.46-0.60 of the old figure on Zen 4,
+# docs/benchmarks.md), while a long prompt still fills the step alone.
+CPU_PREFILL_JOIN_TOKENS = 128
 
 
 class StartError(RuntimeError):
@@ -72,6 +78,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     if dtype is DType.AUTO:
         dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
     batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
+    join = config.prefill_join_tokens or (batch_max if device is Device.CUDA else CPU_PREFILL_JOIN_TOKENS)
     max_len = min(config.max_req_total_len or DEFAULT_MAX_REQ_TOTAL_LEN, model_config.max_context_len)
     nccl_port = config.nccl_port
     if config.tp > 1 and nccl_port == 0:
@@ -84,6 +91,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
     return replace(config, model_dir=model_dir, model=model_config, device=device, data_type=dtype,
                    batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
+                   prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,
                    served_model_name=config.served_model_name or (Path(model_dir).name,))
 

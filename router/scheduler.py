@@ -1,11 +1,11 @@
 """Scheduler: continuous batching over the KV allocator and the radix prefix cache.
 
 `plan_step` chooses the next step's requests (decodes first, then prefill chunks, then newly admitted
-requests, within --batch_max_tokens) and their KV rows, and plan_builder.build_plan turns them into
-a BatchPlan; `finish_step` reads what rank 0 published in shm and retires finished requests. The n
-samples of one prompt are held by `Groups` (groups.py). Every state change of a Req happens in one
-named method here. No sockets: the
-router process (process.py) moves messages; tests drive this class directly.
+requests, within --batch_max_tokens and --prefill_join_tokens) and their KV rows, and
+plan_builder.build_plan turns them into a BatchPlan; `finish_step` reads what rank 0 published in shm
+and retires finished requests. The n samples of one prompt are held by `Groups` (groups.py). Every
+state change of a Req happens in one named method here. No sockets: the router process (process.py)
+moves messages; tests drive this class directly.
 """
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ class Limits:
     batch_max_tokens: int
     chunk_size: int
     max_req_total_len: int
+    # Prompt tokens at which a step stops taking in another prompt (None: batch_max_tokens). One prompt
+    # chunk may still fill the step; see ServerConfig.prefill_join_tokens.
+    join_tokens: int | None = None
 
 
 class Scheduler:
@@ -77,7 +80,7 @@ class Scheduler:
         cache = None if config.disable_prompt_cache else RadixCache(allocator)
         limits = Limits(max_running=config.running_max_req_size, batch_max_tokens=config.batch_max_tokens,
                         chunk_size=config.chunked_prefill_size or config.batch_max_tokens,
-                        max_req_total_len=config.max_req_total_len)
+                        max_req_total_len=config.max_req_total_len, join_tokens=config.prefill_join_tokens)
         return cls(pool, allocator, cache, Admission(config.admission_policy), limits)
 
     # ---- requests in and out ---------------------------------------------------------------------
@@ -124,17 +127,23 @@ class Scheduler:
         chunks: list[tuple[Req, int]] = []
         fills: list[Req] = []
         budget -= len(decodes)
+        # Prompt tokens this step takes in; once they reach the join limit no further prompt joins. The
+        # first chunk may still fill the budget: a step that gathers many short prompts runs as long
+        # as one long prompt, and every prompt arriving meanwhile waits for it and then for its own.
+        join = self.limits.join_tokens or self.limits.batch_max_tokens
+        prompt_tokens = 0
         # Decode rows first; they were reserved above so these allocations cannot fail.
         decode_locs = self.allocator.alloc(len(decodes)) if decodes else np.zeros(0, np.int32)
         assert decode_locs is not None
         # Requests in the middle of a chunked prefill continue before new ones start.
         for req in self.running:
-            if req.extend_len > 1 and budget > 0:
+            if req.extend_len > 1 and budget > 0 and prompt_tokens < join:
                 n = min(req.extend_len, self.limits.chunk_size, budget)
                 if not self._grow(req, n):
                     break
                 chunks.append((req, n))
                 budget -= n
+                prompt_tokens += n
         # Admit waiting (paused requests sit at the head) while the budget and KV allow. Reserve
         # the rows running prefills still need beyond this step's chunk too: without them, two
         # long prompts admitted together could each hold half the KV, neither able to grow, and
@@ -143,7 +152,7 @@ class Scheduler:
         reserved = self.admission.running_need(self.running) + unallocated
         held: list[Req] = []  # requests waiting for a prefix another one is computing, in queue order
         computing = [r for r in self.running if self._computes_cacheable_prompt(r)]  # usually 0-2 requests
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_running:
+        while self.waiting and budget > 0 and prompt_tokens < join and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
             if self.groups.must_wait(req) or self._prefix_in_flight(req, computing):
                 held.append(self.waiting.popleft())
@@ -158,6 +167,7 @@ class Scheduler:
                 fills.append(req)
             chunks.append((req, n))
             budget -= n
+            prompt_tokens += n
             reserved += self.admission.future_need(req) + req.extend_len - n
         self.waiting.extendleft(reversed(held))
         if not decodes and not chunks:

@@ -46,3 +46,19 @@ def test_pool_larger_than_free_shm_is_refused(tmp_path):
     check_shm_room(free // 2, tmp_path)
     with pytest.raises(StartError, match="--max_req_total_len"):
         check_shm_room(free + 2**30, tmp_path)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ({}, (512, 512, 128)),
+    (dict(batch_max_tokens=1024, prefill_join_tokens=1024), (1024, 1024, 1024)),
+    (dict(chunked_prefill_size=64, prefill_join_tokens=32), (512, 64, 32)),
+])
+def test_cpu_step_budgets(short_context_dir, flags, expected):
+    """On CPU a step holds at most 512 new tokens and takes in no further prompt past 128 of them."""
+    config = resolve_config(ServerConfig(model_dir=str(short_context_dir), device=Device.CPU, **flags))
+    assert (config.batch_max_tokens, config.chunked_prefill_size, config.prefill_join_tokens) == expected
+
+
+def test_a_join_limit_below_one_is_refused():
+    with pytest.raises(ValueError, match="--prefill_join_tokens"):
+        ServerConfig(prefill_join_tokens=0)

@@ -31,10 +31,10 @@ def pool():
 
 
 def make_scheduler(pool, kv=4096, cache=True, max_running=64, batch_max=1024, chunk=None,
-                   policy=AdmissionPolicy.OPTIMISTIC) -> Scheduler:
+                   policy=AdmissionPolicy.OPTIMISTIC, join=None) -> Scheduler:
     alloc = KVAllocator(kv, check_double_free=True)
     return Scheduler(pool, alloc, RadixCache(alloc) if cache else None, Admission(policy),
-                     Limits(max_running, batch_max, chunk or batch_max, 512))
+                     Limits(max_running, batch_max, chunk or batch_max, 512, join))
 
 
 def add(sched, pool, slot, prompt, max_new=8, **kw):
@@ -131,6 +131,57 @@ def test_limits_on_running_requests_and_tokens_per_step(pool):
     assert max(len(p.shm_indices) for p in plans) <= 4
     assert max(int(p.extend_lens.sum()) for p in plans) <= 64
     assert all(pool.output_ids(s, 0, 4).tolist() == expected_outputs(list(range(1, 31)), 4) for s in range(10))
+    assert_kv_accounted(sched)
+
+
+def test_a_step_takes_no_further_prompt_past_the_join_limit(pool):
+    """Short prompts join a step until its prompt tokens reach the join limit; one long prompt, or
+    the next chunk of one, still fills the step past it; decodes do not count against the limit."""
+    sched = make_scheduler(pool, batch_max=512, chunk=256, join=128)
+    reset_slots(pool, 64)
+    prompts = {s: list(range(100 * s + 1, 100 * s + 49)) for s in range(7)}  # 48 tokens, no shared prefix
+    for slot, prompt in prompts.items():
+        add(sched, pool, slot, prompt, max_new=3)
+    steps = []
+
+    def step():
+        record = sched.plan_step()
+        plan = record.plan
+        steps.append((plan.num_decode, plan.shm_indices.tolist(), plan.extend_lens.tolist()))
+        fake_rank0(pool, record)
+        sched.finish_step(record)
+        return steps[-1]
+
+    assert step() == (0, [0, 1, 2], [48, 48, 48])  # 96 < 128 takes in a third prompt, 144 no fourth
+    assert step() == (3, [0, 1, 2, 3, 4, 5], [1, 1, 1, 48, 48, 48])
+    prompts[7] = list(range(5000, 5400))
+    prompts[8] = list(range(6001, 6041))
+    add(sched, pool, 7, prompts[7], max_new=2)
+    add(sched, pool, 8, prompts[8], max_new=2)
+    # Slot 6 has waited longest; at 48 prompt tokens the long prompt joins, with a whole 256-token chunk.
+    assert step() == (6, [0, 1, 2, 3, 4, 5, 6, 7], [1] * 6 + [48, 256])
+    # Its last 144 tokens run past the limit alone: slot 8 waits one more step.
+    assert step() == (4, [3, 4, 5, 6, 7], [1, 1, 1, 1, 144])
+    assert step()[1][-1] == 8
+    run_until_idle(sched, pool)
+    for slot, prompt in prompts.items():
+        n = 2 if slot in (7, 8) else 3
+        assert pool.output_ids(slot, 0, n).tolist() == expected_outputs(prompt, n), slot
+    assert_kv_accounted(sched)
+
+
+def test_without_a_join_limit_short_prompts_fill_the_budget(pool):
+    sched = make_scheduler(pool, batch_max=512, chunk=512)
+    reset_slots(pool, 64)
+    prompts = {s: list(range(100 * s + 1, 100 * s + 49)) for s in range(12)}
+    for slot, prompt in prompts.items():
+        add(sched, pool, slot, prompt, max_new=2)
+    record = sched.plan_step()
+    assert record.plan.extend_lens.tolist() == [48] * 10 + [32]  # 512 tokens: ten prompts and a chunk
+    fake_rank0(pool, record)
+    sched.finish_step(record)
+    run_until_idle(sched, pool)
+    assert all(pool.output_ids(s, 0, 2).tolist() == expected_outputs(p, 2) for s, p in prompts.items())
     assert_kv_accounted(sched)
 
 

@@ -31,7 +31,7 @@ STOP_GRACE_S = 5.0
 # running request's next token and every later prompt's first token wait (a 2,048-token step is ~5 s).
 CPU_BATCH_MAX_TOKENS = 512
 GPU_BATCH_MAX_TOKENS = 8192
-# On CPU a step's time grows with every prompt token (the GEMMs are compute-bound past a few rows), so a
+# On CPU a step's time grows with every prompt token (its rows of every GEMM, its attention over the prefix), so a
 # step that gathers ten 48-token prompts takes as long as one 480-token prompt, and every prompt arriving
 # meanwhile waits for all of it. Past 128 prompt tokens a step takes in no further prompt: short prompts
 # arriving apart start within a short step (W3's TTFT p50 fell to 0.46-0.60 of the old figure on Zen 4,

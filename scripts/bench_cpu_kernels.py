@@ -231,6 +231,7 @@ def time_compute_bound(args, libs: dict) -> list[dict]:
         rows, vocab = map(int, shape.split("x"))
         for name, lib in libs.items():
             if lib is None:
+                print(f"{name}: this CPU cannot run that build")
                 continue
             sec = time_greedy(rows, vocab, lib, 10 * args.reps)
             results.append({"op": "greedy_sampling", "variant": name, "shape": shape, "ms": 1e3 * sec})

@@ -10,7 +10,7 @@ time kernels that compute more than they read instead (ms, and GFLOP/s for prefi
     python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
     python scripts/bench_cpu_kernels.py --heads 32 8 128 --layers 8 --dtypes bfloat16
     python scripts/bench_cpu_kernels.py --variants native avx2 portable   # the same source, narrower builds
-    python scripts/bench_cpu_kernels.py --linears 1 4 8 16 64 512   # bf16 linears as served against oneDNN
+    python scripts/bench_cpu_kernels.py --linears 1 4 8 16 64 512   # linears as served against oneDNN, FMA peak
     python scripts/bench_cpu_kernels.py --prefill 15x48+1024 1x512 --variants native avx2   # prefill attention
     python scripts/bench_cpu_kernels.py --greedy 64x49152        # greedy sampling's argmax + logsumexp
 
@@ -24,9 +24,11 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,9 +37,11 @@ import torch
 from lightserve.engine_procs import preload_tcmalloc
 from lightserve.kernels.cpu import BUILD_VARIANTS, library, variant_library
 from lightserve.kernels.decode_attention import decode_attention_cpu
-from lightserve.kernels.linear import linear, pairs_take_every_m, prepack_weight
+from lightserve.kernels.linear import cpu_pack_for, linear, pairs_take_every_m
 from lightserve.kernels.prefill_attention import prefill_attention_cpu
 from lightserve.model_infer.sampler import greedy_cpu
+
+SCRIPTS = Path(__file__).resolve().parent
 
 # (batch, context): a full decode batch, a mid batch of long requests, one long request.
 DECODE_SHAPES = [(64, 384), (16, 1100), (1, 2000)]
@@ -166,21 +170,40 @@ LINEAR_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "do
 LM_HEAD = (49152, 576)
 
 
-def time_linears(rows: list[int], layers: int, reps: int) -> list[dict]:
-    """bf16 linears of every row count: as served (kernels.linear on prepack_weight's layout) against oneDNN's
-    prepacked GEMM, over `layers` layers of distinct weights plus the lm_head (weights from memory, as in a step),
-    the two alternated rep by rep. GFLOP/s of the whole pass, medians."""
+def fma_peak(threads: int) -> float | None:
+    """GFLOP/s of float32 vector FMAs on `threads` threads (scripts/fma_peak.c, built with the kernels' flags), or
+    None where it cannot be built here. A GEMM-bound step's hardware ceiling: each FMA is two FLOPs."""
+    exe = Path(tempfile.mkdtemp(prefix="fma_peak_")) / "fma_peak"
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    try:
+        subprocess.run([cc or "cc", "-O3", "-march=native", "-fopenmp", "-o", str(exe), str(SCRIPTS / "fma_peak.c")],
+                       check=True, capture_output=True, timeout=120)
+        return float(subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True,
+                                    timeout=300).stdout.split()[0])
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        shutil.rmtree(exe.parent, ignore_errors=True)
+
+
+def time_linears(rows: list[int], layers: int, reps: int, dtype: torch.dtype) -> list[dict]:
+    """Linears of every row count in `dtype`: as served (kernels.linear on the layout the model packs at load:
+    linear.c's panels for float32, prepack_weight's for bf16) against oneDNN's prepacked GEMM, over `layers` layers of
+    distinct weights plus the lm_head (weights from memory, as in a step), the two alternated rep by rep. GFLOP/s of
+    the whole pass, medians."""
     gen = torch.Generator().manual_seed(0)
-    raw = {name: [torch.randn(n, k, generator=gen).to(torch.bfloat16) * 0.05 for _ in range(layers)]
+    raw = {name: [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(layers)]
            for name, (n, k) in LINEAR_SHAPES.items()}
-    raw["lm_head"] = [torch.randn(*LM_HEAD, generator=gen).to(torch.bfloat16) * 0.05]
-    served = {name: [prepack_weight(w) for w in ws] for name, ws in raw.items()}
+    raw["lm_head"] = [(torch.randn(*LM_HEAD, generator=gen) * 0.05).to(dtype)]
+    pack = cpu_pack_for(raw["lm_head"][0]) or (lambda w: w)  # what the model's load does (plain F.linear: none)
+    served = {name: [pack(w) for w in ws] for name, ws in raw.items()}
     onednn = {name: [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for name, ws in raw.items()}
+    shapes = {name: (ws[0].shape[1], sum(w.numel() for w in ws)) for name, ws in raw.items()}  # K, weights
     del raw
     results = []
     for m in rows:
-        xs = {name: torch.randn(m, ws[0].in_features, generator=gen).to(torch.bfloat16) for name, ws in served.items()}
-        flops = 2 * m * sum(w.out_features * w.in_features for ws in served.values() for w in ws)
+        xs = {name: torch.randn(m, k, generator=gen).to(dtype) for name, (k, _) in shapes.items()}
+        flops = 2 * m * sum(numel for _, numel in shapes.values())
 
         def run_served(xs: dict = xs) -> None:
             for name, ws in served.items():
@@ -200,12 +223,13 @@ def time_linears(rows: list[int], layers: int, reps: int) -> list[dict]:
                 fn()
                 times[key].append(time.perf_counter() - t)
         sec = {key: statistics.median(v) for key, v in times.items()}
-        results.append({"op": "linear_bf16", "rows": m, "layers": layers, "ms_served": 1e3 * sec["served"],
+        name = str(dtype).removeprefix("torch.")
+        results.append({"op": f"linear_{name}", "rows": m, "layers": layers, "ms_served": 1e3 * sec["served"],
                         "ms_onednn": 1e3 * sec["onednn"], "gflops_served": flops / sec["served"] / 1e9,
                         "gflops_onednn": flops / sec["onednn"] / 1e9})
-        print(f"bf16 linears M={m:<5d} served {1e3 * sec['served']:8.2f} ms {flops / sec['served'] / 1e9:6.1f} GFLOP/s"
-              f"   oneDNN {1e3 * sec['onednn']:8.2f} ms {flops / sec['onednn'] / 1e9:6.1f} GFLOP/s"
-              f"   served/oneDNN {sec['served'] / sec['onednn']:.2f}")
+        print(f"{name:8s} linears M={m:<5d} served {1e3 * sec['served']:8.2f} ms "
+              f"{flops / sec['served'] / 1e9:6.1f} GFLOP/s   oneDNN {1e3 * sec['onednn']:8.2f} ms "
+              f"{flops / sec['onednn'] / 1e9:6.1f} GFLOP/s   served/oneDNN {sec['served'] / sec['onednn']:.2f}")
     return results
 
 
@@ -250,7 +274,8 @@ def main() -> None:
     ap.add_argument("--scatter", action="store_true", help="scatter each request's tokens through the cache")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--linears", type=int, nargs="+", metavar="M",
-                    help="instead: bf16 linears at these row counts, as served against oneDNN's prepacked GEMM")
+                    help="instead: linears of --dtypes at these row counts, as served against oneDNN's prepacked GEMM, "
+                         "and the float32 FMA peak")
     ap.add_argument("--prefill", nargs="+", metavar="BxE[+P]",
                     help="instead: prefill attention, B requests of E new tokens over a shared cached P-token prefix")
     ap.add_argument("--greedy", nargs="+", metavar="BxV", help="instead: greedy sampling over [B, V] float32 logits")
@@ -261,11 +286,20 @@ def main() -> None:
     print(f"# {cpu_caption()}, {time.strftime('%Y-%m-%d %H:%M')}")
     if args.linears:
         every_m = pairs_take_every_m(library())
-        print(f"served: {'linear.c at every M' if every_m else 'linear.c at M <= 4, oneDNN above'}; "
-              f"SmolLM2's projections over {args.layers} layers and its lm_head")
-        results = time_linears(args.linears, args.layers, args.reps)
+        fp32 = "linear.c at every M" if library() is not None else "F.linear (no C library)"
+        bf16 = "linear.c at every M" if every_m else "linear.c at M <= 4, oneDNN above"
+        print(f"served: float32 {fp32}; bf16 {bf16}; SmolLM2's projections over {args.layers} layers and its lm_head")
+        results = [r for name in args.dtypes for r in time_linears(args.linears, args.layers, args.reps,
+                                                                   getattr(torch, name))]
+        peak = fma_peak(torch.get_num_threads())
+        if peak:
+            shares = ", ".join(f"M={r['rows']} {100 * r['gflops_served'] / peak:.0f}%"
+                               for r in results if r["op"] == "linear_float32")
+            print(f"float32 FMA peak ({torch.get_num_threads()} threads, scripts/fma_peak.c): {peak:.1f} GFLOP/s"
+                  + (f"; served float32 at {shares}" if shares else ""))
         if args.json:
-            Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "results": results}, indent=1))
+            Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "fma_peak_gflops": peak,
+                                                   "results": results}, indent=1))
         return
 
     libs = {name: variant_library(name) for name in args.variants}

@@ -3,12 +3,17 @@
 against it (a warm-up, then --runs measured runs), read /metrics after each, stop it.
 
 One JSON line per measured run goes to stdout (and --out): the server flags, the start time, the
-client's aggregates and the router's counters (pauses, resumes, prompt tokens computed/cached).
+client's aggregates, the router's counters (pauses, resumes, prompt tokens computed/cached) and the
+CPU seconds each process spent in the run (the HTTP front, the router, the detokenizer, every worker
+rank, and the benchmark client). With --perf the model workers are sampled with `perf record` during
+each measured run, and the row carries their samples' shares by kind of work (GEMM, decode and prefill
+attention, the other C kernels, the OpenMP runtime's waiting, Python).
 
     python scripts/bench_server.py --server="--max_total_token_num 4096" -- \\
         --dataset random --num-prompts 64 --input-len 256 --output-len 128 --max-concurrency 64
 
-Used for the figures in docs/benchmarks.md (prefix cache on/off, KV pressure, tp 1 vs 2).
+Used for the figures in docs/benchmarks.md (prefix cache on/off, KV pressure, tp 1 vs 2, where a
+workload's CPU time goes).
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +54,63 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def server_pids(log_text: str, launcher: int) -> dict[str, int]:
+    """Role -> pid of the server's processes, from the launcher's "started <role> pid <n>" lines; the launcher
+    process itself serves HTTP."""
+    return {"http": launcher, **{role: int(pid) for role, pid in re.findall(r"started (\S+) pid (\d+)", log_text)}}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) so far; 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # children waited for: the benchmark clients
+    return usage.ru_utime + usage.ru_stime
+
+
+# What a worker's perf sample is doing, by its shared object and symbol (first match wins). The C kernels' symbols
+# are their functions or their OpenMP bodies (`linear_packed._omp_fn.0`); decode attention's per-shape tasks are
+# `task_<bf16>_<dim>_<group>`; oneDNN's generated GEMM code has no shared object.
+PERF_KINDS = (
+    ("decode attention", r"^lightserve_cpu", r"^(task_\d|decode_attention)"),
+    ("prefill attention", r"^lightserve_cpu", r"^(run_task|prefill_attention|score_tile|pv_tile)"),
+    ("GEMM (linear.c)", r"^lightserve_cpu", r"^tile$|linear|gemm|pair_panel"),
+    ("other C kernels", r"^lightserve_cpu", r""),
+    ("GEMM (oneDNN)", r"^\[unknown\]$|dnnl|mkldnn", r""),
+    ("GEMM (oneDNN)", r"torch_cpu", r"brgemm|jit_|dnnl|mkldnn"),
+    ("OpenMP runtime (waiting)", r"gomp|iomp", r""),
+    ("Python and ctypes", r"libpython|_ctypes|libffi", r""),
+    ("torch ops and dispatch", r"torch|c10", r""),
+)
+
+
+def perf_kinds(perf_data: str) -> dict[str, float]:
+    """Percent of a `perf record` file's samples by PERF_KINDS."""
+    report = subprocess.run(["perf", "report", "-i", perf_data, "--no-children", "--stdio", "--sort", "dso,sym",
+                             "-g", "none", "-t", "|"], capture_output=True, text=True, check=True).stdout
+    return report_kinds(report)
+
+
+def report_kinds(report: str) -> dict[str, float]:
+    """`perf report --sort dso,sym -t '|'` text -> percent of samples by PERF_KINDS, largest first (the rest is
+    "other": libc, the allocator, the kernel)."""
+    shares: dict[str, float] = {}
+    for line in report.splitlines():
+        parts = [p.strip() for p in line.split("|")]
+        if line.startswith("#") or len(parts) != 3 or not parts[0].endswith("%"):
+            continue
+        dso, sym = parts[1], parts[2].split("] ", 1)[-1]
+        kind = next((k for k, d, f in PERF_KINDS if re.search(d, dso) and re.search(f, sym)), "other")
+        shares[kind] = shares.get(kind, 0.0) + float(parts[0].rstrip("%"))
+    return {k: round(v, 2) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", default="", help="lightserve.launch_server flags (one string)")
@@ -54,9 +118,13 @@ def main() -> int:
     ap.add_argument("--warmup-runs", type=int, default=1)
     ap.add_argument("--label", default="")
     ap.add_argument("--out", help="append the JSON lines here too")
+    ap.add_argument("--perf", action="store_true", help="sample the model workers with `perf record` in each "
+                    "measured run and report where their time went")
     ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- then benchmark_serving.py flags")
     args = ap.parse_args()
     bench_args = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
+    if args.perf and shutil.which("perf") is None:
+        ap.error("--perf needs the `perf` tool on PATH (linux-tools)")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w", prefix="bench_server_", suffix=".log", delete=False)
@@ -77,15 +145,31 @@ def main() -> int:
                 time.sleep(0.2)
         start_s = time.monotonic() - t0
         print(f"# server ready in {start_s:.1f} s: {' '.join(cmd[2:])} (log {log.name})", file=sys.stderr)
+        pids = server_pids(Path(log.name).read_text(), server.pid)
+        workers = [pid for role, pid in pids.items() if role.startswith("worker")]
         for i in range(args.warmup_runs + args.runs):
             before = metrics(url)
-            with tempfile.NamedTemporaryFile(suffix=".json") as res:
-                seed = ["--seed", str(1000 + i)] if "--seed" not in bench_args else []
-                subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_serving.py"), "--base-url", url,
-                                "--output-json", res.name, "--no-progress", "--quiet", *seed, *bench_args],
-                               check=True)
-                agg = json.loads(Path(res.name).read_text())["aggregates"]
+            cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+            client_before = children_cpu_seconds()
+            perf = None
+            if args.perf and i >= args.warmup_runs:
+                perf_data = tempfile.NamedTemporaryFile(prefix="bench_server_", suffix=".perf", delete=False).name
+                perf = subprocess.Popen(["perf", "record", "-q", "-F", "499", "-o", perf_data,
+                                         "-p", ",".join(map(str, workers))], stderr=subprocess.DEVNULL)
+            try:
+                with tempfile.NamedTemporaryFile(suffix=".json") as res:
+                    seed = ["--seed", str(1000 + i)] if "--seed" not in bench_args else []
+                    subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_serving.py"), "--base-url",
+                                    url, "--output-json", res.name, "--no-progress", "--quiet", *seed, *bench_args],
+                                   check=True)
+                    agg = json.loads(Path(res.name).read_text())["aggregates"]
+            finally:
+                if perf is not None:
+                    perf.send_signal(signal.SIGINT)  # perf writes its file and exits
+                    perf.wait(60)
             after = metrics(url)
+            cpu = {role: round(cpu_seconds(pid) - cpu_before[role], 2) for role, pid in pids.items()}
+            cpu["benchmark client"] = round(children_cpu_seconds() - client_before, 2)
             if i < args.warmup_runs:
                 continue
             row = {"label": args.label, "server": args.server, "start_s": round(start_s, 2),
@@ -94,7 +178,11 @@ def main() -> int:
                    "ttft_p50_ms": agg["ttft_ms"]["p50"], "itl_p50_ms": agg.get("itl_ms", {}).get("p50"),
                    "tpot_p50_ms": agg.get("tpot_ms", {}).get("p50"), "completed": agg["completed"],
                    **{k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS if k.endswith("_total")},
-                   "kv_tokens_free_after": after.get("kv_tokens_free"), "kv_tokens_total": after.get("kv_tokens_total")}
+                   "kv_tokens_free_after": after.get("kv_tokens_free"), "kv_tokens_total": after.get("kv_tokens_total"),
+                   "cpu_s": cpu}
+            if perf is not None:
+                row["worker_perf_pct"] = perf_kinds(perf_data)
+                os.unlink(perf_data)
             line = json.dumps(row)
             print(line, flush=True)
             if args.out:

@@ -2,7 +2,7 @@
 
 On GPU it is F.linear (cuBLAS). On CPU, for float32 models, the weights are packed once at load
 (`pack_linear_weight`: panels of two vectors' worth of output features, k-major) and a C kernel
-(kernels/cpu/linear.c, one 6 x (2 vectors) register tile at the CPU's vector width) runs every M, decode
+(kernels/cpu/linear.c, a register tile of 6 or 8 rows by 2 vectors at the CPU's vector width) runs every M, decode
 and prefill alike. For bfloat16 models the weights are laid out once at load (`prepack_weight`):
 - linear.c's pair layout (each 64-byte row is 16 output features times a pair of k, what vdpbf16ps multiplies
   against a broadcast pair of x) runs every M where the C build has vdpbf16ps (AVX512-BF16) and the CPU has no

@@ -27,7 +27,7 @@ from tests.kernels.kernel_cases import c_library_variants, portable_library
 
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: the CPU path is F.linear")
 
-ROWS = [1, 2, 5, 6, 7, 47, 48, 49, 100]  # partial and whole 6-row tiles
+ROWS = [1, 2, 5, 6, 7, 16, 47, 48, 49, 64, 100]  # partial and whole tiles of 6 rows and (AVX-512) of 8
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import time
@@ -37,6 +38,14 @@ GPU_BATCH_MAX_TOKENS = 8192
 # arriving apart start within a short step (W3's TTFT p50 fell to 0.46-0.60 of the old figure on Zen 4,
 # docs/benchmarks.md), while a long prompt still fills the step alone.
 CPU_PREFILL_JOIN_TOKENS = 128
+# The launcher's log line for each child it starts (EngineProcs._spawn): /proc/<pid>/cmdline shows only the
+# multiprocessing spawn command, so operators, the fault tests and scripts/bench_server.py map roles to pids by it.
+CHILD_LOG_LINE = "started %s pid %d"
+
+
+def child_pids_from_log(text: str) -> dict[str, int]:
+    """Child name ("worker-tp0", "router", "detokenizer") -> pid, from a launcher log's CHILD_LOG_LINE lines."""
+    return {name: int(pid) for name, pid in re.findall(r"started (\S+) pid (\d+)", text)}
 
 
 class StartError(RuntimeError):
@@ -197,9 +206,7 @@ class EngineProcs:
         proc = self._ctx.Process(target=target, args=(*args, child_conn), name=f"lightserve-{name}")
         proc.start()
         child_conn.close()
-        # Operators and the fault tests find a child's pid here ('started router pid 1234'):
-        # /proc/<pid>/cmdline shows only the multiprocessing spawn command.
-        logger.info("started %s pid %d", name, proc.pid)
+        logger.info(CHILD_LOG_LINE, name, proc.pid)  # child_pids_from_log reads it back
         child = Child(name, proc, parent_conn)
         self.children.append(child)
         return child

@@ -49,9 +49,12 @@ class Limits:
     batch_max_tokens: int
     chunk_size: int
     max_req_total_len: int
-    # Prompt tokens at which a step stops taking in another prompt (None: batch_max_tokens). One prompt
-    # chunk may still fill the step; see ServerConfig.prefill_join_tokens.
+    # Prompt tokens at which a step stops taking in another prompt (None: batch_max_tokens, no limit of its
+    # own). One prompt chunk may still fill the step; see ServerConfig.prefill_join_tokens.
     join_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self.join_tokens = self.join_tokens or self.batch_max_tokens
 
 
 class Scheduler:
@@ -130,7 +133,7 @@ class Scheduler:
         # Prompt tokens this step takes in; once they reach the join limit no further prompt joins. The
         # first chunk may still fill the budget: a step that gathers many short prompts runs as long
         # as one long prompt, and every prompt arriving meanwhile waits for it and then for its own.
-        join = self.limits.join_tokens or self.limits.batch_max_tokens
+        join = self.limits.join_tokens
         prompt_tokens = 0
         # Decode rows first; they were reserved above so these allocations cannot fail.
         decode_locs = self.allocator.alloc(len(decodes)) if decodes else np.zeros(0, np.int32)

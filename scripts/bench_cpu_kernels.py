@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from lightserve.engine_procs import preload_tcmalloc
-from lightserve.kernels.cpu import BUILD_VARIANTS, library, variant_library
+from lightserve.kernels.cpu import BUILD_VARIANTS, c_compiler, library, variant_library
 from lightserve.kernels.decode_attention import decode_attention_cpu
 from lightserve.kernels.linear import cpu_pack_for, linear, pairs_take_every_m
 from lightserve.kernels.prefill_attention import prefill_attention_cpu
@@ -173,10 +173,12 @@ LM_HEAD = (49152, 576)
 def fma_peak(threads: int) -> float | None:
     """GFLOP/s of float32 vector FMAs on `threads` threads (scripts/fma_peak.c, built with the kernels' flags), or
     None where it cannot be built here. A GEMM-bound step's hardware ceiling: each FMA is two FLOPs."""
+    cc = c_compiler()
+    if cc is None:
+        return None
     exe = Path(tempfile.mkdtemp(prefix="fma_peak_")) / "fma_peak"
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     try:
-        subprocess.run([cc or "cc", "-O3", "-march=native", "-fopenmp", "-o", str(exe), str(SCRIPTS / "fma_peak.c")],
+        subprocess.run([cc, "-O3", "-march=native", "-fopenmp", "-o", str(exe), str(SCRIPTS / "fma_peak.c")],
                        check=True, capture_output=True, timeout=120)
         return float(subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True,
                                     timeout=300).stdout.split()[0])

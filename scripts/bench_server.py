@@ -33,6 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from lightserve.engine_procs import child_pids_from_log
+
 REPO = Path(__file__).resolve().parent.parent
 COUNTERS = ("pauses_total", "resumes_total", "prompt_tokens_total", "prompt_tokens_cached_total",
             "generation_tokens_total", "kv_tokens_total", "kv_tokens_free")
@@ -55,9 +57,8 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def server_pids(log_text: str, launcher: int) -> dict[str, int]:
-    """Role -> pid of the server's processes, from the launcher's "started <role> pid <n>" lines; the launcher
-    process itself serves HTTP."""
-    return {"http": launcher, **{role: int(pid) for role, pid in re.findall(r"started (\S+) pid (\d+)", log_text)}}
+    """Role -> pid of the server's processes: the launcher, which serves HTTP, and its children from its log."""
+    return {"http": launcher, **child_pids_from_log(log_text)}
 
 
 def cpu_seconds(pid: int) -> float:

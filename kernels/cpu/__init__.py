@@ -84,10 +84,15 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def c_compiler() -> str | None:
+    """The C compiler the kernels build with: $CC, else gcc, else cc; None when there is none."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
 def build(extra_flags: tuple[str, ...] = ()) -> Path:
     """Compile the sources (once per source/flags/compiler; cached) and return the .so path.
     Raises OSError when there is no compiler, CalledProcessError when the build fails."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = c_compiler()
     if cc is None:
         raise OSError("no C compiler (gcc or cc) on PATH")
     flags = (*_FLAGS, *extra_flags)

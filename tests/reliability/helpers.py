@@ -11,12 +11,10 @@ from typing import Any
 
 import httpx
 
+from lightserve.engine_procs import child_pids_from_log
 from lightserve.metrics import idle_problems
 from tests.e2e.server import ServerProc, wait_until
 
-# The launcher logs "started <name> pid <pid>" for each child (engine_procs.EngineProcs._spawn):
-# /proc/<pid>/cmdline shows only the multiprocessing spawn command, so the log is the reliable map.
-CHILD_LINE = re.compile(rb"started (\S+) pid (\d+)")
 CHILD_NAMES = ("worker-tp0", "router", "detokenizer")
 IDLE_TIMEOUT_S = 180
 HTTP_TIMEOUT_S = 600  # a loaded 2-core machine can take seconds per step; only a hang should trip this
@@ -34,7 +32,8 @@ def start_server(log_dir: Path, *args: str) -> ServerProc:
 
 
 def child_pids(srv: ServerProc) -> dict[str, int]:
-    return {m.group(1).decode(): int(m.group(2)) for m in CHILD_LINE.finditer(srv.log_path.read_bytes())}
+    """The server's children by name, from its log (engine_procs.child_pids_from_log)."""
+    return child_pids_from_log(srv.log_path.read_text(errors="replace"))
 
 
 def alive(pid: int) -> bool:

@@ -3,9 +3,10 @@
 
 Builds B running requests of a given context length, then times each stage of a step as the
 server runs it: router planning (Scheduler.plan_step + finish_step), plan (de)serialization,
-the worker's forward (split by op group with torch.profiler), sampling and the shm writes
-(OutputWriter), and the detokenizer's incremental decode. Prints each stage's median and its
-share of the step.
+the worker's forward, sampling and the shm writes (OutputWriter), and the detokenizer's incremental
+decode. Prints each stage's median and its share of the step, then the forward by op group twice:
+torch.profiler's table of the last step (every op, but each C call's range adds tens of us), and
+the C kernels timed without the profiler over the other steps (kernels.cpu.kernel_times).
 
     python scripts/profile_step.py --batch 64 --context 384 --dtype float32
     python scripts/profile_step.py --batch 1 --context 256 --prefill   # the prefill step instead
@@ -31,6 +32,7 @@ from bench_cpu_kernels import cpu_caption, read_bandwidth, rerun_under_tcmalloc 
 
 from lightserve import kernels
 from lightserve.config import AdmissionPolicy
+from lightserve.kernels.cpu import kernel_times
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.messages import decode, encode
 from lightserve.model_config import ModelConfig
@@ -55,6 +57,10 @@ GROUPS = {  # aten op name fragment -> op group
     "embedding": "embedding", "index_put": "KV write / tables", "store_kv_cpu": "KV write / tables",
     "index_copy": "KV write / tables", "copy_": "copies", "cat": "copies",
 }
+
+
+def _group(name: str) -> str | None:
+    return next((g for k, g in GROUPS.items() if k in name), None)
 
 
 def gemm_rate(dtype: torch.dtype, rows: int, mc: ModelConfig) -> float:
@@ -100,7 +106,7 @@ def _profiled_forward(runner: ModelRunner, plan, op_time: dict, ungrouped: dict)
     with torch.profiler.profile() as prof:
         logits = runner.forward(plan)
     for evt in prof.key_averages():
-        group = next((g for k, g in GROUPS.items() if k in evt.key), None)
+        group = _group(evt.key)
         if group is None and evt.key.startswith("aten::"):
             ungrouped[evt.key] += evt.self_cpu_time_total / 1e6
         # aten and oneDNN ops, plus our C kernels' record_function ranges (their time is self time)
@@ -115,6 +121,23 @@ def _print_op_groups(op_time: dict, ungrouped: dict, what: str) -> None:
         print(f"    {g:30s} {1e3 * v:8.2f} ms")
     for name, v in sorted(ungrouped.items(), key=lambda kv: -kv[1])[:8]:
         print(f"    {'(other) ' + name:30s} {1e3 * v:8.2f} ms")
+
+
+def _print_kernel_times(steps: list[dict[str, float]], forward: float, step: float) -> None:
+    """The C kernels' wall times without the profiler (kernels.cpu.kernel_times), by op group: medians over the
+    steps, as shares of the whole step; the rest of the forward is torch ops (oneDNN GEMMs where they run) and
+    Python."""
+    groups = [defaultdict(float) for _ in steps]
+    for per_group, times in zip(groups, steps):
+        for name, sec in times.items():
+            per_group[_group(name) or name] += sec
+    med = {g: statistics.median(pg.get(g, 0.0) for pg in groups) for g in set().union(*groups)}
+    print(f"  C kernels timed without the profiler (median of {len(steps)} steps; the profiler's ranges above "
+          "add tens of us to each call):")
+    for g, v in sorted(med.items(), key=lambda kv: -kv[1]):
+        print(f"    {g:30s} {1e3 * v:8.2f} ms  {100 * v / step:5.1f}%")
+    rest = forward - sum(med.values())
+    print(f"    {'rest of the forward':30s} {1e3 * rest:8.2f} ms  {100 * rest / step:5.1f}%")
 
 
 class _NoSocket:
@@ -179,20 +202,23 @@ def main() -> None:
         if args.prefill:
             runner.forward(record.plan)  # warm-up; rewrites the same KV rows
             op_time, ungrouped = defaultdict(float), defaultdict(float)
-            t = time.perf_counter()
-            runner.forward(record.plan)
-            took = time.perf_counter() - t
+            with kernel_times() as ktimes:
+                t = time.perf_counter()
+                runner.forward(record.plan)
+                took = time.perf_counter() - t
             _profiled_forward(runner, record.plan, op_time, ungrouped)
             over = f" over a cached {args.prefix}-token prefix (+1 decode)" if args.prefix else ""
             print(f"prefill step, {b} x {ctx} prompt tokens{over}, {args.dtype}, {args.threads} threads: "
                   f"forward {1e3 * took:.1f} ms ({b * ctx / took:.0f} tokens/s)")
             _print_op_groups(op_time, ungrouped, "a second run")
+            _print_kernel_times([ktimes], took, took)
             return
         writer.write(record.plan, runner.forward(record.plan), 0.0)
         sched.finish_step(record)
         times = defaultdict(list)
         op_time = defaultdict(float)
         ungrouped = defaultdict(float)  # aten ops outside GROUPS, to spot what else costs
+        step_kernels = []  # per unprofiled step: the C kernels' seconds by label
         from transformers import AutoTokenizer
 
         from lightserve.detokenizer.incremental import IncrementalDecoder
@@ -209,7 +235,9 @@ def main() -> None:
             if step == args.steps - 1:
                 logits = _profiled_forward(runner, plan, op_time, ungrouped)
             else:
-                logits = runner.forward(plan)
+                with kernel_times() as ktimes:
+                    logits = runner.forward(plan)
+                step_kernels.append(ktimes)
             times["worker: forward"].append(time.perf_counter() - t)
             t = time.perf_counter()
             writer.write(plan, logits, 0.0)
@@ -232,6 +260,8 @@ def main() -> None:
         print(f"  outside the model forward: {1e3 * overhead:.2f} ms ({100 * overhead / total:.1f}% of the step)")
         if op_time:
             _print_op_groups(op_time, ungrouped, "last step")
+        if step_kernels:
+            _print_kernel_times(step_kernels, med["worker: forward"], total)
         floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype))
         print(f"    this step: {1e3 * total:.1f} ms = {1e3 * total / floor_ms:.2f}x the floor")
     finally:

@@ -78,6 +78,22 @@ def test_strided_rows_and_model_shapes():
     torch.testing.assert_close(linear_cpu(view, pack_linear_weight(w)), linear_ref(x, w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+# 1, 4 and 32 panels of 32 features (AVX-512): fewer panels than threads, an odd split, many panels a thread.
+@pytest.mark.parametrize("n", [20, 100, 1000])
+def test_every_panel_once_whatever_the_thread_count(n, threads, variant):
+    """OpenMP splits the panels among the threads asked for: each output column is written once and exactly (the
+    output starts as NaN, so a panel left out shows)."""
+    lib = variant_library(variant)
+    x, w, b = _case(50, n, 64, seed=n + threads)
+    packed = pack_linear_weight(w, lib=lib)
+    out = torch.full((50, n), float("nan"))
+    assert lib.linear_packed(x.data_ptr(), 64, 50, 64, packed.panels.data_ptr(), n, b.data_ptr(), out.data_ptr(), n,
+                             threads) == 0
+    torch.testing.assert_close(out, F.linear(x, w, b), **TOL)
+
+
 def test_declines_what_it_does_not_take_and_dispatch_falls_back():
     x, w, b = _case(4, 16, 24)
     packed = pack_linear_weight(w)
@@ -200,6 +216,24 @@ def test_bf16_dispatch(monkeypatch):
     both = prepack_weight(w)
     assert both.onednn is not None and both.pairs is not None
     torch.testing.assert_close(linear(x, both, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)  # oneDNN
+
+
+@pytest.mark.parametrize("threads", [1, 3, 7])
+@pytest.mark.parametrize("m", [2, 30])  # the small-M stream (every build); the GEMM (vdpbf16ps builds)
+def test_bf16_every_panel_once_whatever_the_thread_count(m, threads):
+    """As test_every_panel_once_whatever_the_thread_count, for the bf16 kernels' panels (M <= PAIR_MAX_M) and panel
+    pairs (the GEMM): 160 features are 10 panels, 5 pairs."""
+    lib = library()
+    x, w, b = _bf16_case(m, 160, 64, seed=m + threads)
+    pairs = pack_bf16_pairs(w)
+    out = torch.full((m, 160), float("nan"), dtype=torch.bfloat16)
+    rc = lib.linear_bf16_pairs(x.data_ptr(), 64, m, 64, pairs.data_ptr(), 160, b.data_ptr(), out.data_ptr(), 160,
+                               threads)
+    if m > PAIR_MAX_M and not lib.linear_bf16_pairs_dpbf16():
+        assert rc == -1  # oneDNN runs this M in a build without vdpbf16ps
+        return
+    assert rc == 0
+    torch.testing.assert_close(out.float(), _bf16_ref(x, w, b), **BF16_TOL)
 
 
 @needs_onednn

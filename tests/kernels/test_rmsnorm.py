@@ -2,10 +2,12 @@
 import pytest
 import torch
 
-from lightserve.kernels.cpu import variant_library
+from lightserve.kernels.activation import silu_and_mul_cpu
+from lightserve.kernels.cpu import kernel_times, library, variant_library
 from lightserve.kernels.rmsnorm import (
     add_rmsnorm_ref,
     add_rmsnorm_triton,
+    rmsnorm_cpu,
     rmsnorm_ref,
     rmsnorm_triton,
 )
@@ -94,3 +96,21 @@ def test_rmsnorm_c_kernel_matches_reference(num_tokens, hidden, dtype, variant):
     torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)  # the in-place add is exact
     torch.testing.assert_close(got, want, **tol)
     assert rmsnorm_cpu(x.double(), None, w.double(), EPS) is None  # float64: the reference's
+
+
+@pytest.mark.skipif(library() is None, reason="no C compiler: nothing is labelled")
+def test_kernel_times_time_labelled_c_calls_only_inside():
+    """kernels.cpu.kernel_times (scripts/profile_step.py): each labelled C call inside adds its wall time under its
+    label; outside, and after the block, nothing is recorded."""
+    x, r, w = (torch.randn(64, 576), torch.randn(64, 576), torch.randn(576))
+    assert rmsnorm_cpu(x, None, w, EPS) is not None  # untimed
+    with kernel_times() as times:
+        assert not times
+        rmsnorm_cpu(x, None, w, EPS)
+        once = times["rmsnorm_cpu"]
+        rmsnorm_cpu(x, r, w, EPS)
+        silu_and_mul_cpu(torch.randn(8, 64))
+    assert set(times) == {"rmsnorm_cpu", "silu_and_mul_cpu"}
+    assert 0 < once < times["rmsnorm_cpu"] and times["silu_and_mul_cpu"] > 0
+    rmsnorm_cpu(x, None, w, EPS)
+    assert set(times) == {"rmsnorm_cpu", "silu_and_mul_cpu"}

@@ -29,3 +29,9 @@ def onednn_bf16_gemm() -> bool:
     """LIGHTSERVE_ONEDNN_BF16_GEMM=1: run bf16 linears of more than a few rows on oneDNN also where linear.c's
     vdpbf16ps GEMM would run them (to measure one against the other)."""
     return os.environ.get("LIGHTSERVE_ONEDNN_BF16_GEMM", "") not in ("", "0")
+
+
+def per_kernel_forward() -> bool:
+    """LIGHTSERVE_PER_KERNEL_FORWARD=1: run a Llama-family CPU forward's layers one kernel call at a time instead
+    of in kernels/decoder_layers.py's one C call (to compare the two)."""
+    return os.environ.get("LIGHTSERVE_PER_KERNEL_FORWARD", "") not in ("", "0")

@@ -33,7 +33,7 @@ from lightserve.log import get_logger
 
 logger = get_logger(__name__)
 
-_SOURCES = ("decode_attention.c", "elementwise.c", "linear.c", "prefill_attention.c", "sampling.c")
+_SOURCES = ("decode_attention.c", "decoder_layers.c", "elementwise.c", "linear.c", "prefill_attention.c", "sampling.c")
 # -fno-math-errno and -fno-trapping-math: no errno or FP-exception semantics to keep, so gcc may
 # vectorize loops with rint and compare-selects (exp in elementwise.c); results are unchanged.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")
@@ -81,6 +81,12 @@ def kernel_times() -> Iterator[dict[str, float]]:
         yield times
     finally:
         _KERNEL_TIMES.reset(token)
+
+
+def active_kernel_times() -> dict[str, float] | None:
+    """The dict of the enclosing kernel_times() block, or None outside one (kernels/decoder_layers.py adds the
+    times its C driver measures per kernel)."""
+    return _KERNEL_TIMES.get()
 
 
 class _Timed:
@@ -205,6 +211,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
     lib.rmsnorm.restype = None
     lib.rmsnorm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32, i32]
+    lib.decoder_layers_supported.restype = ctypes.c_int
+    lib.decoder_layers_supported.argtypes = [ptr]
+    lib.decoder_layers.restype = ctypes.c_int
+    lib.decoder_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
     lib.store_kv.restype = ctypes.c_int
     lib.store_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr, i32, i64, i64, i64, i32, i32]
     return lib

@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 #include "vec.h"
 
 // AVX512-BF16 (Zen 4/5, Sapphire Rapids and later, in the native build of such a CPU): bf16 K rows
@@ -234,14 +235,20 @@ static int longest_first(const void *a, const void *b) {
     return (y->hi - y->lo) - (x->hi - x->lo);
 }
 
+// Whether decode_attention takes these head counts and head_dim (the shapes compiled in): 1, or 0.
+int decode_attention_supported(int num_heads, int num_kv_heads, int dim) {
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP
+        && num_heads <= MAX_HEADS && (dim == 64 || dim == 128 || dim == 256);
+}
+
 // Returns 0, or -1 when the shape is not compiled in or memory runs out (the caller falls back).
 int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
                      const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
                      int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int window, float softcap,
                      int num_threads) {
+    if (!decode_attention_supported(num_heads, num_kv_heads, dim)) return -1;
     int group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || num_heads > MAX_HEADS || (dim != 64 && dim != 128 && dim != 256)) return -1;
     // Request b reads its tokens [lo_b, seq_lens[b]): all of them, or the window's.
 #define WINDOW_LO(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
     // Chunk so that there are ~4 tasks per thread when requests are few, never under MIN_CHUNK tokens.

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 
 // exp(x) for any float x: clamped to [-87, 88], where expf underflows / overflows anyway.
 static inline float exp_any(float x) {

@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 #include "vec.h"
 
 #define NR (2 * VL)  // panel width: two vectors, 32 features on AVX-512 CPUs, 16 on AVX2 ones

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 #include "vec.h"
 
 #define BN 96         // keys per block: a multiple of 6 and 12, so no tile computes spare keys
@@ -347,6 +348,12 @@ static int by_cost_desc(const void *x, const void *y) {
     return (a < b) - (a > b);
 }
 
+// Whether prefill_attention takes these head counts and head_dim: 1, or 0.
+int prefill_attention_supported(int num_heads, int num_kv_heads, int dim) {
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && dim % 16 == 0 && dim <= MAX_DIM
+        && num_heads / num_kv_heads <= MAXR;
+}
+
 // Returns 0, or -1 for shapes this kernel does not take (the caller falls back to the reference).
 int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
                       const void *v_cache, int kv_bf16, const int32_t *req_to_token, int64_t r2t_row,
@@ -354,10 +361,8 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
                       const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
                       float scale, int window, float softcap, int num_threads) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || dim % 16 != 0 || dim > MAX_DIM)
-        return -1;
+    if (!prefill_attention_supported(num_heads, num_kv_heads, dim)) return -1;
     const int group = num_heads / num_kv_heads;
-    if (group > MAXR) return -1;
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;
     Args a = {q, k_cache, v_cache, kv_bf16, act_bf16, req_to_token, req_rows, q_start, prefix_lens, extend_lens, out,

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 #include "vec.h"
 
 #define LANES 16    // independent partial sums: vectorizes without reassociation flags

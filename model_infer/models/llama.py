@@ -8,8 +8,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
-from lightserve import kernels
+from lightserve import envs, kernels
+from lightserve.kernels.decoder_layers import CpuDecoderLayers, DecoderLayer, ModelShape
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
 from lightserve.model_infer.models.hf_config import base_fields, layer_windows, read_rope, refuse_keys
@@ -117,7 +119,33 @@ def _row_ranges(config: ModelConfig, sh: TPShards) -> tuple[tuple[int, int], ...
 
 
 class LlamaForCausalLM(DecoderLM):
-    """Pre-norm decoder: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norm."""
+    """Pre-norm decoder: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norm.
+
+    On CPU, where every kernel of a layer runs in C, the layers run in one C call (kernels/decoder_layers.py):
+    the same kernels as the loop below, bit for bit, without the Python between them."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(config, weights, tp_rank, tp_size, tp_group)
+        self.cpu_layers = self._build_cpu_layers()
+
+    def _build_cpu_layers(self) -> CpuDecoderLayers | None:
+        """The one-call CPU driver, or None: on GPU, with tensor parallelism (an all-reduce inside each layer),
+        for a family whose layers differ from Llama's (its own _ffn, q/k norms, a non-SiLU MLP), or where
+        LIGHTSERVE_PER_KERNEL_FORWARD asks for the loop."""
+        cfg, w = self.config, self.weights
+        if self.device.type != "cpu" or self.tp_size > 1 or type(self)._ffn is not LlamaForCausalLM._ffn \
+                or cfg.hidden_act != "silu" or envs.per_kernel_forward():
+            return None
+        if any(layer.q_norm is not None or layer.gate_up_proj is None for layer in w.layers):
+            return None
+        layers = [DecoderLayer(layer.input_norm, layer.post_attn_norm, layer.qkv_proj, layer.qkv_bias,
+                               layer.o_proj, layer.o_bias, layer.gate_up_proj, layer.down_proj, self.layer_rope[i],
+                               cfg.window(i))
+                  for i, layer in enumerate(w.layers)]
+        shape = ModelShape(cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, w.shards.inter_size,
+                           cfg.rms_norm_eps, self.sm_scale, cfg.attn_softcap)
+        return CpuDecoderLayers.build(layers, shape, self.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -125,7 +153,12 @@ class LlamaForCausalLM(DecoderLM):
         attn = AttentionInputs.from_batch(batch)
         hidden = self._embed(batch.input_ids)  # [T, hidden]
         residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
-        for i, layer in enumerate(w.layers):
+        if self.cpu_layers is not None:
+            hidden = self.cpu_layers.run(
+                residual, kv_cache.k_caches, kv_cache.v_caches, batch.req_to_token, batch.positions, batch.kv_locs,
+                batch.num_decode, attn.decode_req_rows, attn.decode_seq_lens, attn.extend_req_rows,
+                attn.extend_q_start_locs, attn.extend_prefix_lens, attn.extend_lens)  # [T, hidden]
+        for i, layer in enumerate(w.layers if self.cpu_layers is None else ()):
             if i == 0:
                 x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:

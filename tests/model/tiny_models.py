@@ -45,7 +45,7 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
         cfg = transformers.Qwen2Config(**{**common, **overrides}, rope_parameters={"rope_type": "default",
                                                                                    "rope_theta": 1e6})
     elif kind == "qwen3":
-        cfg = transformers.Qwen3Config(**{**common, **overrides}, head_dim=24, tie_word_embeddings=True)
+        cfg = transformers.Qwen3Config(**{**common, "head_dim": 24, **overrides}, tie_word_embeddings=True)
     elif kind == "mistral":
         cfg = transformers.MistralConfig(**{**common, **overrides}, sliding_window=None)
     elif kind == "llama_bias":

@@ -1,0 +1,173 @@
+// The decoder layers of a Llama-family model (pre-norm attention and gated-SiLU MLP) run in one call on CPU.
+//
+// Why: the model's forward (model_infer/models/llama.py) calls about ten C kernels a layer through their
+// Python wrappers, and each wrapper costs 7-9 us before the kernel starts (the checks, ctypes, torch.empty for
+// its output). Over SmolLM2's 30 layers that was 4.0 ms of a 16.5 ms bf16 decode step at batch 1 and 8.4 ms of
+// 85 ms at batch 64 (scripts/profile_step.py, Zen 4). Here the same kernels run in the same order with the same
+// arguments, reading and writing a few scratch buffers the caller allocates once per step, so the result is
+// bit for bit the per-kernel forward's. The caller (kernels/decoder_layers.py) checks beforehand everything the
+// kernels would decline, so a kernel returning -1 here is a bug or an out-of-memory, not a fallback.
+//
+// One layer, T tokens (the step's decode tokens first, then its prefill chunks), activations of one dtype
+// (float32 or bfloat16, `bf16`), row-major and contiguous unless said:
+//   x        = layer 0: rmsnorm(residual); else: residual += hidden, rmsnorm(residual)   [T, H]
+//   qkv      = x . w_qkv^T (+ b)                                          [T, (Hq + 2 Hk) D]
+//   rotary on q and k (views of qkv), k and v written to the layer's KV cache at kv_locs
+//   attn     = decode attention of the first num_decode tokens, prefill attention of the rest   [T, Hq D]
+//   hidden   = attn . w_o^T (+ b)                                         [T, H]
+//   x        = residual += hidden, rmsnorm(residual)                      [T, H]
+//   gate_up  = x . w_gate_up^T                                            [T, 2 I]
+//   act      = silu(gate) * up                                            [T, I]
+//   hidden   = act . w_down^T                                             [T, H]
+// On return `hidden` holds the last layer's MLP output and `residual` the sum before it: what the model's final
+// add + RMSNorm reads. Linear weights are in the layout of the dtype's C GEMM: linear.c's panels (float32) or
+// its bf16 pair layout (which must take every M: a build with vdpbf16ps).
+#include <stdint.h>
+#include <time.h>
+
+#include "kernels.h"
+
+// One layer's tensors. Linear weights as packed at load; biases and the cos/sin table as noted.
+typedef struct {
+    const void *input_norm, *post_attn_norm;  // [H]
+    const void *qkv, *qkv_bias;               // packed [(Hq + 2 Hk) D, H]; bias [(Hq + 2 Hk) D] or NULL
+    const void *o_proj, *o_bias;              // packed [H, Hq D]; bias [H] or NULL
+    const void *gate_up, *down;               // packed [2 I, H] (gate rows, then up rows), [H, I]
+    void *k_cache, *v_cache;                  // [kv_rows, Hk, D], row strides kc_row / vc_row
+    const float *cos_sin;                     // [max_pos, D] float32 (cos | sin), row stride cos_sin_row
+    int64_t cos_sin_row;
+    int32_t window;                           // attention window in tokens, 0 for none
+} LayerArgs;
+
+// The model's shapes, the same for every layer and step.
+typedef struct {
+    int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, bf16;
+    float eps, sm_scale, softcap;
+    int64_t kv_rows, kc_row, vc_row;
+} ModelDims;
+
+// One step's batch: token order is the decode tokens, then each prefill chunk's.
+typedef struct {
+    int32_t tokens, num_decode, num_extend, locs_i64;
+    const int64_t *positions;                       // [T]
+    const void *kv_locs;                            // [T] int32, or int64 with locs_i64
+    const int32_t *req_to_token;                    // [num_req_rows, max_len], row stride r2t_row
+    int64_t r2t_row;
+    const int32_t *decode_rows, *decode_lens;       // [num_decode]
+    // [num_extend]; q_start counts from the first prefill token (token num_decode)
+    const int32_t *extend_rows, *extend_q_start, *extend_prefix_lens, *extend_lens;
+} StepArgs;
+
+// Scratch the caller allocates for the step, each [T, width] in the activation dtype.
+typedef struct {
+    void *x, *qkv, *attn, *gate_up, *act;  // widths H, (Hq + 2 Hk) D, Hq D, 2 I, I
+} Scratch;
+
+// Per-kernel wall times, in seconds, added into times[] when the caller passes it (Python's kernel_times()
+// labels in kernels/decoder_layers.py, in this order).
+enum { T_NORM, T_LINEAR, T_ROTARY, T_STORE_KV, T_DECODE, T_PREFILL, T_ACT, NUM_TIMED };
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+// The step's timer: a no-op without a times array.
+typedef struct {
+    double *times, start;
+} Timer;
+
+static void tic(Timer *t) {
+    if (t->times) t->start = now();
+}
+
+static void toc(Timer *t, int what) {
+    if (t->times) t->times[what] += now() - t->start;
+}
+
+static int linear(const ModelDims *d, const void *x, int M, int K, const void *w, int N, const void *bias, void *out,
+                  int threads) {
+    if (d->bf16)
+        return linear_bf16_pairs(x, K, M, K, w, N, bias, out, N, threads);
+    return linear_packed(x, K, M, K, w, N, bias, out, N, threads);
+}
+
+// 1 when decoder_layers takes this model: shapes its kernels take, and a bf16 GEMM for every M in this build.
+int decoder_layers_supported(const ModelDims *d) {
+    if (d->bf16 && (!linear_bf16_pairs_dpbf16() || d->hidden % 2 || d->inter % 2 || (d->num_heads * d->head_dim) % 2))
+        return 0;
+    return decode_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim)
+        && prefill_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim) && d->head_dim % 2 == 0;
+}
+
+// Runs every layer over the step. residual [T, H]: the embeddings in, the residual stream out; hidden [T, H]:
+// the last MLP output out. Returns 0, or -(1 + layer * NUM_TIMED + kernel) for the first kernel that declined.
+int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *s, const Scratch *buf,
+                   void *residual, void *hidden, double *times, int threads) {
+    if (!decoder_layers_supported(d)) return -1;
+    const int T = s->tokens, nd = s->num_decode, H = d->hidden, D = d->head_dim, bf16 = d->bf16;
+    const int hq = d->num_heads, hk = d->num_kv_heads, I = d->inter;
+    const int qkv_w = (hq + 2 * hk) * D, es = bf16 ? 2 : 4;
+    char *qkv = buf->qkv, *attn = buf->attn;
+    Timer t = {times, 0.0};
+#define FAIL(layer, kernel) return -(1 + (layer) * NUM_TIMED + (kernel))
+    for (int l = 0; l < d->num_layers; l++) {
+        const LayerArgs *w = &layers[l];
+        tic(&t);
+        rmsnorm(l == 0 ? residual : hidden, H, l == 0 ? NULL : residual, w->input_norm, T, H, d->eps, buf->x, bf16,
+                threads);
+        toc(&t, T_NORM);
+
+        tic(&t);
+        if (linear(d, buf->x, T, H, w->qkv, qkv_w, w->qkv_bias, qkv, threads)) FAIL(l, T_LINEAR);
+        toc(&t, T_LINEAR);
+        char *k = qkv + (int64_t)hq * D * es, *v = k + (int64_t)hk * D * es;  // [T, Hk, D] views, row qkv_w
+        tic(&t);
+        rotary(qkv, qkv_w, D, T, hq, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
+        rotary(k, qkv_w, D, T, hk, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
+        toc(&t, T_ROTARY);
+        tic(&t);
+        if (store_kv(k, qkv_w, D, v, qkv_w, D, w->k_cache, d->kc_row, w->v_cache, d->vc_row, d->kv_rows, s->kv_locs,
+                     s->locs_i64, T, hk, D, bf16, threads))
+            FAIL(l, T_STORE_KV);
+        toc(&t, T_STORE_KV);
+
+        if (nd > 0) {
+            tic(&t);
+            if (decode_attention(qkv, qkv_w, D, bf16, w->k_cache, w->v_cache, bf16, s->req_to_token, s->decode_rows,
+                                 s->decode_lens, attn, nd, hq, hk, D, d->kc_row, d->vc_row, s->r2t_row, d->sm_scale,
+                                 w->window, d->softcap, threads))
+                FAIL(l, T_DECODE);
+            toc(&t, T_DECODE);
+        }
+        if (s->num_extend > 0) {
+            tic(&t);
+            if (prefill_attention(qkv + (int64_t)nd * qkv_w * es, qkv_w, D, bf16, w->k_cache, w->v_cache, bf16,
+                                  s->req_to_token, s->r2t_row, s->extend_rows, s->extend_q_start,
+                                  s->extend_prefix_lens, s->extend_lens, attn + (int64_t)nd * hq * D * es,
+                                  s->num_extend, hq, hk, D, d->kc_row, d->vc_row, d->sm_scale, w->window, d->softcap,
+                                  threads))
+                FAIL(l, T_PREFILL);
+            toc(&t, T_PREFILL);
+        }
+        tic(&t);
+        if (linear(d, attn, T, hq * D, w->o_proj, H, w->o_bias, hidden, threads)) FAIL(l, T_LINEAR);
+        toc(&t, T_LINEAR);
+
+        tic(&t);
+        rmsnorm(hidden, H, residual, w->post_attn_norm, T, H, d->eps, buf->x, bf16, threads);
+        toc(&t, T_NORM);
+        tic(&t);
+        if (linear(d, buf->x, T, H, w->gate_up, 2 * I, NULL, buf->gate_up, threads)) FAIL(l, T_LINEAR);
+        toc(&t, T_LINEAR);
+        tic(&t);
+        silu_and_mul(buf->gate_up, 2 * I, T, I, buf->act, bf16, threads);
+        toc(&t, T_ACT);
+        tic(&t);
+        if (linear(d, buf->act, T, I, w->down, H, NULL, hidden, threads)) FAIL(l, T_LINEAR);
+        toc(&t, T_LINEAR);
+    }
+#undef FAIL
+    return 0;
+}

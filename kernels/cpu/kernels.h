@@ -1,0 +1,44 @@
+// The entry points of the CPU kernel library, as Python's ctypes (kernels/cpu/__init__.py, load) and the
+// decoder-layer driver (decoder_layers.c) call them. Each source includes this header, so the compiler checks
+// every definition against its declaration here. Shapes and dtypes: the comment at the top of each source.
+#pragma once
+#include <stdint.h>
+
+// decode_attention.c
+int decode_attention_supported(int num_heads, int num_kv_heads, int dim);
+int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
+                     const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
+                     const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
+                     int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int window, float softcap,
+                     int num_threads);
+
+// prefill_attention.c
+int prefill_attention_supported(int num_heads, int num_kv_heads, int dim);
+int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
+                      const void *v_cache, int kv_bf16, const int32_t *req_to_token, int64_t r2t_row,
+                      const int32_t *req_rows, const int32_t *q_start, const int32_t *prefix_lens,
+                      const int32_t *extend_lens, void *out,
+                      int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
+                      float scale, int window, float softcap, int num_threads);
+
+// linear.c
+int linear_panel_width(void);
+int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, int N,
+                  const float *bias, float *out, int64_t out_row, int num_threads);
+int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                      const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads);
+int linear_bf16_pairs_dpbf16(void);
+
+// elementwise.c
+void silu_and_mul(const void *x, int64_t x_row, int64_t rows, int64_t inter, void *out, int bf16, int num_threads);
+void rmsnorm(const void *x, int64_t x_row, void *residual, const void *weight, int64_t rows, int64_t hidden,
+             float eps, void *out, int bf16, int num_threads);
+void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t heads, int64_t dim,
+            const int64_t *positions, const float *cos_sin, int64_t cs_row, int bf16, int num_threads);
+int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
+             void *k_cache, int64_t kc_row, void *v_cache, int64_t vc_row, int64_t rows, const void *locs,
+             int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16, int num_threads);
+
+// sampling.c
+void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vocab, int64_t *ids, float *lse,
+                      int num_threads);

@@ -1,0 +1,228 @@
+"""A Llama-family model's decoder layers in one C call on CPU (kernels/cpu/decoder_layers.c).
+
+The reference is the model's forward one kernel call at a time (model_infer/models/llama.py's layer loop): the C
+driver runs the same kernels in the same order with the same arguments, so its output is bit for bit that loop's,
+without the 7-9 us of Python and ctypes each of the loop's ~10 calls a layer costs. `CpuDecoderLayers.build`
+returns None for a model whose layers it does not take; the model then runs the loop.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightserve.kernels.linear import PackedLinear, PrepackedLinear
+from lightserve.kernels.prefill_attention import c_kv_layout
+
+_P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class LayerArgs(ctypes.Structure):
+    """decoder_layers.c's LayerArgs: one layer's pointers."""
+
+    _fields_ = [("input_norm", _P), ("post_attn_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o_proj", _P),
+                ("o_bias", _P), ("gate_up", _P), ("down", _P), ("k_cache", _P), ("v_cache", _P), ("cos_sin", _P),
+                ("cos_sin_row", _I64), ("window", _I32)]
+
+
+class ModelDims(ctypes.Structure):
+    """decoder_layers.c's ModelDims."""
+
+    _fields_ = [("num_layers", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32),
+                ("head_dim", _I32), ("inter", _I32), ("bf16", _I32), ("eps", _F32), ("sm_scale", _F32),
+                ("softcap", _F32), ("kv_rows", _I64), ("kc_row", _I64), ("vc_row", _I64)]
+
+
+class StepArgs(ctypes.Structure):
+    """decoder_layers.c's StepArgs: one step's batch."""
+
+    _fields_ = [("tokens", _I32), ("num_decode", _I32), ("num_extend", _I32), ("locs_i64", _I32),
+                ("positions", _P), ("kv_locs", _P), ("req_to_token", _P), ("r2t_row", _I64), ("decode_rows", _P),
+                ("decode_lens", _P), ("extend_rows", _P), ("extend_q_start", _P), ("extend_prefix_lens", _P),
+                ("extend_lens", _P)]
+
+
+class Scratch(ctypes.Structure):
+    """decoder_layers.c's Scratch: the step's buffers."""
+
+    _fields_ = [("x", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P)]
+
+
+def timed_labels(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernel_times() label of each of the driver's timed kernels (its T_* order): the labels the per-kernel
+    wrappers use, so scripts/profile_step.py groups both forwards alike."""
+    linear = "linear_bf16_cpu" if dtype == torch.bfloat16 else "linear_cpu"
+    return ("rmsnorm_cpu", linear, "rotary_cpu", "store_kv_cpu", "decode_attention_cpu", "prefill_attention_cpu",
+            "silu_and_mul_cpu")
+
+
+@dataclass(frozen=True)
+class DecoderLayer:
+    """One layer's tensors as the driver reads them: norm weights and biases in the model dtype, projections
+    packed for the dtype's C GEMM, the layer's rotary table and window."""
+
+    input_norm: Tensor                       # [H]
+    post_attn_norm: Tensor                   # [H]
+    qkv: PackedLinear | PrepackedLinear      # [(Hq + 2 Hk) D, H]
+    qkv_bias: Tensor | None                  # [(Hq + 2 Hk) D]
+    o_proj: PackedLinear | PrepackedLinear   # [H, Hq D]
+    o_bias: Tensor | None                    # [H]
+    gate_up: PackedLinear | PrepackedLinear  # [2 I, H]
+    down: PackedLinear | PrepackedLinear     # [H, I]
+    cos_sin: Tensor                          # [max_pos, D] float32
+    window: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    num_heads: int      # Hq of this rank
+    num_kv_heads: int   # Hk of this rank
+    head_dim: int
+    inter: int          # I
+    eps: float
+    sm_scale: float
+    softcap: float
+
+
+class CpuDecoderLayers:
+    """Runs every decoder layer of a step in one call. Holds the layers' weight pointers; the KV cache's are
+    bound on first use and again whenever the model is handed another cache."""
+
+    def __init__(self, lib: ctypes.CDLL, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype) -> None:
+        self.lib, self.layers, self.shape, self.dtype = lib, layers, shape, dtype
+        self.labels = timed_labels(dtype)
+        # (k_caches, v_caches, dims, layer args) of the cache last run with: the lists are held, so `is` finds them.
+        self._bound: tuple[list[Tensor], list[Tensor], ModelDims, ctypes.Array] | None = None
+
+    @classmethod
+    def build(cls, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype,
+              lib: ctypes.CDLL | None = None) -> CpuDecoderLayers | None:
+        """The driver for these layers, or None where it does not take them: no C library, a dtype or weight
+        layout whose per-kernel forward would not run every kernel in C (bf16 GEMMs on oneDNN, say), or shapes
+        its kernels decline."""
+        from lightserve.kernels.cpu import library
+
+        lib = lib or library()
+        if lib is None or dtype not in (torch.float32, torch.bfloat16) or not layers:
+            return None
+        if not all(_takes_layer(lib, layer, shape, dtype) for layer in layers):
+            return None
+        self = cls(lib, layers, shape, dtype)
+        return self if lib.decoder_layers_supported(ctypes.byref(self._dims(0, 0, 0))) else None
+
+    def run(self, residual: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], req_to_token: Tensor,
+            positions: Tensor, kv_locs: Tensor, num_decode: int, decode_rows: Tensor, decode_lens: Tensor,
+            extend_rows: Tensor, extend_q_start: Tensor, extend_prefix_lens: Tensor, extend_lens: Tensor) -> Tensor:
+        """residual [T, H]: the embeddings, updated in place into the residual stream; returns the last layer's MLP
+        output [T, H] (the model's final add + RMSNorm takes both). Token order and attention metadata as the
+        model's AttentionInputs: decode tokens first; extend q starts count from the first prefill token."""
+        from lightserve.kernels.cpu import active_kernel_times, profiled
+
+        sh, es = self.shape, residual.element_size()
+        tokens = residual.shape[0]
+        assert residual.dtype == self.dtype and residual.is_contiguous() and residual.shape[1] == sh.hidden
+        if tokens == 0:
+            return torch.empty_like(residual)
+        dims, layer_args = self._bind(k_caches, v_caches)
+        meta = [_int32(t) for t in (decode_rows, decode_lens, extend_rows, extend_q_start, extend_prefix_lens,
+                                    extend_lens)]
+        pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
+            else positions.to(torch.int64).contiguous()
+        locs = kv_locs if kv_locs.dtype in (torch.int32, torch.int64) and kv_locs.is_contiguous() \
+            else kv_locs.to(torch.int64).contiguous()
+        assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
+        assert pos.shape == (tokens,) and locs.shape == (tokens,)
+        step = StepArgs(tokens, num_decode, meta[2].shape[0], int(locs.dtype == torch.int64), pos.data_ptr(),
+                        locs.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0),
+                        *(t.data_ptr() for t in meta))
+        qkv_w = (sh.num_heads + 2 * sh.num_kv_heads) * sh.head_dim
+        widths = (sh.hidden, qkv_w, sh.num_heads * sh.head_dim, 2 * sh.inter, sh.inter)
+        scratch = torch.empty(tokens * sum(widths), dtype=self.dtype)  # x | qkv | attn | gate_up | act
+        base, offsets = scratch.data_ptr(), [0]
+        for w in widths[:-1]:
+            offsets.append(offsets[-1] + tokens * w * es)
+        bufs = Scratch(*(base + o for o in offsets))
+        hidden = torch.empty(tokens, sh.hidden, dtype=self.dtype)  # [T, H]
+        times = active_kernel_times()
+        secs = (ctypes.c_double * len(self.labels))() if times is not None else None
+        # Inside kernel_times() the driver times its kernels under their own labels; the call takes none then.
+        with profiled("decoder_layers_cpu") if times is None else contextlib.nullcontext():
+            rc = self.lib.decoder_layers(ctypes.byref(dims), layer_args, ctypes.byref(step), ctypes.byref(bufs),
+                                         residual.data_ptr(), hidden.data_ptr(), secs, torch.get_num_threads())
+        if rc != 0:
+            layer, kernel = divmod(-rc - 1, len(self.labels))
+            raise RuntimeError(f"decoder_layers: {self.labels[kernel]} failed at layer {layer} (a KV loc out of "
+                               f"range, or out of memory)")
+        if times is not None:
+            for label, sec in zip(self.labels, secs):
+                if sec:
+                    times[label] += sec
+        return hidden
+
+    def _dims(self, kv_rows: int, kc_row: int, vc_row: int) -> ModelDims:
+        sh = self.shape
+        return ModelDims(len(self.layers), sh.hidden, sh.num_heads, sh.num_kv_heads, sh.head_dim, sh.inter,
+                         int(self.dtype == torch.bfloat16), sh.eps, sh.sm_scale, sh.softcap, kv_rows, kc_row, vc_row)
+
+    def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[ModelDims, ctypes.Array]:
+        """The dims and layer array for this KV cache: built when the model is first handed its lists of per-layer
+        tensors (a KVCache makes them once), then reused."""
+        if self._bound is not None and self._bound[0] is k_caches and self._bound[1] is v_caches:
+            return self._bound[2], self._bound[3]
+        sh = self.shape
+        k0 = k_caches[0]
+        for k, v in zip(k_caches, v_caches, strict=True):
+            if not (c_kv_layout(k, v) and k.dtype == v.dtype == self.dtype and k.shape == v.shape == k0.shape
+                    and k.stride() == k0.stride() and k.shape[1:] == (sh.num_kv_heads, sh.head_dim)):
+                raise ValueError(f"decoder_layers: a KV cache layer of another layout ({k.shape}, {k.dtype})")
+        assert len(k_caches) == len(self.layers), (len(k_caches), len(self.layers))
+        layer_args = (LayerArgs * len(self.layers))(*(
+            _layer_args(layer, k, v) for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True)))
+        dims = self._dims(k0.shape[0], k0.stride(0), v_caches[0].stride(0))
+        self._bound = (k_caches, v_caches, dims, layer_args)
+        return dims, layer_args
+
+
+def _layer_args(layer: DecoderLayer, k_cache: Tensor, v_cache: Tensor) -> LayerArgs:
+    def ptr(t: Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    return LayerArgs(ptr(layer.input_norm), ptr(layer.post_attn_norm), _weight_ptr(layer.qkv), ptr(layer.qkv_bias),
+                     _weight_ptr(layer.o_proj), ptr(layer.o_bias), _weight_ptr(layer.gate_up), _weight_ptr(layer.down),
+                     k_cache.data_ptr(), v_cache.data_ptr(), layer.cos_sin.data_ptr(), layer.cos_sin.stride(0),
+                     layer.window)
+
+
+def _weight_ptr(w: PackedLinear | PrepackedLinear) -> int:
+    return w.panels.data_ptr() if isinstance(w, PackedLinear) else w.pairs.data_ptr()
+
+
+def _takes_layer(lib: ctypes.CDLL, layer: DecoderLayer, sh: ModelShape, dtype: torch.dtype) -> bool:
+    """Whether the per-kernel forward would run every kernel of this layer in C, and with the weights the driver
+    reads: float32 packed panels of this build's width, or bf16 pairs that take every M (no oneDNN copy)."""
+    qkv_n = (sh.num_heads + 2 * sh.num_kv_heads) * sh.head_dim
+    shapes = [(layer.qkv, qkv_n, sh.hidden), (layer.o_proj, sh.hidden, sh.num_heads * sh.head_dim),
+              (layer.gate_up, 2 * sh.inter, sh.hidden), (layer.down, sh.hidden, sh.inter)]
+    for w, n, k in shapes:
+        if dtype == torch.float32:
+            ok = isinstance(w, PackedLinear) and w.panel == lib.linear_panel_width()
+        else:
+            ok = isinstance(w, PrepackedLinear) and w.onednn is None and w.pairs is not None
+        if not ok or (w.out_features, w.in_features) != (n, k):
+            return False
+    vectors = [(layer.input_norm, sh.hidden), (layer.post_attn_norm, sh.hidden), (layer.qkv_bias, qkv_n),
+               (layer.o_bias, sh.hidden)]
+    if not all(t is None or (t.dtype == dtype and t.is_contiguous() and t.shape == (n,)) for t, n in vectors):
+        return False
+    cs = layer.cos_sin
+    return cs.dtype == torch.float32 and cs.dim() == 2 and cs.shape[1] == sh.head_dim and cs.stride(1) == 1 \
+        and layer.input_norm is not None and layer.post_attn_norm is not None
+
+
+def _int32(t: Tensor) -> Tensor:
+    return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+

@@ -1,0 +1,152 @@
+"""The CPU forward's one-call decoder layers (kernels/decoder_layers.py) against the same model run one kernel call
+at a time: logits and every layer's KV cache bit for bit equal, over a ragged prefill, decode steps and a mixed
+decode + extend batch with a prefix-cache hit, for the Llama-family variants the driver takes (biases, windows,
+GQA groups of 1-3), in float32 and in bf16 where this CPU's bf16 GEMMs run in C. Also which models it declines."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from lightserve.kernels.cpu import kernel_times, library
+from lightserve.kernels.decoder_layers import timed_labels
+from lightserve.kernels.linear import pairs_take_every_m
+from lightserve.model_infer.models import load_model_dir
+
+from .fake_worker import FakeWorker
+from .tiny_models import make_tiny_model
+
+# head_dim 64 (what the C decode attention is built for); (heads, kv heads): GQA groups 2, 3 and 1.
+SHAPES = {"llama3": (256, 4, 2), "qwen2": (192, 3, 1), "llama_bias": (128, 2, 2), "mistral_window": (256, 4, 2),
+          "phi3": (128, 2, 1)}
+
+
+def bf16_in_c() -> bool:
+    return pairs_take_every_m(library())
+
+
+def load_pair(arch: str, dtype: torch.dtype, tmp_path) -> tuple:
+    """(one-call model, per-kernel model) of one tiny checkpoint."""
+    hidden, heads, kv_heads = SHAPES[arch]
+    model_dir = make_tiny_model(arch, tmp_path, hidden_size=hidden, num_attention_heads=heads,
+                                num_key_value_heads=kv_heads)
+    fused = load_model_dir(model_dir, dtype=dtype)
+    loop = load_model_dir(model_dir, dtype=dtype)
+    loop.cpu_layers = None
+    return fused, loop
+
+
+def run_steps(model, gen_seed: int = 0) -> list[torch.Tensor]:
+    """A ragged prefill, three decode steps (greedy), then 3 decodes beside a prefix-hit extend and a fresh
+    prefill: the logits of every step, then every layer's K and V."""
+    gen = torch.Generator().manual_seed(gen_seed)
+    vocab = model.config.vocab_size
+    worker = FakeWorker(model)
+    seqs = {row: torch.randint(3, vocab, (n,), generator=gen).tolist() for row, n in enumerate((5, 19, 1, 40))}
+    out = [worker.step([(row, s) for row, s in seqs.items()], num_decode=0, all_logits=True)]  # [T, V]
+    last = torch.tensor([len(s) for s in seqs.values()]).cumsum(0) - 1  # each request's last token in [T]
+    logits = out[0][last]  # [B, V]
+    for _ in range(3):
+        for row, tok in zip(seqs, logits.argmax(-1).tolist()):
+            seqs[row].append(tok)
+        logits = worker.step([(row, [s[-1]]) for row, s in seqs.items()], num_decode=len(seqs))
+        out.append(logits)
+    worker.share_prefix(4, 1, 6)
+    items = [(row, [seqs[row][-1]]) for row in (0, 1, 2)] + [
+        (4, torch.randint(3, vocab, (7,), generator=gen).tolist()),
+        (5, torch.randint(3, vocab, (12,), generator=gen).tolist())]
+    out.append(worker.step(items, num_decode=3))
+    return out + list(worker.kv_cache.k_caches) + list(worker.kv_cache.v_caches)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", list(SHAPES))
+def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, tmp_path):
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair(arch, dtype, tmp_path)
+    if dtype == torch.bfloat16 and not bf16_in_c():
+        # bf16 GEMMs on oneDNN here (AMX, or no vdpbf16ps): the layers run one kernel call at a time.
+        assert fused.cpu_layers is None
+        return
+    assert fused.cpu_layers is not None
+    want = run_steps(loop)
+    for got, ref in zip(run_steps(fused), want, strict=True):
+        assert torch.equal(got, ref)
+    # A second KV cache handed to the same model: its pointers are bound anew, the results the same.
+    for got, ref in zip(run_steps(fused), want, strict=True):
+        assert torch.equal(got, ref)
+
+
+def test_an_empty_step_returns_no_rows(tmp_path):
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, _ = load_pair("llama3", torch.float32, tmp_path)
+    kv = FakeWorker(fused).kv_cache
+    empty_i32 = torch.zeros(0, dtype=torch.int32)
+    residual = torch.zeros(0, fused.config.hidden_size)
+    out = fused.cpu_layers.run(residual, kv.k_caches, kv.v_caches, kv.req_to_token, torch.zeros(0, dtype=torch.int64),
+                               torch.zeros(0, dtype=torch.int64), 0, *([empty_i32] * 6))
+    assert out.shape == (0, fused.config.hidden_size)
+
+
+def test_kernel_times_report_each_kernel_of_the_one_call_layers(tmp_path):
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, _ = load_pair("llama3", torch.float32, tmp_path)
+    worker = FakeWorker(fused)
+    worker.step([(0, [5, 6, 7, 8])], num_decode=0)
+    with kernel_times() as times:
+        worker.step([(0, [9])], num_decode=1)  # a decode step: no prefill attention
+    want = set(timed_labels(torch.float32)) - {"prefill_attention_cpu"}
+    assert want <= set(times) and all(times[k] > 0 for k in want)
+    assert "prefill_attention_cpu" not in times and "decoder_layers_cpu" not in times
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "mixtral"])
+def test_models_whose_layers_differ_run_kernel_by_kernel(arch, tmp_path):
+    """q/k norms (Qwen3), Gemma's own forward, MoE feed-forward: no one-call driver."""
+    model = load_model_dir(make_tiny_model(arch, tmp_path, hidden_size=256, num_attention_heads=4,
+                                           num_key_value_heads=2, **({"head_dim": 64} if arch != "mixtral" else {})),
+                           dtype=torch.float32)
+    assert getattr(model, "cpu_layers", None) is None
+
+
+def test_head_dims_the_attention_kernels_do_not_take_run_kernel_by_kernel(tmp_path):
+    model = load_model_dir(make_tiny_model("llama3", tmp_path), dtype=torch.float32)  # head_dim 16
+    assert model.cpu_layers is None
+
+
+def test_per_kernel_forward_env_switches_it_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIGHTSERVE_PER_KERNEL_FORWARD", "1")
+    hidden, heads, kv_heads = SHAPES["llama3"]
+    model = load_model_dir(make_tiny_model("llama3", tmp_path, hidden_size=hidden, num_attention_heads=heads,
+                                           num_key_value_heads=kv_heads), dtype=torch.float32)
+    assert model.cpu_layers is None
+
+
+def test_a_kv_loc_out_of_range_raises_and_leaves_the_cache(tmp_path):
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, _ = load_pair("llama3", torch.float32, tmp_path)
+    worker = FakeWorker(fused)
+    batch = worker.make_batch([(0, [5, 6, 7])], num_decode=0)
+    batch.kv_locs[1] = worker.kv_cache.k_caches[0].shape[0]  # one past the last row
+    before = [k.clone() for k in worker.kv_cache.k_caches]
+    with pytest.raises(RuntimeError, match="store_kv_cpu failed at layer 0"):
+        fused.forward(batch, worker.kv_cache)
+    assert all(torch.equal(a, b) for a, b in zip(before, worker.kv_cache.k_caches))
+
+
+def test_structs_match_the_c_side():
+    """decoder_layers_supported reads ModelDims through a pointer: a layout mismatch would misread head_dim."""
+    from lightserve.kernels.decoder_layers import ModelDims
+
+    lib = library()
+    if lib is None:
+        pytest.skip("no C compiler here")
+    ok = ModelDims(2, 256, 4, 2, 64, 128, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
+    bad = ModelDims(2, 256, 4, 2, 48, 128, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
+    assert lib.decoder_layers_supported(ctypes.byref(ok)) == 1
+    assert lib.decoder_layers_supported(ctypes.byref(bad)) == 0

@@ -78,6 +78,8 @@ class DecoderLayer:
 
 @dataclass(frozen=True)
 class ModelShape:
+    """The sizes and constants every layer shares, for this rank."""
+
     hidden: int
     num_heads: int      # Hq of this rank
     num_kv_heads: int   # Hk of this rank
@@ -112,7 +114,7 @@ class CpuDecoderLayers:
         if not all(_takes_layer(lib, layer, shape, dtype) for layer in layers):
             return None
         self = cls(lib, layers, shape, dtype)
-        return self if lib.decoder_layers_supported(ctypes.byref(self._dims(0, 0, 0))) else None
+        return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, 0, 0))) else None
 
     def run(self, residual: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], req_to_token: Tensor,
             positions: Tensor, kv_locs: Tensor, num_decode: int, decode_rows: Tensor, decode_lens: Tensor,
@@ -163,7 +165,9 @@ class CpuDecoderLayers:
                     times[label] += sec
         return hidden
 
-    def _dims(self, kv_rows: int, kc_row: int, vc_row: int) -> ModelDims:
+    def model_dims(self, kv_rows: int, kc_row: int, vc_row: int) -> ModelDims:
+        """The C side's ModelDims of these layers over a KV cache of kv_rows rows with row strides kc_row / vc_row
+        (zeros: the shapes alone, as decoder_layers_supported reads them)."""
         sh = self.shape
         return ModelDims(len(self.layers), sh.hidden, sh.num_heads, sh.num_kv_heads, sh.head_dim, sh.inter,
                          int(self.dtype == torch.bfloat16), sh.eps, sh.sm_scale, sh.softcap, kv_rows, kc_row, vc_row)
@@ -182,7 +186,7 @@ class CpuDecoderLayers:
         assert len(k_caches) == len(self.layers), (len(k_caches), len(self.layers))
         layer_args = (LayerArgs * len(self.layers))(*(
             _layer_args(layer, k, v) for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True)))
-        dims = self._dims(k0.shape[0], k0.stride(0), v_caches[0].stride(0))
+        dims = self.model_dims(k0.shape[0], k0.stride(0), v_caches[0].stride(0))
         self._bound = (k_caches, v_caches, dims, layer_args)
         return dims, layer_args
 

@@ -158,7 +158,7 @@ class LlamaForCausalLM(DecoderLM):
                 residual, kv_cache.k_caches, kv_cache.v_caches, batch.req_to_token, batch.positions, batch.kv_locs,
                 batch.num_decode, attn.decode_req_rows, attn.decode_seq_lens, attn.extend_req_rows,
                 attn.extend_q_start_locs, attn.extend_prefix_lens, attn.extend_lens)  # [T, hidden]
-        for i, layer in enumerate(w.layers if self.cpu_layers is None else ()):
+        for i, layer in enumerate(w.layers if self.cpu_layers is None else ()):  # the loop the C call replaces
             if i == 0:
                 x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:

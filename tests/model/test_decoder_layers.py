@@ -5,13 +5,14 @@ GQA groups of 1-3), in float32 and in bf16 where this CPU's bf16 GEMMs run in C.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
 
-from lightserve.kernels.cpu import kernel_times, library
-from lightserve.kernels.decoder_layers import timed_labels
-from lightserve.kernels.linear import pairs_take_every_m
+from lightserve.kernels.cpu import BUILD_VARIANTS, kernel_times, library, variant_library
+from lightserve.kernels.decoder_layers import CpuDecoderLayers, timed_labels
+from lightserve.kernels.linear import pack_linear_weight, pairs_take_every_m, unpack_linear_weight
 from lightserve.model_infer.models import load_model_dir
 
 from .fake_worker import FakeWorker
@@ -89,6 +90,28 @@ def test_an_empty_step_returns_no_rows(tmp_path):
     out = fused.cpu_layers.run(residual, kv.k_caches, kv.v_caches, kv.req_to_token, torch.zeros(0, dtype=torch.int64),
                                torch.zeros(0, dtype=torch.int64), 0, *([empty_i32] * 6))
     assert out.shape == (0, fused.config.hidden_size)
+
+
+@pytest.mark.parametrize("variant", [v for v in BUILD_VARIANTS if v != "native"])
+def test_one_call_layers_of_every_build_this_cpu_runs(variant, tmp_path):
+    """The driver from a narrower build (AVX2, or no AVX at all), on weights packed for that build's panels, against
+    the native build's: float32 logits agree to rounding (the vector widths sum in other orders). bf16 there has
+    no vdpbf16ps GEMM for every M, so the driver declines it."""
+    lib = variant_library(variant)
+    if lib is None:
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    fused, _ = load_pair("qwen2", torch.float32, tmp_path)
+    native = run_steps(fused)
+    layers = [dataclasses.replace(layer, **{name: pack_linear_weight(unpack_linear_weight(getattr(layer, name)), lib)
+                                            for name in ("qkv", "o_proj", "gate_up", "down")})
+              for layer in fused.cpu_layers.layers]
+    fused.cpu_layers = CpuDecoderLayers.build(layers, fused.cpu_layers.shape, torch.float32, lib=lib)
+    assert fused.cpu_layers is not None
+    for got, want in zip(run_steps(fused), native, strict=True):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    bf16 = fused.cpu_layers.model_dims(0, 0, 0)
+    bf16.bf16 = 1
+    assert lib.decoder_layers_supported(ctypes.byref(bf16)) == lib.linear_bf16_pairs_dpbf16()
 
 
 def test_kernel_times_report_each_kernel_of_the_one_call_layers(tmp_path):

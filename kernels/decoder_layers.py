@@ -23,9 +23,9 @@ _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c
 class LayerArgs(ctypes.Structure):
     """decoder_layers.c's LayerArgs: one layer's pointers."""
 
-    _fields_ = [("input_norm", _P), ("post_attn_norm", _P), ("qkv", _P), ("qkv_bias", _P), ("o_proj", _P),
-                ("o_bias", _P), ("gate_up", _P), ("down", _P), ("k_cache", _P), ("v_cache", _P), ("cos_sin", _P),
-                ("cos_sin_row", _I64), ("window", _I32)]
+    _fields_ = [("input_norm", _P), ("post_attn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _P),
+                ("qkv_bias", _P), ("o_proj", _P), ("o_bias", _P), ("gate_up", _P), ("down", _P), ("k_cache", _P),
+                ("v_cache", _P), ("cos_sin", _P), ("cos_sin_row", _I64), ("window", _I32)]
 
 
 class ModelDims(ctypes.Structure):
@@ -48,7 +48,7 @@ class StepArgs(ctypes.Structure):
 class Scratch(ctypes.Structure):
     """decoder_layers.c's Scratch: the step's buffers."""
 
-    _fields_ = [("x", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P)]
+    _fields_ = [("x", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("q", _P), ("k", _P)]
 
 
 def timed_labels(dtype: torch.dtype) -> tuple[str, ...]:
@@ -74,6 +74,8 @@ class DecoderLayer:
     down: PackedLinear | PrepackedLinear     # [H, I]
     cos_sin: Tensor                          # [max_pos, D] float32
     window: int
+    q_norm: Tensor | None = None             # [D]: Qwen3's RMSNorm over each head of q, before rotary
+    k_norm: Tensor | None = None             # [D]: the same over each head of k
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,10 @@ class CpuDecoderLayers:
             return None
         if not all(_takes_layer(lib, layer, shape, dtype) for layer in layers):
             return None
+        # q/k norms on every layer or on none (the scratch has the normed q and k or not)
+        if len({(layer.q_norm is None, layer.k_norm is None) for layer in layers}) != 1 \
+                or (layers[0].q_norm is None) != (layers[0].k_norm is None):
+            return None
         self = cls(lib, layers, shape, dtype)
         return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, 0, 0))) else None
 
@@ -142,8 +148,10 @@ class CpuDecoderLayers:
                         locs.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0),
                         *(t.data_ptr() for t in meta))
         qkv_w = (sh.num_heads + 2 * sh.num_kv_heads) * sh.head_dim
-        widths = (sh.hidden, qkv_w, sh.num_heads * sh.head_dim, 2 * sh.inter, sh.inter)
-        scratch = torch.empty(tokens * sum(widths), dtype=self.dtype)  # x | qkv | attn | gate_up | act
+        widths = [sh.hidden, qkv_w, sh.num_heads * sh.head_dim, 2 * sh.inter, sh.inter]
+        if self.layers[0].q_norm is not None:  # the normed q and k
+            widths += [sh.num_heads * sh.head_dim, sh.num_kv_heads * sh.head_dim]
+        scratch = torch.empty(tokens * sum(widths), dtype=self.dtype)  # x | qkv | attn | gate_up | act (| q | k)
         base, offsets = scratch.data_ptr(), [0]
         for w in widths[:-1]:
             offsets.append(offsets[-1] + tokens * w * es)
@@ -195,7 +203,8 @@ def _layer_args(layer: DecoderLayer, k_cache: Tensor, v_cache: Tensor) -> LayerA
     def ptr(t: Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
-    return LayerArgs(ptr(layer.input_norm), ptr(layer.post_attn_norm), _weight_ptr(layer.qkv), ptr(layer.qkv_bias),
+    return LayerArgs(ptr(layer.input_norm), ptr(layer.post_attn_norm), ptr(layer.q_norm), ptr(layer.k_norm),
+                     _weight_ptr(layer.qkv), ptr(layer.qkv_bias),
                      _weight_ptr(layer.o_proj), ptr(layer.o_bias), _weight_ptr(layer.gate_up), _weight_ptr(layer.down),
                      k_cache.data_ptr(), v_cache.data_ptr(), layer.cos_sin.data_ptr(), layer.cos_sin.stride(0),
                      layer.window)
@@ -219,7 +228,7 @@ def _takes_layer(lib: ctypes.CDLL, layer: DecoderLayer, sh: ModelShape, dtype: t
         if not ok or (w.out_features, w.in_features) != (n, k):
             return False
     vectors = [(layer.input_norm, sh.hidden), (layer.post_attn_norm, sh.hidden), (layer.qkv_bias, qkv_n),
-               (layer.o_bias, sh.hidden)]
+               (layer.o_bias, sh.hidden), (layer.q_norm, sh.head_dim), (layer.k_norm, sh.head_dim)]
     if not all(t is None or (t.dtype == dtype and t.is_contiguous() and t.shape == (n,)) for t, n in vectors):
         return False
     cs = layer.cos_sin

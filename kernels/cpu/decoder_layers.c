@@ -12,7 +12,9 @@
 // (float32 or bfloat16, `bf16`), row-major and contiguous unless said:
 //   x        = layer 0: rmsnorm(residual); else: residual += hidden, rmsnorm(residual)   [T, H]
 //   qkv      = x . w_qkv^T (+ b)                                          [T, (Hq + 2 Hk) D]
-//   rotary on q and k (views of qkv), k and v written to the layer's KV cache at kv_locs
+//   with q/k norms (Qwen3): q, k = RMSNorm over D of each head of q and of k, into their own buffers
+//                                                                         [T, Hq, D], [T, Hk, D]
+//   rotary on q and k (views of qkv, or those buffers), k and v written to the layer's KV cache at kv_locs
 //   attn     = decode attention of the first num_decode tokens, prefill attention of the rest   [T, Hq D]
 //   hidden   = attn . w_o^T (+ b)                                         [T, H]
 //   x        = residual += hidden, rmsnorm(residual)                      [T, H]
@@ -30,6 +32,7 @@
 // One layer's tensors. Linear weights as packed at load; biases and the cos/sin table as noted.
 typedef struct {
     const void *input_norm, *post_attn_norm;  // [H]
+    const void *q_norm, *k_norm;              // [D] each, or NULL: no q/k norm (then both NULL)
     const void *qkv, *qkv_bias;               // packed [(Hq + 2 Hk) D, H]; bias [(Hq + 2 Hk) D] or NULL
     const void *o_proj, *o_bias;              // packed [H, Hq D]; bias [H] or NULL
     const void *gate_up, *down;               // packed [2 I, H] (gate rows, then up rows), [H, I]
@@ -61,6 +64,7 @@ typedef struct {
 // Scratch the caller allocates for the step, each [T, width] in the activation dtype.
 typedef struct {
     void *x, *qkv, *attn, *gate_up, *act;  // widths H, (Hq + 2 Hk) D, Hq D, 2 I, I
+    void *q, *k;                           // widths Hq D, Hk D: the normed q and k (used with q/k norms only)
 } Scratch;
 
 // Per-kernel wall times, in seconds, added into times[] when the caller passes it (Python's kernel_times()
@@ -122,20 +126,33 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         tic(&t);
         if (linear(d, buf->x, T, H, w->qkv, qkv_w, w->qkv_bias, qkv, threads)) FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
-        char *k = qkv + (int64_t)hq * D * es, *v = k + (int64_t)hk * D * es;  // [T, Hk, D] views, row qkv_w
+        // q [T, Hq, D] and k [T, Hk, D] with token strides q_tok / k_tok; v stays a view of qkv.
+        char *q = qkv, *k = qkv + (int64_t)hq * D * es, *v = k + (int64_t)hk * D * es;
+        int64_t q_tok = qkv_w, k_tok = qkv_w;
+        if (w->q_norm) {  // per head over D, each token's heads one norm call (the rows are strided per token)
+            tic(&t);
+            for (int i = 0; i < T; i++) {
+                rmsnorm(q + (int64_t)i * qkv_w * es, D, NULL, w->q_norm, hq, D, d->eps,
+                        (char *)buf->q + (int64_t)i * hq * D * es, bf16, threads);
+                rmsnorm(k + (int64_t)i * qkv_w * es, D, NULL, w->k_norm, hk, D, d->eps,
+                        (char *)buf->k + (int64_t)i * hk * D * es, bf16, threads);
+            }
+            toc(&t, T_NORM);
+            q = buf->q, k = buf->k, q_tok = (int64_t)hq * D, k_tok = (int64_t)hk * D;
+        }
         tic(&t);
-        rotary(qkv, qkv_w, D, T, hq, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
-        rotary(k, qkv_w, D, T, hk, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
+        rotary(q, q_tok, D, T, hq, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
+        rotary(k, k_tok, D, T, hk, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
         toc(&t, T_ROTARY);
         tic(&t);
-        if (store_kv(k, qkv_w, D, v, qkv_w, D, w->k_cache, d->kc_row, w->v_cache, d->vc_row, d->kv_rows, s->kv_locs,
+        if (store_kv(k, k_tok, D, v, qkv_w, D, w->k_cache, d->kc_row, w->v_cache, d->vc_row, d->kv_rows, s->kv_locs,
                      s->locs_i64, T, hk, D, bf16, threads))
             FAIL(l, T_STORE_KV);
         toc(&t, T_STORE_KV);
 
         if (nd > 0) {
             tic(&t);
-            if (decode_attention(qkv, qkv_w, D, bf16, w->k_cache, w->v_cache, bf16, s->req_to_token, s->decode_rows,
+            if (decode_attention(q, q_tok, D, bf16, w->k_cache, w->v_cache, bf16, s->req_to_token, s->decode_rows,
                                  s->decode_lens, attn, nd, hq, hk, D, d->kc_row, d->vc_row, s->r2t_row, d->sm_scale,
                                  w->window, d->softcap, threads))
                 FAIL(l, T_DECODE);
@@ -143,7 +160,7 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         }
         if (s->num_extend > 0) {
             tic(&t);
-            if (prefill_attention(qkv + (int64_t)nd * qkv_w * es, qkv_w, D, bf16, w->k_cache, w->v_cache, bf16,
+            if (prefill_attention(q + (int64_t)nd * q_tok * es, q_tok, D, bf16, w->k_cache, w->v_cache, bf16,
                                   s->req_to_token, s->r2t_row, s->extend_rows, s->extend_q_start,
                                   s->extend_prefix_lens, s->extend_lens, attn + (int64_t)nd * hq * D * es,
                                   s->num_extend, hq, hk, D, d->kc_row, d->vc_row, d->sm_scale, w->window, d->softcap,

@@ -131,17 +131,17 @@ class LlamaForCausalLM(DecoderLM):
 
     def _build_cpu_layers(self) -> CpuDecoderLayers | None:
         """The one-call CPU driver, or None: on GPU, with tensor parallelism (an all-reduce inside each layer),
-        for a family whose layers differ from Llama's (its own _ffn, q/k norms, a non-SiLU MLP), or where
+        for a family whose layers differ from Llama's (its own _ffn, a non-SiLU MLP), or where
         LIGHTSERVE_PER_KERNEL_FORWARD asks for the loop."""
         cfg, w = self.config, self.weights
         if self.device.type != "cpu" or self.tp_size > 1 or type(self)._ffn is not LlamaForCausalLM._ffn \
                 or cfg.hidden_act != "silu" or envs.per_kernel_forward():
             return None
-        if any(layer.q_norm is not None or layer.gate_up_proj is None for layer in w.layers):
+        if any(layer.gate_up_proj is None for layer in w.layers):
             return None
         layers = [DecoderLayer(layer.input_norm, layer.post_attn_norm, layer.qkv_proj, layer.qkv_bias,
                                layer.o_proj, layer.o_bias, layer.gate_up_proj, layer.down_proj, self.layer_rope[i],
-                               cfg.window(i))
+                               cfg.window(i), layer.q_norm, layer.k_norm)
                   for i, layer in enumerate(w.layers)]
         shape = ModelShape(cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim, w.shards.inter_size,
                            cfg.rms_norm_eps, self.sm_scale, cfg.attn_softcap)

@@ -99,6 +99,11 @@ class CpuDecoderLayers:
     def __init__(self, lib: ctypes.CDLL, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype) -> None:
         self.lib, self.layers, self.shape, self.dtype = lib, layers, shape, dtype
         self.labels = timed_labels(dtype)
+        # Scratch columns a token takes: x | qkv | attn | gate_up | act, then with q/k norms the normed q | k.
+        sh, hd = shape, shape.head_dim
+        self.widths = [sh.hidden, (sh.num_heads + 2 * sh.num_kv_heads) * hd, sh.num_heads * hd, 2 * sh.inter, sh.inter]
+        if layers and layers[0].q_norm is not None:
+            self.widths += [sh.num_heads * hd, sh.num_kv_heads * hd]
         # (k_caches, v_caches, dims, layer args) of the cache last run with: the lists are held, so `is` finds them.
         self._bound: tuple[list[Tensor], list[Tensor], ModelDims, ctypes.Array] | None = None
 
@@ -147,13 +152,9 @@ class CpuDecoderLayers:
         step = StepArgs(tokens, num_decode, meta[2].shape[0], int(locs.dtype == torch.int64), pos.data_ptr(),
                         locs.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0),
                         *(t.data_ptr() for t in meta))
-        qkv_w = (sh.num_heads + 2 * sh.num_kv_heads) * sh.head_dim
-        widths = [sh.hidden, qkv_w, sh.num_heads * sh.head_dim, 2 * sh.inter, sh.inter]
-        if self.layers[0].q_norm is not None:  # the normed q and k
-            widths += [sh.num_heads * sh.head_dim, sh.num_kv_heads * sh.head_dim]
-        scratch = torch.empty(tokens * sum(widths), dtype=self.dtype)  # x | qkv | attn | gate_up | act (| q | k)
+        scratch = torch.empty(tokens * sum(self.widths), dtype=self.dtype)  # a [T, w] block per width, back to back
         base, offsets = scratch.data_ptr(), [0]
-        for w in widths[:-1]:
+        for w in self.widths[:-1]:
             offsets.append(offsets[-1] + tokens * w * es)
         bufs = Scratch(*(base + o for o in offsets))
         hidden = torch.empty(tokens, sh.hidden, dtype=self.dtype)  # [T, H]

@@ -129,12 +129,17 @@ def test_kernel_times_report_each_kernel_of_the_one_call_layers(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mixtral"])
-def test_models_whose_layers_differ_run_kernel_by_kernel(arch, tmp_path):
-    """Gemma's own forward, MoE feed-forward: no one-call driver."""
+def test_models_whose_layers_differ_run_kernel_by_kernel(arch, tmp_path, monkeypatch):
+    """Gemma's own forward, MoE feed-forward: a step never reaches the one-call driver."""
+    def refuse(*_args, **_kw):
+        raise AssertionError("the one-call driver ran")
+
+    monkeypatch.setattr(CpuDecoderLayers, "run", refuse)
     model = load_model_dir(make_tiny_model(arch, tmp_path, hidden_size=256, num_attention_heads=4,
                                            num_key_value_heads=2, **({"head_dim": 64} if arch != "mixtral" else {})),
                            dtype=torch.float32)
-    assert getattr(model, "cpu_layers", None) is None
+    logits = FakeWorker(model).step([(0, [5, 6, 7])], num_decode=0)
+    assert logits.shape == (1, model.config.vocab_size)
 
 
 def test_head_dims_the_attention_kernels_do_not_take_run_kernel_by_kernel(tmp_path):

@@ -235,16 +235,28 @@ def decode_attention_cpu(
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype)              # [B, Hq, D]
     rows = req_rows.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
-    assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
     with profiled("decode_attention_cpu"):  # visible in scripts/profile_step.py
-        rc = lib.decode_attention(
-            q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
-            v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), rows.data_ptr(),
-            lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0),
-            v_cache.stride(0), req_to_token.stride(0), sm_scale, window, softcap, torch.get_num_threads())
+        rc = lib.decode_attention(*decode_attention_c_args(q, k_cache, v_cache, req_to_token, rows, lens, sm_scale,
+                                                           out, window, softcap))
     if rc != 0:
         return None
     return out
+
+
+def decode_attention_c_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor,
+                            seq_lens: Tensor, sm_scale: float, out: Tensor, window: int = 0,
+                            softcap: float = 0.0) -> tuple:
+    """decode_attention.c's arguments, in order, for tensors already in the layouts it reads: q [B, Hq, D] float32 or
+    bf16 with unit last stride, out [B, Hq, D] contiguous in q's dtype, req_rows / seq_lens [B] int32 contiguous.
+    scripts/bench_cpu_kernels.py calls the kernel with them directly, as the one-call driver calls it from C."""
+    assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
+    assert req_rows.dtype == seq_lens.dtype == torch.int32 and req_rows.is_contiguous() and seq_lens.is_contiguous()
+    assert q.stride(-1) == 1 and out.is_contiguous() and out.dtype == q.dtype and out.shape == q.shape
+    batch, num_heads, head_dim = q.shape
+    return (q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
+            v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_rows.data_ptr(),
+            seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0),
+            v_cache.stride(0), req_to_token.stride(0), sm_scale, window, softcap, torch.get_num_threads())
 
 
 def warm_up_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor,

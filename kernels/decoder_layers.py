@@ -3,7 +3,8 @@
 The reference is the model's forward one kernel call at a time (model_infer/models/llama.py's layer loop): the C
 driver runs the same kernels in the same order with the same arguments, so its output is bit for bit that loop's,
 without the 7-9 us of Python and ctypes each of the loop's ~10 calls a layer costs. `CpuDecoderLayers.build`
-returns None for a model whose layers it does not take; the model then runs the loop.
+returns None for a model whose layers it does not take, and `takes(tokens)` says which steps it runs; the model
+runs the loop for the others.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightserve.kernels.linear import PackedLinear, PrepackedLinear
+from lightserve.kernels.linear import PAIR_MAX_M, PackedLinear, PrepackedLinear
 from lightserve.kernels.prefill_attention import c_kv_layout
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -96,8 +97,10 @@ class CpuDecoderLayers:
     """Runs every decoder layer of a step in one call. Holds the layers' weight pointers; the KV cache's are
     bound on first use and again whenever the model is handed another cache."""
 
-    def __init__(self, lib: ctypes.CDLL, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype) -> None:
+    def __init__(self, lib: ctypes.CDLL, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype,
+                 max_tokens: int | None = None) -> None:
         self.lib, self.layers, self.shape, self.dtype = lib, layers, shape, dtype
+        self.max_tokens = max_tokens  # the most tokens a step it runs may have; None: any number
         self.labels = timed_labels(dtype)
         # Scratch columns a token takes: x | qkv | attn | gate_up | act, then with q/k norms the normed q | k.
         sh, hd = shape, shape.head_dim
@@ -111,8 +114,13 @@ class CpuDecoderLayers:
     def build(cls, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype,
               lib: ctypes.CDLL | None = None) -> CpuDecoderLayers | None:
         """The driver for these layers, or None where it does not take them: no C library, a dtype or weight
-        layout whose per-kernel forward would not run every kernel in C (bf16 GEMMs on oneDNN, say), or shapes
-        its kernels decline."""
+        layout whose per-kernel forward would not run every kernel in C (bf16 weights with no pair layout, say), or
+        shapes its kernels decline.
+
+        bf16 GEMMs run on linear.c's pair layout at every M where the build has vdpbf16ps and no weight keeps a
+        oneDNN copy. Elsewhere (AMX, where oneDNN is about twice as fast above a few rows; no AVX512-BF16) the
+        per-kernel forward runs the pairs up to PAIR_MAX_M rows and oneDNN above, so the driver takes the steps of up
+        to PAIR_MAX_M tokens: the decode of one to a few requests, where the Python between kernels weighs most."""
         from lightserve.kernels.cpu import library
 
         lib = lib or library()
@@ -124,8 +132,14 @@ class CpuDecoderLayers:
         if len({(layer.q_norm is None, layer.k_norm is None) for layer in layers}) != 1 \
                 or (layers[0].q_norm is None) != (layers[0].k_norm is None):
             return None
-        self = cls(lib, layers, shape, dtype)
+        every_m = dtype == torch.float32 or (bool(lib.linear_bf16_pairs_dpbf16()) and all(
+            w.onednn is None for layer in layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))
+        self = cls(lib, layers, shape, dtype, None if every_m else PAIR_MAX_M)
         return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, 0, 0))) else None
+
+    def takes(self, tokens: int) -> bool:
+        """Whether run() takes a step of this many tokens (the per-kernel forward runs the others)."""
+        return self.max_tokens is None or tokens <= self.max_tokens
 
     def run(self, residual: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], req_to_token: Tensor,
             positions: Tensor, kv_locs: Tensor, num_decode: int, decode_rows: Tensor, decode_lens: Tensor,
@@ -138,6 +152,7 @@ class CpuDecoderLayers:
         sh, es = self.shape, residual.element_size()
         tokens = residual.shape[0]
         assert residual.dtype == self.dtype and residual.is_contiguous() and residual.shape[1] == sh.hidden
+        assert self.takes(tokens), (tokens, self.max_tokens)
         if tokens == 0:
             return torch.empty_like(residual)
         dims, layer_args = self._bind(k_caches, v_caches)
@@ -217,7 +232,7 @@ def _weight_ptr(w: PackedLinear | PrepackedLinear) -> int:
 
 def _takes_layer(lib: ctypes.CDLL, layer: DecoderLayer, sh: ModelShape, dtype: torch.dtype) -> bool:
     """Whether the per-kernel forward would run every kernel of this layer in C, and with the weights the driver
-    reads: float32 packed panels of this build's width, or bf16 pairs that take every M (no oneDNN copy)."""
+    reads: float32 packed panels of this build's width, or bf16 pairs (beside a oneDNN copy or not)."""
     qkv_n = (sh.num_heads + 2 * sh.num_kv_heads) * sh.head_dim
     shapes = [(layer.qkv, qkv_n, sh.hidden), (layer.o_proj, sh.hidden, sh.num_heads * sh.head_dim),
               (layer.gate_up, 2 * sh.inter, sh.hidden), (layer.down, sh.hidden, sh.inter)]
@@ -225,7 +240,7 @@ def _takes_layer(lib: ctypes.CDLL, layer: DecoderLayer, sh: ModelShape, dtype: t
         if dtype == torch.float32:
             ok = isinstance(w, PackedLinear) and w.panel == lib.linear_panel_width()
         else:
-            ok = isinstance(w, PrepackedLinear) and w.onednn is None and w.pairs is not None
+            ok = isinstance(w, PrepackedLinear) and w.pairs is not None
         if not ok or (w.out_features, w.in_features) != (n, k):
             return False
     vectors = [(layer.input_norm, sh.hidden), (layer.post_attn_norm, sh.hidden), (layer.qkv_bias, qkv_n),

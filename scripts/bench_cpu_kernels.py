@@ -36,7 +36,7 @@ import torch
 
 from lightserve.engine_procs import preload_tcmalloc
 from lightserve.kernels.cpu import BUILD_VARIANTS, c_compiler, library, variant_library
-from lightserve.kernels.decode_attention import decode_attention_cpu
+from lightserve.kernels.decode_attention import decode_attention_c_args, decode_attention_cpu
 from lightserve.kernels.linear import cpu_pack_for, linear, pairs_take_every_m
 from lightserve.kernels.prefill_attention import prefill_attention_cpu
 from lightserve.model_infer.sampler import greedy_cpu
@@ -90,9 +90,10 @@ def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: to
     }
 
 
-def median_per_layer(attend, layers: int, reps: int) -> float:
+def median_per_layer(attend, layers: int, reps: int, between=None) -> float:
     """Median seconds per layer of attend(layer) (None: the C kernel declined): each rep runs every layer
-    once, in order, like a forward, so each layer's K/V comes from memory."""
+    once, in order, like a forward, so each layer's K/V comes from memory. between(sec): called after each timed rep
+    with its seconds per layer, outside the timing (a bandwidth reading)."""
     def one_pass() -> None:
         for i in range(layers):
             assert attend(i) is not None, "the C kernel declined this shape"
@@ -103,14 +104,34 @@ def median_per_layer(attend, layers: int, reps: int) -> float:
         t = time.perf_counter()
         one_pass()
         times.append((time.perf_counter() - t) / layers)
+        if between is not None:
+            between(times[-1])
     return statistics.median(times)
 
 
-def time_decode(case: dict, lib, reps: int) -> float:
-    scale = case["q"].shape[-1] ** -0.5
-    return median_per_layer(lambda i: decode_attention_cpu(case["q"], case["k"][i], case["v"][i], case["req_to_token"],
-                                                           case["req_rows"], case["seq_lens"], scale, lib=lib),
-                            case["k"].shape[0], reps)
+def time_decode(case: dict, lib, reps: int) -> tuple[float, list[float], list[float]]:
+    """(median seconds per layer of the C decode attention, the read bandwidth readings taken between its reps, and
+    each rep's seconds per layer over the reading after it: GB/s shares per GB).
+    The kernel is called with its arguments prepared once per layer, as the one-call driver calls it from C: the
+    Python wrapper's conversions, checks and output allocation (about 6 us a call, Zen 4) are not the kernel's.
+    Each rep is followed by a bandwidth reading, so the share of bandwidth compares the two over the same seconds
+    (this VM's read bandwidth read 24-48 GB/s within one minute)."""
+    q = case["q"]
+    out = torch.empty_like(q)  # [B, Hq, D]
+    assert decode_attention_cpu(q, case["k"][0], case["v"][0], case["req_to_token"], case["req_rows"],
+                                case["seq_lens"], 1.0, lib=lib) is not None, "the C kernel declined this shape"
+    calls = [decode_attention_c_args(q, case["k"][i], case["v"][i], case["req_to_token"], case["req_rows"],
+                                     case["seq_lens"], q.shape[-1] ** -0.5, out)
+             for i in range(case["k"].shape[0])]
+    bws: list[float] = []
+    per_gb: list[float] = []
+
+    def read(sec: float) -> None:
+        bws.append(read_bandwidth(reps=3))
+        per_gb.append(1 / (sec * bws[-1]))
+
+    sec = median_per_layer(lambda i: lib.decode_attention(*calls[i]) == 0 or None, len(calls), reps, between=read)
+    return sec, bws, per_gb
 
 
 def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, int], dtype: torch.dtype,
@@ -310,9 +331,9 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "results": results}, indent=1))
         return
-    # This VM's read bandwidth drifts (33-90 GB/s within an hour here): read it between every timing and
-    # take the shares against the median of those readings.
-    bws = [read_bandwidth()]
+    # This VM's read bandwidth drifts (33-90 GB/s within an hour here): each timing reads it between its reps
+    # and takes its share against the median of its own readings.
+    bws = []
     results = []
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
@@ -324,24 +345,23 @@ def main() -> None:
                 if lib is None:
                     print(f"{name}: this CPU cannot run that build")
                     continue
-                sec = time_decode(case, lib, args.reps)
-                bws.append(read_bandwidth())
+                sec, readings, per_gb = time_decode(case, lib, args.reps)
+                bws += readings
+                gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 * x for x in per_gb)
                 results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
                                 "context": context, "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
-                                "gbps": kv_bytes / sec / 1e9})
+                                "gbps": gbps, "read_gbps": readings, "share_of_bandwidth": share})
                 print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {name:9s} "
-                      f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {kv_bytes / sec / 1e9:6.1f} GB/s")
+                      f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * share:5.1f}% "
+                      f"of the read bandwidth (median over reps, each against the reading after it; "
+                      f"{min(readings):.1f}-{max(readings):.1f} GB/s)")
             del case
-    bw = statistics.median(bws)
-    print(f"streaming read bandwidth (torch.sum, 256 MB), {len(bws)} readings: median {bw:.1f} GB/s "
-          f"(range {min(bws):.1f}-{max(bws):.1f})")
-    for r in results:
-        r["share_of_bandwidth"] = r["gbps"] / bw
-        print(f"  {r['dtype']:8s} B={r['batch']:<3d} L={r['context']:<5d} {r['variant']:9s} "
-              f"{100 * r['share_of_bandwidth']:5.1f}% of the median read bandwidth")
+    if bws:
+        print(f"streaming read bandwidth (torch.sum, 256 MB), {len(bws)} readings: median {statistics.median(bws):.1f}"
+              f" GB/s (range {min(bws):.1f}-{max(bws):.1f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "read_gbps": bw, "read_gbps_readings": bws,
-                                               "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "read_gbps_readings": bws, "results": results},
+                                              indent=1))
 
 
 if __name__ == "__main__":

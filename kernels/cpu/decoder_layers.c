@@ -23,7 +23,10 @@
 //   hidden   = act . w_down^T                                             [T, H]
 // On return `hidden` holds the last layer's MLP output and `residual` the sum before it: what the model's final
 // add + RMSNorm reads. Linear weights are in the layout of the dtype's C GEMM: linear.c's panels (float32) or
-// its bf16 pair layout (which must take every M: a build with vdpbf16ps).
+// its bf16 pair layout. The pair kernels take every M in a build with vdpbf16ps and up to PAIR_MAX_M rows in every
+// build; the caller keeps a step's tokens within what its weights' kernels take (kernels/decoder_layers.py), so on
+// a CPU whose larger bf16 GEMMs run on oneDNN (AMX, or no AVX512-BF16) the decode of one to a few requests runs
+// here and larger steps run the per-kernel forward.
 #include <stdint.h>
 #include <time.h>
 
@@ -97,10 +100,9 @@ static int linear(const ModelDims *d, const void *x, int M, int K, const void *w
     return linear_packed(x, K, M, K, w, N, bias, out, N, threads);
 }
 
-// 1 when decoder_layers takes this model: shapes its kernels take, and a bf16 GEMM for every M in this build.
+// 1 when decoder_layers takes this model: shapes its kernels take (the bf16 pair GEMMs need an even K).
 int decoder_layers_supported(const ModelDims *d) {
-    if (d->bf16 && (!linear_bf16_pairs_dpbf16() || d->hidden % 2 || d->inter % 2 || (d->num_heads * d->head_dim) % 2))
-        return 0;
+    if (d->bf16 && (d->hidden % 2 || d->inter % 2 || (d->num_heads * d->head_dim) % 2)) return 0;
     return decode_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim)
         && prefill_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim) && d->head_dim % 2 == 0;
 }

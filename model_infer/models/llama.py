@@ -122,7 +122,8 @@ class LlamaForCausalLM(DecoderLM):
     """Pre-norm decoder: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norm.
 
     On CPU, where every kernel of a layer runs in C, the layers run in one C call (kernels/decoder_layers.py):
-    the same kernels as the loop below, bit for bit, without the Python between them."""
+    the same kernels as the loop below, bit for bit, without the Python between them. With bf16 GEMMs on oneDNN
+    above a few rows (AMX), that is the steps of up to PAIR_MAX_M tokens; the loop runs the others."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
                  tp_group: dist.ProcessGroup | None = None) -> None:
@@ -153,12 +154,13 @@ class LlamaForCausalLM(DecoderLM):
         attn = AttentionInputs.from_batch(batch)
         hidden = self._embed(batch.input_ids)  # [T, hidden]
         residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
-        if self.cpu_layers is not None:
+        one_call = self.cpu_layers is not None and self.cpu_layers.takes(hidden.shape[0])
+        if one_call:
             hidden = self.cpu_layers.run(
                 residual, kv_cache.k_caches, kv_cache.v_caches, batch.req_to_token, batch.positions, batch.kv_locs,
                 batch.num_decode, attn.decode_req_rows, attn.decode_seq_lens, attn.extend_req_rows,
                 attn.extend_q_start_locs, attn.extend_prefix_lens, attn.extend_lens)  # [T, hidden]
-        for i, layer in enumerate(w.layers if self.cpu_layers is None else ()):  # the loop the C call replaces
+        for i, layer in enumerate(() if one_call else w.layers):  # the loop the C call replaces
             if i == 0:
                 x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:

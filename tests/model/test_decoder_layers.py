@@ -1,8 +1,8 @@
 """The CPU forward's one-call decoder layers (kernels/decoder_layers.py) against the same model run one kernel call
 at a time: logits and every layer's KV cache bit for bit equal, over a ragged prefill, decode steps and a mixed
 decode + extend batch with a prefix-cache hit, for the Llama-family variants the driver takes (biases, windows,
-Qwen3's q/k norms, GQA groups of 1-3), in float32 and in bf16 where this CPU's bf16 GEMMs run in C. Also which
-models it declines."""
+Qwen3's q/k norms, GQA groups of 1-3), in float32 and bf16: every step where this CPU's bf16 GEMMs all run in C,
+the decode steps of up to PAIR_MAX_M tokens where larger ones run on oneDNN. Also which models it declines."""
 from __future__ import annotations
 
 import ctypes
@@ -13,7 +13,7 @@ import torch
 
 from lightserve.kernels.cpu import BUILD_VARIANTS, kernel_times, library, variant_library
 from lightserve.kernels.decoder_layers import CpuDecoderLayers, timed_labels
-from lightserve.kernels.linear import pack_linear_weight, pairs_take_every_m, unpack_linear_weight
+from lightserve.kernels.linear import PAIR_MAX_M, pack_linear_weight, pairs_take_every_m, unpack_linear_weight
 from lightserve.model_infer.models import load_model_dir
 
 from .fake_worker import FakeWorker
@@ -39,9 +39,21 @@ def load_pair(arch: str, dtype: torch.dtype, tmp_path) -> tuple:
     return fused, loop
 
 
+def count_one_call_steps(model) -> list[int]:
+    """From now on, the token count of every step the model's one-call driver runs, appended to the returned list."""
+    calls, run = [], model.cpu_layers.run
+
+    def counted(residual, *args):
+        calls.append(residual.shape[0])
+        return run(residual, *args)
+
+    model.cpu_layers.run = counted
+    return calls
+
+
 def run_steps(model, gen_seed: int = 0) -> list[torch.Tensor]:
-    """A ragged prefill, three decode steps (greedy), then 3 decodes beside a prefix-hit extend and a fresh
-    prefill: the logits of every step, then every layer's K and V."""
+    """A ragged prefill (65 tokens), three decode steps of 4 tokens (greedy), then 3 decodes beside a prefix-hit
+    extend and a fresh prefill (22 tokens): the logits of every step, then every layer's K and V."""
     gen = torch.Generator().manual_seed(gen_seed)
     vocab = model.config.vocab_size
     worker = FakeWorker(model)
@@ -68,17 +80,35 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
     if library() is None:
         pytest.skip("no C compiler here")
     fused, loop = load_pair(arch, dtype, tmp_path)
-    if dtype == torch.bfloat16 and not bf16_in_c():
-        # bf16 GEMMs on oneDNN here (AMX, or no vdpbf16ps): the layers run one kernel call at a time.
-        assert fused.cpu_layers is None
-        return
     assert fused.cpu_layers is not None
+    # bf16 GEMMs on oneDNN above PAIR_MAX_M rows here (AMX, or no vdpbf16ps): the driver runs the decode steps.
+    every_step = dtype == torch.float32 or bf16_in_c()
+    assert fused.cpu_layers.max_tokens == (None if every_step else PAIR_MAX_M)
+    calls = count_one_call_steps(fused)
     want = run_steps(loop)
     for got, ref in zip(run_steps(fused), want, strict=True):
         assert torch.equal(got, ref)
     # A second KV cache handed to the same model: its pointers are bound anew, the results the same.
     for got, ref in zip(run_steps(fused), want, strict=True):
         assert torch.equal(got, ref)
+    assert calls == 2 * ([65, 4, 4, 4, 22] if every_step else [4, 4, 4])
+
+
+def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_path, monkeypatch):
+    """What an AMX CPU, or one without AVX512-BF16, loads: each bf16 projection in oneDNN's layout (which runs M over
+    PAIR_MAX_M) beside linear.c's pairs. Forced here with LIGHTSERVE_ONEDNN_BF16_GEMM on any CPU: the steps of up
+    to PAIR_MAX_M tokens run in one call, the others the loop, bit for bit as the loop alone."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")
+    fused, loop = load_pair("qwen3", torch.bfloat16, tmp_path)
+    assert fused.cpu_layers.max_tokens == PAIR_MAX_M
+    gate_ups = [layer.gate_up for layer in fused.cpu_layers.layers]
+    assert all(w.onednn is not None and w.pairs is not None for w in gate_ups)
+    calls = count_one_call_steps(fused)
+    for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):
+        assert torch.equal(got, ref)
+    assert calls == [4, 4, 4]
 
 
 def test_an_empty_step_returns_no_rows(tmp_path):
@@ -95,9 +125,9 @@ def test_an_empty_step_returns_no_rows(tmp_path):
 
 @pytest.mark.parametrize("variant", [v for v in BUILD_VARIANTS if v != "native"])
 def test_one_call_layers_of_every_build_this_cpu_runs(variant, tmp_path):
-    """The driver from a narrower build (AVX2, or no AVX at all), on weights packed for that build's panels, against
-    the native build's: float32 logits agree to rounding (the vector widths sum in other orders). bf16 there has
-    no vdpbf16ps GEMM for every M, so the driver declines it."""
+    """The driver from a narrower build (AVX2, or no AVX at all) against the native build's: float32 on weights packed
+    for that build's panels, logits to rounding (the vector widths sum in other orders); bf16 on the same pairs,
+    which those builds run up to PAIR_MAX_M rows (no vdpbf16ps), so the driver there takes the decode steps."""
     lib = variant_library(variant)
     if lib is None:
         pytest.skip(f"this CPU cannot run the {variant} build")
@@ -110,9 +140,16 @@ def test_one_call_layers_of_every_build_this_cpu_runs(variant, tmp_path):
     assert fused.cpu_layers is not None
     for got, want in zip(run_steps(fused), native, strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-    bf16 = fused.cpu_layers.model_dims(0, 0, 0)
-    bf16.bf16 = 1
-    assert lib.decoder_layers_supported(ctypes.byref(bf16)) == lib.linear_bf16_pairs_dpbf16()
+
+    fused, _ = load_pair("qwen2", torch.bfloat16, tmp_path / "bf16")
+    native = run_steps(fused)
+    fused.cpu_layers = CpuDecoderLayers.build(fused.cpu_layers.layers, fused.cpu_layers.shape, torch.bfloat16, lib=lib)
+    assert fused.cpu_layers.max_tokens == PAIR_MAX_M
+    calls = count_one_call_steps(fused)
+    steps = run_steps(fused)
+    assert calls == [4, 4, 4]
+    for got, want in zip(steps[1:4], native[1:4], strict=True):  # the decode steps' logits: bf16 sums in other orders
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
 
 def test_kernel_times_report_each_kernel_of_the_one_call_layers(tmp_path):

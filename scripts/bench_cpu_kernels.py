@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """CPU kernels against the machine's own memory bandwidth, measured in the same run.
 
-First it measures the streaming read bandwidth (torch.sum over a 256 MB buffer, all threads), then times
-the C decode attention over a KV cache spread across as many layers as the model has, so that every
-layer's K/V comes from memory as in a real step, not from the last-level cache. It prints each shape's
-time per layer, the KV bytes it read and its GB/s as a share of the measured bandwidth. --prefill and --greedy
+It times the C decode attention over a KV cache spread across as many layers as the model has, so that every
+layer's K/V comes from memory as in a real step, not from the last-level cache, and reads the streaming read
+bandwidth (torch.sum over a 256 MB buffer, all threads) after every timed rep. It prints each shape's time per
+layer, the KV bytes it read, its GB/s, and that as a share of the bandwidth read beside it. --prefill and --greedy
 time kernels that compute more than they read instead (ms, and GFLOP/s for prefill attention).
 
     python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
@@ -93,7 +93,7 @@ def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: to
 def median_per_layer(attend, layers: int, reps: int, between=None) -> float:
     """Median seconds per layer of attend(layer) (None: the C kernel declined): each rep runs every layer
     once, in order, like a forward, so each layer's K/V comes from memory. between(sec): called after each timed rep
-    with its seconds per layer, outside the timing (a bandwidth reading)."""
+    with that rep's seconds per layer, outside the timing (a bandwidth reading)."""
     def one_pass() -> None:
         for i in range(layers):
             assert attend(i) is not None, "the C kernel declined this shape"
@@ -109,29 +109,26 @@ def median_per_layer(attend, layers: int, reps: int, between=None) -> float:
     return statistics.median(times)
 
 
-def time_decode(case: dict, lib, reps: int) -> tuple[float, list[float], list[float]]:
-    """(median seconds per layer of the C decode attention, the read bandwidth readings taken between its reps, and
-    each rep's seconds per layer over the reading after it: GB/s shares per GB).
-    The kernel is called with its arguments prepared once per layer, as the one-call driver calls it from C: the
-    Python wrapper's conversions, checks and output allocation (about 6 us a call, Zen 4) are not the kernel's.
-    Each rep is followed by a bandwidth reading, so the share of bandwidth compares the two over the same seconds
-    (this VM's read bandwidth read 24-48 GB/s within one minute)."""
+def time_decode(case: dict, lib, reps: int) -> tuple[float, list[tuple[float, float]]]:
+    """(median seconds per layer of the C decode attention, each rep's (seconds per layer, the read bandwidth in GB/s
+    read right after it)). The kernel is called with its arguments prepared once per layer, as the one-call driver
+    calls it from C: the Python wrapper's conversions, checks and output allocation (about 6 us a call, Zen 4) are
+    not the kernel's; its output for the last layer is checked against the wrapper's. Each rep is followed by a
+    bandwidth reading, so a share of bandwidth compares the two over the same seconds (this VM's read bandwidth
+    read 24-50 GB/s within one minute)."""
     q = case["q"]
     out = torch.empty_like(q)  # [B, Hq, D]
-    assert decode_attention_cpu(q, case["k"][0], case["v"][0], case["req_to_token"], case["req_rows"],
-                                case["seq_lens"], 1.0, lib=lib) is not None, "the C kernel declined this shape"
+    scale = q.shape[-1] ** -0.5
     calls = [decode_attention_c_args(q, case["k"][i], case["v"][i], case["req_to_token"], case["req_rows"],
-                                     case["seq_lens"], q.shape[-1] ** -0.5, out)
+                                     case["seq_lens"], scale, out)
              for i in range(case["k"].shape[0])]
-    bws: list[float] = []
-    per_gb: list[float] = []
-
-    def read(sec: float) -> None:
-        bws.append(read_bandwidth(reps=3))
-        per_gb.append(1 / (sec * bws[-1]))
-
-    sec = median_per_layer(lambda i: lib.decode_attention(*calls[i]) == 0 or None, len(calls), reps, between=read)
-    return sec, bws, per_gb
+    pairs: list[tuple[float, float]] = []
+    sec = median_per_layer(lambda i: lib.decode_attention(*calls[i]) == 0 or None, len(calls), reps,
+                           between=lambda rep_sec: pairs.append((rep_sec, read_bandwidth(reps=3))))
+    want = decode_attention_cpu(q, case["k"][-1], case["v"][-1], case["req_to_token"], case["req_rows"],
+                                case["seq_lens"], scale, lib=lib)
+    assert want is not None and torch.equal(out, want), "the prepared call disagrees with the wrapper"
+    return sec, pairs
 
 
 def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, int], dtype: torch.dtype,
@@ -331,8 +328,8 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps({"cpu": cpu_caption(), "results": results}, indent=1))
         return
-    # This VM's read bandwidth drifts (33-90 GB/s within an hour here): each timing reads it between its reps
-    # and takes its share against the median of its own readings.
+    # This VM's read bandwidth drifts (24-50 GB/s within a minute here): each timing reads it after every rep, and
+    # its share is the median over the reps of the rep's GB/s over the reading after it.
     bws = []
     results = []
     for dtype_name in args.dtypes:
@@ -345,9 +342,10 @@ def main() -> None:
                 if lib is None:
                     print(f"{name}: this CPU cannot run that build")
                     continue
-                sec, readings, per_gb = time_decode(case, lib, args.reps)
+                sec, pairs = time_decode(case, lib, args.reps)
+                readings = [bw for _, bw in pairs]
                 bws += readings
-                gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 * x for x in per_gb)
+                gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 / s / bw for s, bw in pairs)
                 results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
                                 "context": context, "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
                                 "gbps": gbps, "read_gbps": readings, "share_of_bandwidth": share})

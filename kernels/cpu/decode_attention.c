@@ -32,10 +32,13 @@
 // requests in flight at once, so most were dropped). The prefetches go to L2 (PF_LOCALITY below).
 // Issuing the V rows' prefetches from the V pass instead of the score pass keeps memory busy through
 // both passes: on Zen 4 (batch 64 x 384 and 16 x 1,100, bf16 and float32) 9-12% faster.
-// A thread claims its next task before it runs the current one, so the current task's last block prefetches
-// the next task's first rows and a task never starts on rows nobody asked for: each thread's tasks are one
-// stream to the prefetches. Zen 4, raw kernel calls alternated in one process, 3-4 pairs each: bf16 batch 64 x 384
-// 1.07-1.13 ms -> 0.98-1.02 a layer, 16 x 1,100 and 1 x 2,000 7-12% faster, float32 7-19% faster.
+// A thread claims its next task when it starts the current one's last block, and that block prefetches the next
+// task's first rows, so a task never starts on rows nobody asked for: each thread's tasks are one stream to the
+// prefetches, and the claim comes late enough to keep the balance of claiming on completion. Zen 4, raw kernel
+// calls, SmolLM2's heads, the two builds alternated in one process, medians of 3 pairs: bf16 KV at 64 x 384 0.894 ->
+// 0.745 ms a layer, 16 x 1,100 0.611 -> 0.581, 1 x 2,000 0.092 -> 0.083; float32 at 64 x 384 1.79 -> 1.40. Claiming
+// at the start of the current task instead gained as much there but cost 15-25% at 1 x 300 (3 tasks on 2 threads:
+// one thread took two), where this build runs as before.
 // Vectors are vec.h's `vf`: 16 lanes on AVX-512 CPUs, 8 on AVX2 ones, from this one source.
 #include <math.h>
 #include <stdint.h>
@@ -75,6 +78,18 @@ typedef struct {
     int req, lo, hi;
 } Task;
 
+// The tasks in the order the threads claim them (longest first), and where a task's rows are.
+typedef struct {
+    const Task *order;
+    int num_tasks;
+    int *claimed;  // the next unclaimed index in order; threads take tasks by atomic increments
+    const int32_t *req_to_token, *req_rows;
+    int64_t r2t_row;
+} Queue;
+
+// Claims the next task: its index in queue->order, or num_tasks when none is left.
+static int claim(const Queue *queue) { return __atomic_fetch_add(queue->claimed, 1, __ATOMIC_RELAXED); }
+
 // One K or V row of one head (dim elements) as dim / VL vectors; bf16 rows in vec.h's even/odd order.
 static inline __attribute__((always_inline)) void load_row(const void *p, int bf16, int dim, vf *r) {
     if (bf16) {
@@ -85,14 +100,14 @@ static inline __attribute__((always_inline)) void load_row(const void *p, int bf
 }
 
 // One task. qp: [Hq, dim], the request's query in load_row's element order; scores are scaled by `scale`.
-// locs: the request's KV rows by token; the task reads tokens [lo, hi). nlocs / [nlo, nhi): the thread's next task
-// (NULL: none), whose first rows the last block prefetches.
+// locs: the request's KV rows by token; the task reads tokens [lo, hi). Its last block claims the thread's next
+// task from `queue` and prefetches that task's first rows; returns the claimed index (num_tasks: none left).
 // qb: [Hq, dim], the query as bf16 in its own order, for the DPBF16 scores (qp is then unset); NULL: widen K.
 // state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi).
 // bf16, dim and group are compile-time constants in the instances below (a runtime group works too).
-static inline __attribute__((always_inline)) void attend(
+static inline __attribute__((always_inline)) int attend(
     const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo,
-    int hi, const int32_t *nlocs, int nlo, int nhi, int num_kv_heads, int64_t kc_row, int64_t vc_row, float scale,
+    int hi, const Queue *queue, int num_kv_heads, int64_t kc_row, int64_t vc_row, float scale,
     float softcap, float *state, const int bf16, const int dim, const int group) {
     enum { NV_MAX = MAX_DIM / VL };
     const int nv = dim / VL, esize = bf16 ? 2 : 4;
@@ -107,6 +122,9 @@ static inline __attribute__((always_inline)) void attend(
     memset(acc, 0, sizeof(float) * (size_t)num_heads * dim);
     const char *kc = k_cache, *vc = v_cache;
     const int64_t k_step = kc_row * esize, v_step = vc_row * esize;
+    int next = -1;  // the next task, claimed at the last block
+    const int32_t *nlocs = NULL;
+    int nlo = 0, nhi = 0;
 
     for (int t0 = lo; t0 < hi; t0 += BLOCK) {
         const int n = hi - t0 < BLOCK ? hi - t0 : BLOCK;
@@ -116,10 +134,18 @@ static inline __attribute__((always_inline)) void attend(
             kr[j] = kc + loc * k_step;
             vr[j] = vc + loc * v_step;
         }
-        // The next block's rows (past hi: the next task's first ones), prefetched a head at a time, K in the score loop and V in the V loop: spread out,
-        // so the requests never outnumber the line-fill buffers (a burst of them at the block's start
-        // was measured to gain nothing).
+        // The next block's rows (past hi: the next task's first ones), prefetched a head at a time, K in the score
+        // loop and V in the V loop: spread out, so the requests never outnumber the line-fill buffers (a burst of
+        // them at the block's start was measured to gain nothing).
         const char *pk[BLOCK], *pv[BLOCK];
+        if (t0 + PF_DIST >= hi && next < 0) {  // the last block: the rows PF_DIST ahead are the next task's
+            next = claim(queue);
+            if (next < queue->num_tasks) {
+                const Task nt = queue->order[next];
+                nlocs = queue->req_to_token + (int64_t)queue->req_rows[nt.req] * queue->r2t_row;
+                nlo = nt.lo, nhi = nt.hi;
+            }
+        }
         for (int j = 0; j < BLOCK; j++) {
             const int t = t0 + PF_DIST + j, u = nlo + (t - hi);
             const int64_t loc = t < hi ? locs[t] : (nlocs && u < nhi ? nlocs[u] : -1);
@@ -211,18 +237,19 @@ static inline __attribute__((always_inline)) void attend(
         for (int i = 0; i < VL; i++) sum += t[i];
         l[hg] = sum;
     }
+    return next < 0 ? claim(queue) : next;  // next < 0: no block ran (an empty task; the callers make none)
 }
 
-typedef void (*task_fn)(const float *, const uint16_t *, const void *, const void *, const int32_t *, int, int,
-                        const int32_t *, int, int, int, int64_t, int64_t, float, float, float *, int);
+typedef int (*task_fn)(const float *, const uint16_t *, const void *, const void *, const int32_t *, int, int,
+                       const Queue *, int, int64_t, int64_t, float, float, float *, int);
 
 #define TASK(BF, DIM, G)                                                                                  \
-    static void task_##BF##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc, const int32_t *locs, \
-                                        int lo, int hi, const int32_t *nl, int nlo, int nhi, int hk,          \
-                                        int64_t kc_row, int64_t vc_row, float scale,                          \
-                                        float softcap, float *state, int group) {                         \
-        attend(qp, qb, kc, vc, locs, lo, hi, nl, nlo, nhi, hk, kc_row, vc_row, scale, softcap, state, BF, DIM,  \
-               G ? G : group);                                                                             \
+    static int task_##BF##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc, const int32_t *locs, \
+                                       int lo, int hi, const Queue *queue, int hk,                            \
+                                       int64_t kc_row, int64_t vc_row, float scale,                           \
+                                       float softcap, float *state, int group) {                              \
+        return attend(qp, qb, kc, vc, locs, lo, hi, queue, hk, kc_row, vc_row, scale, softcap, state, BF, DIM, \
+                      G ? G : group);                                                                      \
     }
 // Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
 #define TASKS(BF, DIM) TASK(BF, DIM, 0) TASK(BF, DIM, 1) TASK(BF, DIM, 2) TASK(BF, DIM, 3) TASK(BF, DIM, 4) \
@@ -286,15 +313,12 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
     const task_fn fn = TASK_TABLE[kv_is_bf16 != 0][dim == 64 ? 0 : dim == 128 ? 1 : 2][group <= 8 ? group : 0];
 
     int claimed = 0;
+    const Queue queue = {order, num_tasks, &claimed, req_to_token, req_rows, r2t_row};
 #pragma omp parallel num_threads(num_threads)
     {
-        // Tasks longest first, each thread claiming its next before it runs the current one (see the top).
-        int next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
-        while (next < num_tasks) {
-            const int i = next;
-            next = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
+        // Tasks longest first; each task's last block claims the thread's next (see the top).
+        for (int i = claim(&queue); i < num_tasks;) {
             const Task tk = order[i];
-            const Task *nt = next < num_tasks ? &order[next] : NULL;
             const int b = tk.req;
             // The request's query: bf16 as given for the DPBF16 scores, else as floats in load_row's order.
             const int use_dp = DPBF16 && kv_is_bf16 && act_bf16;
@@ -316,9 +340,8 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
             }
             // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
             int slot = first[b] + (int)((tk.lo - WINDOW_LO(b)) / chunk);
-            fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo, tk.hi,
-               nt ? req_to_token + (int64_t)req_rows[nt->req] * r2t_row : NULL, nt ? nt->lo : 0, nt ? nt->hi : 0,
-               num_kv_heads, kc_row, vc_row, scale, softcap, state + slot * state_len, group);
+            i = fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo,
+                   tk.hi, &queue, num_kv_heads, kc_row, vc_row, scale, softcap, state + slot * state_len, group);
         }
 #pragma omp barrier
         // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).

@@ -21,3 +21,23 @@ def test_linears_report_both_dtypes_and_the_fma_peak(tmp_path):
     peak = report["fma_peak_gflops"]
     assert peak is not None and peak > max(r["gflops_served"] for r in rows.values() if r["op"] == "linear_float32")
     assert "float32 FMA peak" in run.stdout
+
+
+def test_decode_attention_reports_its_share_of_the_bandwidth_read_beside_it(tmp_path):
+    """The decode mode: the kernel called with prepared arguments (checked against its wrapper inside the script),
+    a bandwidth reading after every rep, and the share taken against those readings."""
+    out = tmp_path / "decode.json"
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_cpu_kernels.py"), "--shapes", "2x96", "1x300",
+                          "--dtypes", "bfloat16", "float32", "--layers", "2", "--reps", "3", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {(r["dtype"], r["batch"], r["context"]): r for r in report["results"]}
+    assert set(rows) == {(d, b, c) for d in ("bfloat16", "float32") for b, c in ((2, 96), (1, 300))}
+    for r in rows.values():
+        assert len(r["read_gbps"]) == 3 and all(bw > 0 for bw in r["read_gbps"])
+        kv_bytes = 2 * r["batch"] * r["context"] * 3 * 64 * (2 if r["dtype"] == "bfloat16" else 4)
+        assert abs(r["gbps"] - kv_bytes / (r["ms_per_layer"] / 1e3) / 1e9) < 1e-6 * r["gbps"]
+        # each rep's share lies between the slowest and fastest rep over the highest and lowest reading
+        assert 0 < r["share_of_bandwidth"] < 10 * r["gbps"] / min(r["read_gbps"])
+    assert len(report["read_gbps_readings"]) == 3 * len(rows)

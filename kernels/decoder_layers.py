@@ -128,9 +128,8 @@ class CpuDecoderLayers:
             return None
         if not all(_takes_layer(lib, layer, shape, dtype) for layer in layers):
             return None
-        # q/k norms on every layer or on none (the scratch has the normed q and k or not)
-        if len({(layer.q_norm is None, layer.k_norm is None) for layer in layers}) != 1 \
-                or (layers[0].q_norm is None) != (layers[0].k_norm is None):
+        # q and k norms on every layer or on none (the scratch has the normed q and k or not)
+        if len({layer.q_norm is None for layer in layers} | {layer.k_norm is None for layer in layers}) != 1:
             return None
         every_m = dtype == torch.float32 or (bool(lib.linear_bf16_pairs_dpbf16()) and all(
             w.onednn is None for layer in layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))

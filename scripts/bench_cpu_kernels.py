@@ -348,7 +348,8 @@ def main() -> None:
                 gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 / s / bw for s, bw in pairs)
                 results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
                                 "context": context, "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
-                                "gbps": gbps, "read_gbps": readings, "share_of_bandwidth": share})
+                                "gbps": gbps, "rep_ms_per_layer": [1e3 * s for s, _ in pairs],
+                                "read_gbps": readings, "share_of_bandwidth": share})
                 print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {name:9s} "
                       f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * share:5.1f}% "
                       f"of the read bandwidth (median over reps, each against the reading after it; "

@@ -5,7 +5,8 @@
 # scripts/benchmark_serving.py once as a warm-up (discarded: the first load after a start runs
 # 35-45% slower) and RUNS more times; report medians. Writes results/compare_vllm.json (merged
 # with what is already there, so `--only vllm` then `--only lightserve` fills one table) and the
-# per-run JSONs under results/compare_vllm_runs/. Servers it started are stopped on exit.
+# per-run JSONs beside it, under results/compare_vllm_runs/ (for --out DIR/NAME.json: DIR/NAME_runs/, so
+# passes written to different files keep their own runs). Servers it started are stopped on exit.
 #
 #   W1 throughput   128 prompts of 128-512 tokens, 128 output tokens, all at once, concurrency 64
 #   W2 latency      16 prompts of 256 tokens, 64 output tokens, concurrency 1
@@ -19,7 +20,7 @@
 #            [--workloads W1,W2,W3] [--dtype auto|bfloat16|float32] [--vllm-venv DIR] [--python PY]
 #            [--out FILE] [--install-vllm] [--summarize-only]
 # --summarize-only starts nothing: it rebuilds the medians and the table from the per-run JSONs
-# already in results/compare_vllm_runs/ (for the sides --only names), e.g. after an interrupted run.
+# already in the --out file's runs folder (for the sides --only names), e.g. after an interrupted run.
 # Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS DTYPE VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
 # VLLM_MEM_FRACTION (vLLM's --gpu-memory-utilization, on CPU a share of RAM; default 0.3) and
 # VLLM_EXTRA_ARGS (more vLLM server flags) and LIGHTSERVE_EXTRA_ARGS (more lightserve server flags).
@@ -74,7 +75,7 @@ OUT=$(realpath -m "$OUT")
 
 cd "$REPO"
 BENCH="$REPO/scripts/benchmark_serving.py"
-RUN_DIR="$(dirname "$OUT")/compare_vllm_runs"
+RUN_DIR="${OUT%.json}_runs"
 BASE_URL="http://127.0.0.1:$PORT"
 mkdir -p "$RUN_DIR"
 

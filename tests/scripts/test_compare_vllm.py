@@ -77,7 +77,7 @@ def test_compare_script_runs_and_cleans_up(setup: dict) -> None:
     assert rows and all(r["vllm"] is None and r["ratio"] is None and r["lightserve"] is not None for r in rows)
     assert "TTFT mean ms" in proc.stdout and "wrote" in proc.stdout
     # Each run used its own seed, so the prompts differ between runs (no prefix-cache carry-over).
-    runs = setup["out"].parent / "compare_vllm_runs"
+    runs = setup["out"].parent / "cmp_runs"  # the --out file's runs folder
     seeds = {json.loads((runs / f"lightserve-W2-{r}.json").read_text())["config"]["seed"] for r in ("warmup", "1")}
     assert len(seeds) == 2
     # --summarize-only starts no server and rebuilds the same medians from the run files.

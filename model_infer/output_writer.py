@@ -97,10 +97,12 @@ class OutputWriter:
                                     raw_logits=None if logits is raw else raw)
         pos = prompt_lens + num_out                              # where each new token goes
         self.history.append(idx, pos, next_ids)
-        # One read-back for both (the step's one wait for the GPU): ids < 2**53 are exact in float64.
-        both = torch.stack([next_ids.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()   # [2, S]
-        ids = both[0].astype(np.int32)
-        lps = both[1].astype(np.float32)
+        if next_ids.device.type != "cpu":
+            # One read-back for both (the step's one wait for the GPU): ids < 2**53 are exact in float64.
+            both = torch.stack([next_ids.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()   # [2, S]
+            ids, lps = both[0].astype(np.int32), both[1].astype(np.float32)
+        else:  # host tensors: numpy views, no stack
+            ids, lps = next_ids.numpy().astype(np.int32), logprobs.numpy().astype(np.float32)
         top_k = np.minimum(params["top_logprobs"], pool.max_top_logprobs)
         top_rows = np.flatnonzero(top_k > 0)
         if top_rows.size:
@@ -119,7 +121,9 @@ class OutputWriter:
         # Finish status, vectorized over the batch.
         allow_stop = new_count >= params["min_new_tokens"]
         # A finished grammar (its matcher accepted eos) ends the request like eos does.
-        is_eos = np.isin(ids, self.eos_ids) & ((params["ignore_eos"] == 0) | (params["grammar_kind"] != 0))
+        # [S, E] compare, not np.isin: isin's general algorithm costs ~0.15 ms a step after a CPU forward.
+        is_eos = ((ids[:, None] == self.eos_ids).any(axis=1)
+                  & ((params["ignore_eos"] == 0) | (params["grammar_kind"] != 0)))
         stop_slots = np.arange(params["stop_token_ids"].shape[1]) < params["num_stop_token_ids"][:, None]
         is_stop_id = ((params["stop_token_ids"] == ids[:, None]) & stop_slots).any(axis=1)
         at_length = (new_count >= params["max_new_tokens"]) | (pos + 1 >= pool.max_len)

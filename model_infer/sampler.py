@@ -66,19 +66,21 @@ def sample(logits: torch.Tensor, params: SamplingTensors,
     vocab = logits.shape[1]
     # Host copies in fixed dtypes (the parameters usually come from numpy arrays of any int/float width).
     temperatures = params.temperature.to("cpu", torch.float32)
-    top_ps = params.top_p.to("cpu", torch.float32)
     top_ks = params.top_k.to("cpu", torch.int64)
-    top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
-    seeds, steps = params.seed, params.step
-    min_ps = torch.zeros_like(temperatures) if params.min_p is None else params.min_p.to("cpu", torch.float32)
     greedy = (temperatures <= 0) | (top_ks == 1)  # [B] bool, on the host
     raw = logits if raw_logits is None else raw_logits
     all_greedy = bool(greedy.all())
+    # An all-greedy batch needs none of the other parameters: it returns before they are converted (each small
+    # torch op costs tens of us right after a CPU forward has streamed the weights through the caches).
     if raw is logits and all_greedy:
         fused = greedy_cpu(logits)  # argmax and logsumexp in one C call on CPU
         if fused is not None:
             next_ids, lse = fused
             return next_ids, logits.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
+    top_ps = params.top_p.to("cpu", torch.float32)
+    top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
+    seeds, steps = params.seed, params.step
+    min_ps = torch.zeros_like(temperatures) if params.min_p is None else params.min_p.to("cpu", torch.float32)
     greedy_ids = logits.argmax(dim=-1)  # [B]
     if all_greedy:
         next_ids = greedy_ids

@@ -222,3 +222,24 @@ def linear_cpu(x: Tensor, weight: PackedLinear, bias: Tensor | None = None, lib=
             x.data_ptr(), x.stride(0), m, weight.in_features, weight.panels.data_ptr(), n,
             None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def linear_silu_cpu(x: Tensor, gate_up: PackedLinear, lib=None) -> Tensor | None:
+    """silu(gate) * up of x . gate_up^T in one C call (linear.c's linear_packed_silu, the float32 GEMM with
+    SiLU-and-mul as its epilogue): x [M, K] float32 (rows may be strided), gate_up [2I, K] packed (gate rows, then up
+    rows) -> [M, I], bit for bit silu_and_mul of linear_cpu's output. None where it does not run (I not a multiple of
+    the panel width, another dtype or layout) and the caller runs the two. The decoder-layer driver calls the same
+    kernel."""
+    from lightserve.kernels.cpu import library, profiled
+
+    lib = lib or library()
+    if lib is None or x.dim() != 2 or x.shape[0] == 0 or x.dtype != torch.float32 or x.stride(1) != 1 \
+            or x.shape[1] != gate_up.in_features or gate_up.panel != lib.linear_panel_width() \
+            or gate_up.out_features % 2:
+        return None
+    m, inter = x.shape[0], gate_up.out_features // 2
+    out = torch.empty(m, inter, dtype=torch.float32)  # [M, I]
+    with profiled("linear_silu_cpu"):  # visible in scripts/profile_step.py
+        rc = lib.linear_packed_silu(x.data_ptr(), x.stride(0), m, gate_up.in_features, gate_up.panels.data_ptr(),
+                                    inter, out.data_ptr(), torch.get_num_threads())
+    return out if rc == 0 else None

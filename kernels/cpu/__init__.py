@@ -203,6 +203,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.linear_bf16_pairs.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
     lib.linear_bf16_pairs_dpbf16.restype = ctypes.c_int
     lib.linear_bf16_pairs_dpbf16.argtypes = []
+    lib.linear_packed_silu.restype = ctypes.c_int
+    lib.linear_packed_silu.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, i32]
     lib.silu_and_mul.restype = None
     lib.silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i32, i32]
     lib.argmax_logsumexp.restype = None

@@ -20,6 +20,7 @@
 //   x        = residual += hidden, rmsnorm(residual)                      [T, H]
 //   gate_up  = x . w_gate_up^T                                            [T, 2 I]
 //   act      = silu(gate) * up                                            [T, I]
+//              (float32: one call, linear_packed_silu, where it takes the shapes; gate_up is then never written)
 //   hidden   = act . w_down^T                                             [T, H]
 // On return `hidden` holds the last layer's MLP output and `residual` the sum before it: what the model's final
 // add + RMSNorm reads. Linear weights are in the layout of the dtype's C GEMM: linear.c's panels (float32) or
@@ -177,12 +178,18 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         tic(&t);
         rmsnorm(hidden, H, residual, w->post_attn_norm, T, H, d->eps, buf->x, bf16, threads);
         toc(&t, T_NORM);
+        // float32: gate_up with SiLU-and-mul as its epilogue where linear_packed_silu takes the shapes (timed as the
+        // GEMM it is); else the GEMM, then the activation.
         tic(&t);
-        if (linear(d, buf->x, T, H, w->gate_up, 2 * I, NULL, buf->gate_up, threads)) FAIL(l, T_LINEAR);
-        toc(&t, T_LINEAR);
-        tic(&t);
-        silu_and_mul(buf->gate_up, 2 * I, T, I, buf->act, bf16, threads);
-        toc(&t, T_ACT);
+        if (!bf16 && linear_packed_silu(buf->x, H, T, H, w->gate_up, I, buf->act, threads) == 0) {
+            toc(&t, T_LINEAR);
+        } else {
+            if (linear(d, buf->x, T, H, w->gate_up, 2 * I, NULL, buf->gate_up, threads)) FAIL(l, T_LINEAR);
+            toc(&t, T_LINEAR);
+            tic(&t);
+            silu_and_mul(buf->gate_up, 2 * I, T, I, buf->act, bf16, threads);
+            toc(&t, T_ACT);
+        }
         tic(&t);
         if (linear(d, buf->act, T, I, w->down, H, NULL, hidden, threads)) FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);

@@ -26,13 +26,7 @@
 
 #include "fastmath.h"
 #include "kernels.h"
-
-// exp(x) for any float x: clamped to [-87, 88], where expf underflows / overflows anyway.
-static inline float exp_any(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    return exp_in_range(x);
-}
+#include "silu.h"
 
 // Element i of a float32 or bfloat16 array, as float; and a float stored back in that dtype. With
 // `bf16` a constant (every caller below passes one), each loop compiles to one vectorized dtype.
@@ -62,33 +56,7 @@ static inline __attribute__((always_inline)) float rnd(float v, int bf16) {
 //   241 -> 205, 283 -> 220 us.
 #define CHUNK 256
 
-// One row of each op, with `bf16` a constant at each call: the dtype branch sits outside the loops.
-// (The OpenMP loops live in the public functions: a parallel loop inside an inlined helper is outlined
-// before inlining, and its dtype would then be a run-time value in the inner loop.)
-static inline __attribute__((always_inline)) void silu_and_mul_row(const void *gate, const void *up, void *o,
-                                                                   int64_t inter, const int bf16) {
-    if (!bf16) {
-        for (int64_t i = 0; i < inter; i++) {
-            float g = ((const float *)gate)[i];
-            ((float *)o)[i] = g / (1.0f + exp_any(-g)) * ((const float *)up)[i];
-        }
-        return;
-    }
-    // bf16: silu rounded, then the product rounded, a chunk at a time (see CHUNK).
-    const uint16_t *g = gate, *u = up;
-    float t[CHUNK];
-    for (int64_t c = 0; c < inter; c += CHUNK) {
-        const int n = inter - c < CHUNK ? (int)(inter - c) : CHUNK;
-        for (int i = 0; i < n; i++) {
-            float x = bf16_to_f32(g[c + i]);
-            t[i] = x / (1.0f + exp_any(-x));
-        }
-        bf16_round_array(t, n);
-        for (int i = 0; i < n; i++) t[i] *= bf16_to_f32(u[c + i]);
-        f32_to_bf16_array(t, (uint16_t *)o + c, n);
-    }
-}
-
+// Its row, silu_and_mul_row, is in silu.h: linear.c's float32 gate_up GEMM runs it as its epilogue.
 void silu_and_mul(const void *x, int64_t x_row, int64_t rows, int64_t inter, void *out, int bf16, int num_threads) {
     const int es = bf16 ? 2 : 4;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * inter >= PAR_MIN_ELEMS)
@@ -102,6 +70,9 @@ void silu_and_mul(const void *x, int64_t x_row, int64_t rows, int64_t inter, voi
     }
 }
 
+// One row of each op, with `bf16` a constant at each call: the dtype branch sits outside the loops.
+// (The OpenMP loops live in the public functions: a parallel loop inside an inlined helper is outlined
+// before inlining, and its dtype would then be a run-time value in the inner loop.)
 static inline __attribute__((always_inline)) void rmsnorm_row(const void *x, void *res, const void *weight,
                                                               int64_t hidden, float eps, void *o, const int bf16) {
     float t[CHUNK];  // bf16 only

@@ -28,6 +28,8 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
 int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
                       const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads);
 int linear_bf16_pairs_dpbf16(void);
+int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float *wp, int inter, float *out,
+                       int num_threads);
 
 // elementwise.c
 void silu_and_mul(const void *x, int64_t x_row, int64_t rows, int64_t inter, void *out, int bf16, int num_threads);

@@ -2,11 +2,13 @@
 row counts its tiles split into (6-row tiles, row blocks of a large x), output features that leave the last
 panel partial, bias and strided input rows; what it declines falls back to F.linear. Then the bf16 pair kernel
 that runs bf16 models' linears at M <= PAIR_MAX_M in every build, its vdpbf16ps GEMM above that (AVX512-BF16
-builds), and the dispatch between them and oneDNN."""
+builds), and the dispatch between them and oneDNN. Also the float32 gate_up GEMM with SiLU-and-mul as its epilogue
+against the two kernels."""
 import pytest
 import torch
 import torch.nn.functional as F
 
+from lightserve.kernels.activation import silu_and_mul_cpu
 from lightserve.kernels.cpu import cpu_flags, library, variant_library
 from lightserve.kernels.linear import (
     PAIR_MAX_M,
@@ -15,6 +17,7 @@ from lightserve.kernels.linear import (
     linear_bf16_pairs,
     linear_cpu,
     linear_ref,
+    linear_silu_cpu,
     onednn_available,
     pack_bf16_pairs,
     pack_linear_weight,
@@ -59,6 +62,32 @@ def test_c_linear_matches_f_linear(m, n, variant):
     torch.testing.assert_close(linear_cpu(x, packed, b, lib=lib), F.linear(x, w, b), **TOL)
     if variant == "native":
         torch.testing.assert_close(linear(x, packed), F.linear(x, w), **TOL)
+
+
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("m", [1, 5, 8, 47, 64, 100, 1900])  # 1900 rows of K 576: two row blocks
+@pytest.mark.parametrize("inter", [64, 96])
+def test_gate_up_with_silu_epilogue_is_the_linear_then_silu_and_mul_bit_for_bit(m, inter, variant):
+    """linear_packed_silu, float32 (what the decoder-layer driver runs for gate_up): the same bits as linear_cpu of
+    the [2I, K] weight and then silu_and_mul, in every build this CPU runs, through partial tiles and row blocks,
+    from strided rows."""
+    lib = variant_library(variant)
+    x, w, _ = _case(m, 2 * inter, 576, seed=m + inter)
+    wide = torch.randn(m, 600)
+    wide[:, :576] = x
+    packed = pack_linear_weight(w, lib=lib)
+    want = silu_and_mul_cpu(linear_cpu(x, packed, lib=lib), lib=lib)
+    got = linear_silu_cpu(wide[:, :576], packed, lib=lib)
+    assert got is not None and got.shape == (m, inter)
+    assert torch.equal(got, want)
+
+
+def test_gate_up_with_silu_epilogue_declines_what_it_does_not_take():
+    """An I that is not a multiple of the panel width (a panel would hold gate and up features), and bf16: the
+    caller then runs the linear and silu_and_mul."""
+    x, w, _ = _case(8, 2 * 40, 64)
+    assert linear_silu_cpu(x, pack_linear_weight(w)) is None
+    assert linear_silu_cpu(x.bfloat16(), pack_linear_weight(w)) is None
 
 
 def test_row_blocks_of_a_large_x():

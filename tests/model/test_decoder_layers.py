@@ -111,6 +111,25 @@ def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_pa
     assert calls == [4, 4, 4]
 
 
+def test_float32_gate_up_runs_fused_or_as_two_kernels_bit_for_bit(tmp_path):
+    """The driver runs float32 gate_up with its SiLU epilogue in one kernel where the intermediate size is a multiple
+    of the panel width (the tiny models' 128 in the test above) and as the GEMM then silu_and_mul where it is not
+    (72 here): both give the per-kernel loop's bits."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    hidden, heads, kv_heads = SHAPES["llama3"]
+    model_dir = make_tiny_model("llama3", tmp_path, hidden_size=hidden, num_attention_heads=heads,
+                                num_key_value_heads=kv_heads, intermediate_size=72)
+    fused, loop = load_model_dir(model_dir, dtype=torch.float32), load_model_dir(model_dir, dtype=torch.float32)
+    loop.cpu_layers = None
+    assert fused.cpu_layers is not None
+    with kernel_times() as times:
+        got = run_steps(fused)
+    for g, ref in zip(got, run_steps(loop), strict=True):
+        assert torch.equal(g, ref)
+    assert times["silu_and_mul_cpu"] > 0  # the activation ran as its own kernel
+
+
 def test_an_empty_step_returns_no_rows(tmp_path):
     if library() is None:
         pytest.skip("no C compiler here")
@@ -160,9 +179,10 @@ def test_kernel_times_report_each_kernel_of_the_one_call_layers(tmp_path):
     worker.step([(0, [5, 6, 7, 8])], num_decode=0)
     with kernel_times() as times:
         worker.step([(0, [9])], num_decode=1)  # a decode step: no prefill attention
-    want = set(timed_labels(torch.float32)) - {"prefill_attention_cpu"}
+    # float32 gate_up runs with its SiLU epilogue (intermediate 128): no activation kernel of its own.
+    want = set(timed_labels(torch.float32)) - {"prefill_attention_cpu", "silu_and_mul_cpu"}
     assert want <= set(times) and all(times[k] > 0 for k in want)
-    assert "prefill_attention_cpu" not in times and "decoder_layers_cpu" not in times
+    assert not {"prefill_attention_cpu", "silu_and_mul_cpu", "decoder_layers_cpu"} & set(times)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mixtral"])

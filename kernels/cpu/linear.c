@@ -72,6 +72,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
     }
 }
 
+// tile() at the height tile_rows chose (MR_TALL or MR), each height its own compiled instance.
+static inline __attribute__((always_inline)) void tile_of(int rows, const float *x, int64_t x_row, int mr,
+                                                           const float *b, int K, float *out, int64_t out_row,
+                                                           int ncols, const float *bias) {
+    if (rows == MR_TALL)
+        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, MR_TALL);
+    else
+        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, MR);
+}
+
 // Rows of x per block, a multiple of mr: M cut into equal blocks of at most block_bytes of x (rows of row_bytes),
 // each streaming the weights once. Shared by the float32 and the bf16 GEMM.
 static int row_block(int M, int64_t row_bytes, int64_t block_bytes, int mr) {
@@ -110,10 +120,7 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
                 const int mr = mc - i < rows ? mc - i : rows;
                 const float *xi = xb + (int64_t)i * x_row, *bias_n = bias ? bias + n : 0;
                 float *oi = ob + (int64_t)i * out_row + n;
-                if (rows == MR_TALL)
-                    tile(xi, x_row, mr, b, K, oi, out_row, ncols, bias_n, MR_TALL);
-                else
-                    tile(xi, x_row, mr, b, K, oi, out_row, ncols, bias_n, MR);
+                tile_of(rows, xi, x_row, mr, b, K, oi, out_row, ncols, bias_n);
             }
         }
     }
@@ -147,13 +154,8 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
             for (int i = 0; i < mc; i += rows) {
                 const int mr = mc - i < rows ? mc - i : rows;
                 const float *xi = x + (int64_t)(m0 + i) * x_row;
-                if (rows == MR_TALL) {
-                    tile(xi, x_row, mr, bg, K, g, NR, NR, NULL, MR_TALL);
-                    tile(xi, x_row, mr, bu, K, u, NR, NR, NULL, MR_TALL);
-                } else {
-                    tile(xi, x_row, mr, bg, K, g, NR, NR, NULL, MR);
-                    tile(xi, x_row, mr, bu, K, u, NR, NR, NULL, MR);
-                }
+                tile_of(rows, xi, x_row, mr, bg, K, g, NR, NR, NULL);
+                tile_of(rows, xi, x_row, mr, bu, K, u, NR, NR, NULL);
                 for (int m = 0; m < mr; m++)
                     silu_and_mul_row(g + m * NR, u + m * NR, out + (int64_t)(m0 + i + m) * inter + p * NR, NR, 0);
             }

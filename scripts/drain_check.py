@@ -198,10 +198,17 @@ async def _one_request(client: httpx.AsyncClient, url: str, model: str, i: int, 
                 data = json.loads(await resp.aread())
                 reason = data["finish_reason"] if kind == "lightllm" else data["choices"][0]["finish_reason"]
                 return "finished" if reason in ("stop", "length") else "cut"
-            events = [line[5:].strip() async for line in resp.aiter_lines() if line.startswith("data:")]
+            events = sse_data("".join([chunk async for chunk in resp.aiter_text()]))
     except httpx.HTTPError:
         return "cut"
     return _classify_stream(kind, events)
+
+
+def sse_data(body: str) -> list[str]:
+    """The data fields of an SSE body, its lines ended by LF or CRLF only, as the SSE spec and the openai client end
+    them. (httpx's aiter_lines also ends a line at U+0085, U+2028 and the other str.splitlines breaks, which JSON
+    leaves unescaped inside generated text: a streamed token holding one read as a cut-off event.)"""
+    return [line[5:].strip() for line in body.replace("\r\n", "\n").split("\n") if line.startswith("data:")]
 
 
 def _classify_stream(kind: str, events: list[str]) -> str:

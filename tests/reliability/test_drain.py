@@ -37,3 +37,9 @@ def test_no_request_cut_silently_across_signals(tmp_path):
     assert cut.get("aborted", 0) >= 8, summary
     assert summary["outcomes"].get("cut", 0) == 0
     assert summary["draining_seen"] == 3, summary
+
+
+def test_sse_events_split_only_at_line_feeds():
+    """Generated text may hold U+2028 or U+0085, which JSON leaves unescaped: still one event each."""
+    body = 'data: {"text":"a\u2028b\x85c"}\r\n\ndata: [DONE]\n\n'
+    assert _load_script().sse_data(body) == ['{"text":"a\u2028b\x85c"}', "[DONE]"]

@@ -12,12 +12,14 @@ Each process entry looks like:
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -29,6 +31,9 @@ from lightserve.log import configure_logging, get_logger
 logger = get_logger(__name__)
 
 PARENT_POLL_S = 0.5
+# How long an orphaned child's body gets to stop on its own before the parent watch ends the
+# process itself (a blocked send or a long forward must not leave it running with nobody to stop it).
+ORPHAN_GRACE_S = 5.0
 
 
 @contextlib.contextmanager
@@ -59,7 +64,15 @@ def child_process(name: str, config: ServerConfig, ready: Connection) -> Iterato
                 logger.error("launcher (pid %d) is gone; exiting", parent)
                 orphaned.set()
                 stop.set()
-                return
+                time.sleep(ORPHAN_GRACE_S)
+                # Still here: the body is stuck. Leave its stacks in the log, then exit without it.
+                logger.error("%s did not stop within %.0f s of its launcher's death; forcing exit", name,
+                             ORPHAN_GRACE_S)
+                with contextlib.suppress(Exception):
+                    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                remove_instance_files(config)
+                logging.shutdown()
+                os._exit(1)
 
     threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
     code = 0

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.e2e.server import ServerProc, free_port, wait_until
+from tests.reliability.helpers import alive
 
 pytest.importorskip("sglang_router")
 openai = pytest.importorskip("openai")
@@ -150,7 +151,8 @@ def test_router_keeps_answering_when_a_replica_dies_mid_load(fleet):
                        timeout=REQUEST_TIMEOUT_S)
         assert r.status_code == 200, r.text
     # The killed replica's children notice their launcher is gone and leave no process or segment.
-    assert wait_until(lambda: not [p for p in victim_children if _running(p)], 15), victim_children
+    assert wait_until(lambda: not [p for p in victim_children if alive(p)], 15), \
+        (victim_children, [_state(p) for p in victim_children], victim.log_tail())
     assert wait_until(lambda: not victim.shm_segments(), 15), victim.shm_segments()
 
 
@@ -163,8 +165,11 @@ def _outcome(resp: httpx.Response, stream: bool) -> str:
     return "ok" if events and events[-1] == "[DONE]" else f"error stream {events[-2:]}"
 
 
-def _running(pid: int) -> bool:
+def _state(pid: int) -> tuple[str, str, int] | None:
+    """(name, state letter, parent pid) from /proc; None once the pid is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        name, rest = Path(f"/proc/{pid}/stat").read_text().split(" (", 1)[1].rsplit(")", 1)
     except OSError:
-        return False
+        return None
+    state, ppid = rest.split()[:2]
+    return name, state, int(ppid)

@@ -161,7 +161,9 @@ def _outcome(resp: httpx.Response, stream: bool) -> str:
         return f"error {resp.status_code}"
     if not stream:
         return "ok" if resp.json()["choices"][0]["finish_reason"] == "length" else f"error body {resp.text[:200]}"
-    events = [line[5:].strip() for line in resp.text.splitlines() if line.startswith("data:")]
+    # Lines end at LF only, as SSE ends them: sampled text may hold U+2028 or U+0085, which JSON leaves
+    # unescaped and str.splitlines would also split at.
+    events = [line[5:].strip() for line in resp.text.split("\n") if line.startswith("data:")]
     return "ok" if events and events[-1] == "[DONE]" else f"error stream {events[-2:]}"
 
 

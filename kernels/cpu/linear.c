@@ -45,9 +45,10 @@ int linear_panel_width(void) { return NR; }
 // One tile: rows 0 .. mr-1 of x (mr <= rows) by one panel; writes ncols (<= NR) columns of out. `rows` (MR or
 // MR_TALL) is a constant at each call site. Per k: two vector loads of the panel, `rows` broadcasts of x, 2 * rows
 // FMAs into rows x 2 accumulators that stay in registers. One source for every vector width.
+// next: NULL, or rows of the next panel to prefetch into L2, one row (NR floats) every `every` k (see next_panel).
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_row, int mr, const float *b, int K,
                                                         float *out, int64_t out_row, int ncols, const float *bias,
-                                                        const int rows) {
+                                                        const float *next, int every, const int rows) {
     vf c[MR_TALL][2];
     const float *xr[MR_TALL];
     for (int i = 0; i < rows; i++) {
@@ -56,7 +57,12 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
         // for partial tiles, and at small M the spare FMAs are free (the loop waits on memory).
         xr[i] = x + (int64_t)(i < mr ? i : mr - 1) * x_row;
     }
-    for (int k = 0; k < K; k++, b += NR) {
+    for (int k = 0, wait = 1; k < K; k++, b += NR) {
+        if (next && --wait == 0) {
+            for (int o = 0; o < NR; o += 64 / 4) __builtin_prefetch(next + o, 0, 2);
+            next += NR;
+            wait = every;
+        }
         vf b0 = vload(b), b1 = vload(b + VL);
         for (int i = 0; i < rows; i++) {
             vf a = vbroadcast(xr[i][k]);
@@ -75,11 +81,25 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t x
 // tile() at the height tile_rows chose (MR_TALL or MR), each height its own compiled instance.
 static inline __attribute__((always_inline)) void tile_of(int rows, const float *x, int64_t x_row, int mr,
                                                            const float *b, int K, float *out, int64_t out_row,
-                                                           int ncols, const float *bias) {
+                                                           int ncols, const float *bias, const float *next,
+                                                           int every) {
     if (rows == MR_TALL)
-        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, MR_TALL);
+        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, next, every, MR_TALL);
     else
-        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, MR);
+        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, next, every, MR);
+}
+
+// The weights stream from memory once per call, and a panel's first tile would wait on DRAM while the rest of its
+// tiles run from L2: at M = 64 (eight tiles a panel, K = 576) the first tile reads 72 KB from memory for an eighth of
+// the FMAs. So while a thread computes panel p it prefetches panel p + 1: with `tiles` tiles a panel, tile i fetches
+// the i-th of `tiles` slices of its rows, one row every `tiles` k (next_panel gives the slice; NULL past the last
+// panel), which spreads the misses over the whole panel instead of one tile's burst. Zen 5, 2 threads, SmolLM2's
+// projections over 30 layers from memory, ms a layer without / with it (fastest of two passes), M = 64: qkv 0.224 /
+// 0.179, o 0.127 / 0.118, gate_up 0.624 / 0.523, down 0.327 / 0.290, lm_head 9.78 / 8.17; M = 8: lm_head 3.16 /
+// 2.56; M = 512 within the passes' spread. The whole first tile prefetching the next panel (one burst) gained only
+// half as much.
+static inline const float *next_panel(const float *wp, int64_t p, int64_t panels, int i, int tiles, int K) {
+    return p + 1 < panels ? wp + ((p + 1) * (int64_t)K + (int64_t)i * ((K + tiles - 1) / tiles)) * NR : 0;
 }
 
 // Rows of x per block, a multiple of mr: M cut into equal blocks of at most block_bytes of x (rows of row_bytes),
@@ -108,7 +128,7 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
     const int rows = tile_rows(M);
     const int MC = row_block(M, (int64_t)K * 4, X_BLOCK_BYTES, rows);
     for (int m0 = 0; m0 < M; m0 += MC) {
-        int mc = M - m0 < MC ? M - m0 : MC;
+        const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + rows - 1) / rows;
         const float *xb = x + (int64_t)m0 * x_row;
         float *ob = out + (int64_t)m0 * out_row;
         #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -120,7 +140,8 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
                 const int mr = mc - i < rows ? mc - i : rows;
                 const float *xi = xb + (int64_t)i * x_row, *bias_n = bias ? bias + n : 0;
                 float *oi = ob + (int64_t)i * out_row + n;
-                tile_of(rows, xi, x_row, mr, b, K, oi, out_row, ncols, bias_n);
+                tile_of(rows, xi, x_row, mr, b, K, oi, out_row, ncols, bias_n,
+                        next_panel(wp, p, panels, i / rows, tiles, K), tiles);
             }
         }
     }
@@ -146,7 +167,7 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
     const int rows = tile_rows(M);
     const int MC = row_block(M, (int64_t)K * 4, X_BLOCK_BYTES, rows);
     for (int m0 = 0; m0 < M; m0 += MC) {
-        const int mc = M - m0 < MC ? M - m0 : MC;
+        const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + rows - 1) / rows;
         #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t p = 0; p < half; p++) {
             const float *bg = wp + p * (int64_t)K * NR, *bu = wp + (p + half) * (int64_t)K * NR;
@@ -154,8 +175,10 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
             for (int i = 0; i < mc; i += rows) {
                 const int mr = mc - i < rows ? mc - i : rows;
                 const float *xi = x + (int64_t)(m0 + i) * x_row;
-                tile_of(rows, xi, x_row, mr, bg, K, g, NR, NR, NULL);
-                tile_of(rows, xi, x_row, mr, bu, K, u, NR, NR, NULL);
+                tile_of(rows, xi, x_row, mr, bg, K, g, NR, NR, NULL,
+                        next_panel(wp, p, half, i / rows, tiles, K), tiles);
+                tile_of(rows, xi, x_row, mr, bu, K, u, NR, NR, NULL,
+                        next_panel(wp, p + half, 2 * half, i / rows, tiles, K), tiles);
                 for (int m = 0; m < mr; m++)
                     silu_and_mul_row(g + m * NR, u + m * NR, out + (int64_t)(m0 + i + m) * inter + p * NR, NR, 0);
             }
@@ -243,8 +266,10 @@ static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, 
 // features) in 24 zmm accumulators, so each k pair costs two 64-byte weight loads, GEMM_MR broadcasts of an x pair
 // and 24 vdpbf16ps, and the 24 accumulator chains hide vdpbf16ps's latency. A thread takes a contiguous run of
 // panel pairs (static), and each pair meets every row of its x block before the next is read: weights stream from
-// memory once per x block, and the first tile of a pair prefetches the next pair into L2 so the stream overlaps
-// the tiles. Zen 4, 2 threads, SmolLM2's four projections over 30 layers plus its lm_head, weights from DRAM:
+// memory once per x block, and while a thread computes one pair its tiles prefetch the next pair into L2, a slice
+// each, so the stream overlaps the tiles (against the first tile fetching all of it, Zen 5: lm_head at M = 512
+// 32.0 ms against 46.7, gate_up at M = 64 0.277 against 0.302 ms a layer; the rest within the spread).
+// Zen 4, 2 threads, SmolLM2's four projections over 30 layers plus its lm_head, weights from DRAM:
 // 415 GFLOP/s at M = 64 and 432 at M = 512, against 446 for back-to-back vdpbf16ps there and 328 and 413 for
 // oneDNN's prepacked bf16 GEMM (scripts/bench_cpu_kernels.py --linears; kernels/linear.py says which runs where).
 // Packing x into tiles (to free the rows' address registers) measured no faster; 8 x 3 tiles ran -2% to +6% of
@@ -253,22 +278,24 @@ static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, 
 #define GEMM_X_BLOCK_BYTES (2 << 20)
 
 // One tile: rows 0 .. mr-1 of x by the two panels at w (panel stride pstride), all K, into acc
-// [GEMM_MR][2 * PAIR_PW] floats; mr is a constant at each call site. With `prefetch` the next panel pair (next,
-// at the same offsets as w) is fetched into L2 alongside.
+// [GEMM_MR][2 * PAIR_PW] floats; mr is a constant at each call site. next: NULL, or rows of the next panel pair
+// (at the same panel stride) to fetch into L2 alongside, one k pair of both panels every `every` k pairs.
 static inline __attribute__((always_inline)) void gemm_tile(const uint16_t *x, int64_t x_row, const int mr,
                                                             int kp, const uint32_t *w, int64_t pstride,
-                                                            const uint32_t *next, int prefetch, float *acc) {
+                                                            const uint32_t *next, int every, float *acc) {
     __m512 c[GEMM_MR][2];
     const uint32_t *xr[GEMM_MR];
     for (int i = 0; i < mr; i++) {
         xr[i] = (const uint32_t *)(x + i * x_row);  // K and x_row even: 4-byte aligned pairs
         c[i][0] = c[i][1] = _mm512_setzero_ps();
     }
-    for (int j = 0; j < kp; j++) {
+    for (int j = 0, wait = 1; j < kp; j++) {
         __m512bh b[2];
-        for (int p = 0; p < 2; p++) {
-            b[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + (int64_t)j * PAIR_PW);
-            if (prefetch) _mm_prefetch((const char *)(next + p * pstride + (int64_t)j * PAIR_PW), _MM_HINT_T1);
+        for (int p = 0; p < 2; p++) b[p] = (__m512bh)_mm512_loadu_si512(w + p * pstride + (int64_t)j * PAIR_PW);
+        if (next && --wait == 0) {
+            for (int p = 0; p < 2; p++) _mm_prefetch((const char *)(next + p * pstride), _MM_HINT_T1);
+            next += PAIR_PW;
+            wait = every;
         }
         for (int i = 0; i < mr; i++) {
             const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[i][j]);
@@ -302,7 +329,7 @@ static void gemm_store(const float *acc, int mr, const uint16_t *bias, uint16_t 
 }
 
 #define GEMM_CASE(m) \
-    case m: gemm_tile(xb, x_row, m, kp, w, pstride, next, prefetch, acc); break;
+    case m: gemm_tile(xb, x_row, m, kp, w, pstride, next, tiles, acc); break;
 
 static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
                              const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
@@ -311,22 +338,23 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
     const int64_t pairs = ((int64_t)N + 2 * PAIR_PW - 1) / (2 * PAIR_PW);  // wp has 2 * pairs panels
     const int MC = row_block(M, (int64_t)K * 2, GEMM_X_BLOCK_BYTES, GEMM_MR);
     for (int m0 = 0; m0 < M; m0 += MC) {
-        const int mc = M - m0 < MC ? M - m0 : MC;
+        const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + GEMM_MR - 1) / GEMM_MR;
         #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t g = 0; g < pairs; g++) {
             const uint32_t *w = wp + 2 * g * pstride;
-            const uint32_t *next = g + 1 < pairs ? w + 2 * pstride : w;
             const int64_t n0 = 2 * g * PAIR_PW;
             const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
             float acc[GEMM_MR * 2 * PAIR_PW];
             for (int i0 = 0; i0 < mc; i0 += GEMM_MR) {
                 const int mr = mc - i0 < GEMM_MR ? mc - i0 : GEMM_MR;
                 const uint16_t *xb = x + (int64_t)(m0 + i0) * x_row;
-                const int prefetch = i0 == 0;  // the first tile of a pair fetches the next pair
+                // As in the float32 GEMM (next_panel): tile i fetches the i-th slice of the next pair's k pairs.
+                const uint32_t *next = g + 1 < pairs ? w + 2 * pstride + (int64_t)(i0 / GEMM_MR) *
+                                                           ((kp + tiles - 1) / tiles) * PAIR_PW : 0;
                 switch (mr) {
                     GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4) GEMM_CASE(5) GEMM_CASE(6) GEMM_CASE(7)
                     GEMM_CASE(8) GEMM_CASE(9) GEMM_CASE(10) GEMM_CASE(11)
-                    default: gemm_tile(xb, x_row, GEMM_MR, kp, w, pstride, next, prefetch, acc); break;
+                    default: gemm_tile(xb, x_row, GEMM_MR, kp, w, pstride, next, tiles, acc); break;
                 }
                 gemm_store(acc, mr, bias, out + (int64_t)(m0 + i0) * out_row, out_row, n0, ncols);
             }

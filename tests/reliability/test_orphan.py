@@ -61,7 +61,7 @@ def test_orphaned_child_exits_and_removes_launch_files(tmp_path, body):
     with open(log, "wb") as out:
         launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, body, str(marker)], stdout=subprocess.PIPE,
                                     stderr=out, cwd=Path(__file__).parents[2], start_new_session=True)
-    pid = segment = None
+    segment = None
     try:
         line = launcher.stdout.readline()
         assert line, log.read_text()

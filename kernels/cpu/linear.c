@@ -89,6 +89,9 @@ static inline __attribute__((always_inline)) void tile_of(int rows, const float 
         tile(x, x_row, mr, b, K, out, out_row, ncols, bias, next, every, MR);
 }
 
+// The first of a panel's `rows` rows (k, or k pairs) that tile i of `tiles` prefetches from the next panel.
+static inline int64_t slice_start(int i, int tiles, int rows) { return (int64_t)i * ((rows + tiles - 1) / tiles); }
+
 // The weights stream from memory once per call, and a panel's first tile would wait on DRAM while the rest of its
 // tiles run from L2: at M = 64 (eight tiles a panel, K = 576) the first tile reads 72 KB from memory for an eighth of
 // the FMAs. So while a thread computes panel p it prefetches panel p + 1: with `tiles` tiles a panel, tile i fetches
@@ -96,10 +99,10 @@ static inline __attribute__((always_inline)) void tile_of(int rows, const float 
 // panel), which spreads the misses over the whole panel instead of one tile's burst. Zen 5, 2 threads, SmolLM2's
 // projections over 30 layers from memory, ms a layer without / with it (fastest of two passes), M = 64: qkv 0.224 /
 // 0.179, o 0.127 / 0.118, gate_up 0.624 / 0.523, down 0.327 / 0.290, lm_head 9.78 / 8.17; M = 8: lm_head 3.16 /
-// 2.56; M = 512 within the passes' spread. The whole first tile prefetching the next panel (one burst) gained only
-// half as much.
+// 2.56; M = 512 within the passes' spread. The first tile prefetching all of the next panel (one burst) gained less
+// than half as much (o nothing).
 static inline const float *next_panel(const float *wp, int64_t p, int64_t panels, int i, int tiles, int K) {
-    return p + 1 < panels ? wp + ((p + 1) * (int64_t)K + (int64_t)i * ((K + tiles - 1) / tiles)) * NR : 0;
+    return p + 1 < panels ? wp + ((p + 1) * (int64_t)K + slice_start(i, tiles, K)) * NR : 0;
 }
 
 // Rows of x per block, a multiple of mr: M cut into equal blocks of at most block_bytes of x (rows of row_bytes),
@@ -349,8 +352,8 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
                 const int mr = mc - i0 < GEMM_MR ? mc - i0 : GEMM_MR;
                 const uint16_t *xb = x + (int64_t)(m0 + i0) * x_row;
                 // As in the float32 GEMM (next_panel): tile i fetches the i-th slice of the next pair's k pairs.
-                const uint32_t *next = g + 1 < pairs ? w + 2 * pstride + (int64_t)(i0 / GEMM_MR) *
-                                                           ((kp + tiles - 1) / tiles) * PAIR_PW : 0;
+                const uint32_t *next =
+                    g + 1 < pairs ? w + 2 * pstride + slice_start(i0 / GEMM_MR, tiles, kp) * PAIR_PW : 0;
                 switch (mr) {
                     GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4) GEMM_CASE(5) GEMM_CASE(6) GEMM_CASE(7)
                     GEMM_CASE(8) GEMM_CASE(9) GEMM_CASE(10) GEMM_CASE(11)

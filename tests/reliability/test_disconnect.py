@@ -148,8 +148,11 @@ def test_disconnect_while_paused(server):
 
     async def run():
         streams = [await _stream(server.url, 4, 17) for _ in range(POOL)]
-        snap = await _in_thread(wait_metric, server.url, lambda m: m["requests_paused"] >= 1, WAIT_S)
-        for s in streams:
+        # Polled tightly: the clients must leave within the few steps before the others finish and the paused
+        # one would resume, and a 50 ms poll spent most of that on a fast machine.
+        snap = await _in_thread(lambda: wait_metric(server.url, lambda m: m["requests_paused"] >= 1, WAIT_S,
+                                                    interval=0.002))
+        for s in reversed(streams):  # the newest, the paused one, first
             s.abort()
         return snap
 

@@ -24,7 +24,7 @@
 // streams about the same number of KV bytes; a second pass merges a request's chunks (log-sum-exp).
 // A task walks its tokens in blocks of BLOCK. For each KV head it computes the block's scores for all
 // G query heads from one load of each K row, updates the online softmax once per block, and adds the
-// block's V rows into the G output rows, which stay in registers (gc heads at a time). Meanwhile it
+// block's V rows into the G output rows, which stay in registers (a tile at a time). Meanwhile it
 // prefetches the next block's K rows while it scores and its V rows while it adds V, a few lines per
 // row it touches: the rows are a gather the hardware prefetchers follow only partly. Measured with scripts/bench_cpu_kernels.py on Zen 5, bf16
 // KV, batch 64 x 384: 21 GB/s without, 25-28 with (24 against 11 when a request's rows are scattered);
@@ -81,9 +81,9 @@
 #define MAX_DIM 256
 #define MAX_HEADS 128
 #define MIN_CHUNK 128   // tokens: a shorter chunk costs more in its merge than it balances
-// Vector registers (AVX-512: 32, AVX2: 16). The V pass keeps gc heads' output rows, one V row and the broadcast
-// weight in them: gc * nv + nv + 1 <= REGS. One more (3 heads at head_dim 128, as before) spilled an output
-// vector, so every token stored it and loaded it back.
+// Vector registers (AVX-512: 32, AVX2: 16). The V pass keeps a tile of output vectors, the V row's part it multiplies
+// and the broadcast weight in them (see attend). One more than there are (3 heads of 8 vectors at head_dim 128 with
+// AVX-512, as it once was) made gcc keep an output vector in memory, stored and reloaded every token.
 #define REGS (VL == 16 ? 32 : 16)
 
 typedef struct {
@@ -191,7 +191,19 @@ static inline __attribute__((always_inline)) int attend(
     float softcap, float *state, const int bf16, const int dim, const int group) {
     enum { NV_MAX = MAX_DIM / VL };
     const int nv = dim / VL, esize = bf16 ? 2 : 4;
-    const int gc = (REGS - 1 - nv) / nv < 1 ? 1 : (REGS - 1 - nv) / nv;  // heads per V pass
+    // The V pass's tile: cv vectors of each output row (a chunk of its dims, at least the 2 a bf16 load gives) for gc
+    // heads, gc * cv + cv + 1 <= REGS. Every head of the group in one tile where some chunk allows it: each V row is
+    // then loaded (and widened from bf16) once, in chunks, rather than once per few heads. Constant expressions, so
+    // that each compiled instance keeps its tile in registers.
+#define V_FITS(c) (group * (c) + (c) + 1 <= REGS)
+    const int cmin = bf16 ? 2 : 1;
+    const int cv = V_FITS(nv) || nv <= cmin           ? nv
+                   : V_FITS(nv / 2) || nv / 2 <= cmin ? nv / 2
+                   : V_FITS(nv / 4) || nv / 4 <= cmin ? nv / 4
+                   : V_FITS(nv / 8) || nv / 8 <= cmin ? nv / 8
+                                                      : nv / 16;
+    const int gc = V_FITS(cv) ? group : ((REGS - 1 - cv) / cv < 1 ? 1 : (REGS - 1 - cv) / cv);
+#undef V_FITS
     const int num_heads = num_kv_heads * group;
     float *m = state, *l = state + num_heads, *acc = state + 2 * num_heads;
     vf lsum[MAX_HEADS];  // per-lane partial sums of l: no horizontal sum per block
@@ -298,26 +310,27 @@ static inline __attribute__((always_inline)) int attend(
                 for (int j0 = VL; j0 < BLOCK; j0 += VL) s += vload(&p[g][j0]);
                 lsum[hg] = lsum[hg] * alpha[g] + s;
             }
-            // V: gc output rows in registers while the block's V rows stream past.
-            for (int g0 = 0; g0 < group; g0 += gc) {
-                const int ng = group - g0 < gc ? group - g0 : gc;
-                float *ag = acc + (int64_t)(h * group + g0) * dim;
-                vf o[MAX_GROUP][NV_MAX];
-                for (int g = 0; g < ng; g++)
-                    for (int i = 0; i < nv; i++) o[g][i] = vload(ag + g * dim + i * VL) * alpha[g0 + g];
-                for (int j = 0; j < n; j++) {
-                    if (g0 == 0 && pv[j])
-                        for (int o = 0; o < dim * esize; o += 64) __builtin_prefetch(pv[j] + head_off + o, 0, PF_LOCALITY);
-                    vf vv[NV_MAX];
-                    load_row(vr[j] + head_off, bf16, dim, vv);
-                    for (int g = 0; g < ng; g++) {
-                        vf pj = vbroadcast(p[g0 + g][j]);
-                        for (int i = 0; i < nv; i++) o[g][i] += pj * vv[i];
+            // V: the block's V rows stream past the output tile in registers (cv vectors of gc heads' rows).
+            for (int c0 = 0; c0 < nv; c0 += cv)
+                for (int g0 = 0; g0 < group; g0 += gc) {
+                    const int ng = group - g0 < gc ? group - g0 : gc;
+                    float *ag = acc + (int64_t)(h * group + g0) * dim + c0 * VL;
+                    vf o[MAX_GROUP][NV_MAX];
+                    for (int g = 0; g < ng; g++)
+                        for (int i = 0; i < cv; i++) o[g][i] = vload(ag + g * dim + i * VL) * alpha[g0 + g];
+                    for (int j = 0; j < n; j++) {
+                        if (c0 == 0 && g0 == 0 && pv[j])
+                            for (int o = 0; o < dim * esize; o += 64) __builtin_prefetch(pv[j] + head_off + o, 0, PF_LOCALITY);
+                        vf vv[NV_MAX];
+                        load_row(vr[j] + head_off + (int64_t)c0 * VL * esize, bf16, cv * VL, vv);
+                        for (int g = 0; g < ng; g++) {
+                            vf pj = vbroadcast(p[g0 + g][j]);
+                            for (int i = 0; i < cv; i++) o[g][i] += pj * vv[i];
+                        }
                     }
+                    for (int g = 0; g < ng; g++)
+                        for (int i = 0; i < cv; i++) vstore(ag + g * dim + i * VL, o[g][i]);
                 }
-                for (int g = 0; g < ng; g++)
-                    for (int i = 0; i < nv; i++) vstore(ag + g * dim + i * VL, o[g][i]);
-            }
         }
     }
     for (int hg = 0; hg < num_heads; hg++) {

@@ -64,8 +64,9 @@
 // one head per 128-bit lane. Scoring a K row one head at a time leaves 16 partial sums per token and head, and
 // folding them to one score cost as many shuffles and adds as the products; packed, each instruction takes four K
 // pairs broadcast to every lane against four pairs of each of four heads, and four tokens' results fold to their
-// scores in three in-lane steps. With fewer than 3 heads in a group most lanes would multiply zeros.
-// Zen 5, raw kernel calls, bf16 KV from memory, the two builds alternated: SmolLM2's 9 x 3 x 64 heads at batch 64 x 384
+// scores in three in-lane steps. With 1 or 2 heads in a group half the lanes or more would multiply zeros.
+// Zen 5, raw kernel calls, bf16 KV from memory, the two builds alternated (this with the inline rescale exponential in
+// attend and the V pass's register limit): SmolLM2's 9 x 3 x 64 heads at batch 64 x 384
 // 0.630 -> 0.588 ms a layer, 16 x 1,100 0.480 -> 0.387, 1 x 2,000 0.071 -> 0.054; groups of 8 (24 x 3 x 64) at 64 x 384
 // 1.086 -> 0.861 ms.
 #define PACK_MIN_GROUP 3

@@ -103,7 +103,7 @@ def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim
     (a run-time group); ragged lengths: 1 token, off and on the 32-token blocks, and a 300-token request
     that is split into chunks and merged; rows scattered through the cache; a strided q (a view into the
     fused qkv projection). On an AVX512-BF16 CPU the native build scores bf16 with vdpbf16ps: a head at a
-    time for groups of 1, head-packed (four heads to an instruction, some lanes empty for 3, 5 and 12) for the rest."""
+    time for groups of 1, head-packed (four heads to an instruction, some lanes empty for 3 and 5) for the rest."""
     lib = variant_library(variant)
     seq_lens = [1, 31, 32, 33, 300, 7]
     batch, q, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype)

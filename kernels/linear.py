@@ -11,9 +11,13 @@ and prefill alike. For bfloat16 models the weights are laid out once at load (`p
   GEMM in the same run (scripts/bench_cpu_kernels.py --linears): M=8 241 / 130, M=64 415 / 328, M=512 432 / 413
   (the CPU's vdpbf16ps ceiling measured 446); at M=1 the stream reads 32-35 GB/s against oneDNN's 17-23.
 - Elsewhere oneDNN's blocked layout runs M over PAIR_MAX_M (AMX where the CPU has it, about twice the vdpbf16ps
-  rate; AVX2 without native bf16), and the pair layout, a second copy, the decode of one to four requests (its
-  portable build widens each pair by a shift and a mask). torch's F.linear on plain bf16 weights repacks them on
-  every call: on Zen 5, gate_up at M=64 took 0.456 ms a layer against 0.292 prepacked.
+  rate; AVX-512 without native bf16), and the pair layout, a second copy, the decode of one to four requests (its
+  portable build widens each pair by a shift and a mask).
+- Where oneDNN has no bf16 path (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, so AVX2-only CPUs, where its weight
+  reorder raises), a float32 copy in the C GEMM's panels runs M over PAIR_MAX_M on x widened to float32, the output
+  rounded to bf16: the float32 GEMM's rate, where torch's own bf16 matmul there runs about 4-8x slower.
+torch's F.linear on plain bf16 weights repacks them on every call: on Zen 5, gate_up at M=64 took 0.456 ms a layer
+against 0.292 prepacked.
 Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2-135M's shapes, weights streamed from DRAM as in
 the forward; GFLOP/s, medians, MKL's sgemm (F.linear) in the same run:
   gate_up [3072 x 576]  M=1: MKL 2.4, C 5.0 (memory-bound: 10 GB/s)   M=16: 25 / 70
@@ -78,18 +82,26 @@ def linear_ref(x: Tensor, weight: Tensor | PackedLinear, bias: Tensor | None = N
 class PrepackedLinear:
     """A [N, K] weight laid out once at load for the CPU GEMMs that run it: oneDNN's blocked layout (an opaque
     mkldnn tensor), and for bf16 weights linear.c's pair layout. Where the C kernel takes every M (its vdpbf16ps
-    build, on a CPU without AMX) only the pairs are kept; elsewhere oneDNN runs M over PAIR_MAX_M, and the pairs
-    (when they fit in memory) the decode of one to a few requests. At least one of the two is set."""
+    build, on a CPU without AMX) only the pairs are kept; elsewhere oneDNN runs M over PAIR_MAX_M (where it has no
+    bf16 path, float32 panels instead: `widened`), and the pairs (when they fit in memory) the decode of one to a
+    few requests. At least one of onednn, pairs and widened is set."""
 
     onednn: Tensor | None
     out_features: int  # N
     in_features: int  # K
     pairs: Tensor | None = None  # [ceil(N / 32) * 2, K / 2, 16] int32, pack_bf16_pairs
+    widened: PackedLinear | None = None  # the weight in float32 panels, where oneDNN has no bf16 path (then no onednn)
 
 
 def onednn_available() -> bool:
     """Whether this torch build can prepack linear weights for oneDNN (its CPU builds can)."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN runs bf16 GEMMs on this CPU: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (torch answers from
+    the CPU, held to ONEDNN_MAX_CPU_ISA where that is set)."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pairs_take_every_m(lib) -> bool:
@@ -107,14 +119,17 @@ def pairs_take_every_m(lib) -> bool:
 def prepack_weight(weight: Tensor) -> PrepackedLinear:
     """weight [N, K] (CPU, bf16 or float32) -> PrepackedLinear; the row-major tensor is not kept. A bf16 weight with
     an even K gets the pair layout: alone where the C kernel runs every M (pairs_take_every_m), else beside oneDNN's
-    (the weights' memory twice), unless that would leave less than PAIR_MIN_FREE_FRACTION of the machine's memory
-    available."""
+    (the weights' memory twice), or beside float32 panels where oneDNN has no bf16 path (three times), unless that
+    would leave less than PAIR_MIN_FREE_FRACTION of the machine's memory available."""
     from lightserve.kernels.cpu import library
 
     n, k = weight.shape
     pairs_ok = weight.dtype == torch.bfloat16 and k % 2 == 0 and library() is not None
     if pairs_ok and pairs_take_every_m(library()):
         return PrepackedLinear(None, n, k, pairs=pack_bf16_pairs(weight))
+    if weight.dtype == torch.bfloat16 and not onednn_bf16_available():
+        pairs = pack_bf16_pairs(weight) if pairs_ok and _pairs_fit(weight) else None
+        return PrepackedLinear(None, n, k, pairs=pairs, widened=pack_linear_weight(weight.float()))
     with torch.no_grad():
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
     pairs = pack_bf16_pairs(weight) if pairs_ok and _pairs_fit(weight) else None
@@ -173,10 +188,15 @@ def linear(x: Tensor, weight: Tensor | PackedLinear | PrepackedLinear, bias: Ten
             return out
         return linear_ref(x, weight, bias)  # not reached by the model: it packs only what the kernel takes
     if isinstance(weight, PrepackedLinear):
-        if weight.pairs is not None and (weight.onednn is None or x.shape[0] <= PAIR_MAX_M):
+        alone = weight.onednn is None and weight.widened is None  # the pairs run every M
+        if weight.pairs is not None and (alone or x.shape[0] <= PAIR_MAX_M):
             out = linear_bf16_pairs(x, weight, bias)
             if out is not None:
                 return out
+        if weight.widened is not None:  # no oneDNN bf16 here: the float32 GEMM on widened rows, rounded back
+            xf, bf = x.float(), None if bias is None else bias.float()
+            out = linear_cpu(xf, weight.widened, bf)
+            return (linear_ref(xf, weight.widened, bf) if out is None else out).to(x.dtype)
         if weight.onednn is None:  # an input the C kernel declines (odd row stride, float32 x): slow, not reached
             return F.linear(x, unpack_bf16_pairs(weight.pairs, weight.out_features).to(x.dtype), bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight.onednn, bias, "none", [], "")

@@ -35,3 +35,10 @@ def per_kernel_forward() -> bool:
     """LIGHTSERVE_PER_KERNEL_FORWARD=1: run a Llama-family CPU forward's layers one kernel call at a time instead
     of in kernels/decoder_layers.py's one C call (to compare the two)."""
     return os.environ.get("LIGHTSERVE_PER_KERNEL_FORWARD", "") not in ("", "0")
+
+
+def cpu_build() -> str:
+    """LIGHTSERVE_CPU_BUILD=avx512|avx2|portable: run the CPU C kernels from that narrower build
+    (kernels/cpu/__init__.py's BUILD_VARIANTS) instead of the native one, to measure on this CPU the code an older
+    one runs. Unset or empty: native."""
+    return os.environ.get("LIGHTSERVE_CPU_BUILD", "") or "native"

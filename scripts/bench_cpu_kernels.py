@@ -15,8 +15,8 @@ time kernels that compute more than they read instead (ms, and GFLOP/s for prefi
     python scripts/bench_cpu_kernels.py --greedy 64x49152        # greedy sampling's argmax + logsumexp
 
 The variants (lightserve.kernels.cpu.BUILD_VARIANTS): `native` is the serving build (-march=native: AVX-512
-where the CPU has it), `avx2` the same source with AVX-512 off (what an AVX2-only CPU runs), `portable` with
-AVX2 and FMA off too.
+where the CPU has it), `avx512` the same source without AVX512-BF16 (what Skylake-SP to Ice Lake Xeons run),
+`avx2` with AVX-512 off (what an AVX2-only CPU runs), `portable` with AVX2 and FMA off too.
 """
 from __future__ import annotations
 

@@ -16,12 +16,19 @@
 # All requests: /v1/completions, streamed, greedy, ignore_eos. Each run uses its own seed (the
 # same seeds on both sides), so no run is served from the prefix cache filled by the run before.
 #
+# --isa avx512 or avx2 holds both sides to the instructions of an older CPU than this one: AVX-512 without
+# AVX512-BF16 (Skylake-SP to Ice Lake Xeons), or AVX2 (EPYC before Zen 4). Each side's own kernels then take
+# that path (lightserve: LIGHTSERVE_CPU_BUILD; vLLM: a sitecustomize.py that makes torch.cpu's _is_avx512_supported,
+# _is_avx512_bf16_supported and _is_amx_tile_supported answer as that CPU would, which is how vLLM picks its kernel
+# library and its attention's ISA), and so do both sides' torch and oneDNN kernels (ATEN_CPU_CAPABILITY,
+# ONEDNN_MAX_CPU_ISA). Clocks, caches and memory stay this machine's: it shows the code paths, not that CPU.
+#
 # Usage: scripts/compare_vllm.sh [--only vllm|lightserve] [--port P] [--model-dir DIR] [--runs N]
-#            [--workloads W1,W2,W3] [--dtype auto|bfloat16|float32] [--vllm-venv DIR] [--python PY]
-#            [--out FILE] [--install-vllm] [--summarize-only]
+#            [--workloads W1,W2,W3] [--dtype auto|bfloat16|float32] [--isa native|avx512|avx2]
+#            [--vllm-venv DIR] [--python PY] [--out FILE] [--install-vllm] [--summarize-only]
 # --summarize-only starts nothing: it rebuilds the medians and the table from the per-run JSONs
 # already in the --out file's runs folder (for the sides --only names), e.g. after an interrupted run.
-# Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS DTYPE VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
+# Env equivalents: ONLY PORT MODEL_DIR RUNS WORKLOADS DTYPE ISA VLLM_VENV PYTHON OUT; also START_TIMEOUT (s),
 # VLLM_MEM_FRACTION (vLLM's --gpu-memory-utilization, on CPU a share of RAM; default 0.3) and
 # VLLM_EXTRA_ARGS (more vLLM server flags) and LIGHTSERVE_EXTRA_ARGS (more lightserve server flags).
 set -euo pipefail
@@ -33,6 +40,7 @@ MODEL_DIR=${MODEL_DIR:-${LIGHTSERVE_CACHE:-$HOME/.cache/lightserve}/SmolLM2-135M
 RUNS=${RUNS:-2}
 WORKLOADS=${WORKLOADS:-W1,W2,W3}
 DTYPE=${DTYPE:-auto}
+ISA=${ISA:-native}
 VLLM_VENV=${VLLM_VENV:-$REPO/.venv-vllm}
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-$REPO/results/compare_vllm.json}
@@ -53,6 +61,7 @@ while [[ $# -gt 0 ]]; do
     --runs) RUNS=$2; shift 2 ;;
     --workloads) WORKLOADS=$2; shift 2 ;;
     --dtype) DTYPE=$2; shift 2 ;;
+    --isa) ISA=$2; shift 2 ;;
     --vllm-venv) VLLM_VENV=$2; shift 2 ;;
     --python) PYTHON=$2; shift 2 ;;
     --out) OUT=$2; shift 2 ;;
@@ -64,8 +73,14 @@ while [[ $# -gt 0 ]]; do
 done
 case "$ONLY" in both|vllm|lightserve) ;; *) die "--only must be vllm or lightserve, got '$ONLY'" ;; esac
 [[ "$RUNS" =~ ^[1-9][0-9]*$ ]] || die "--runs must be a positive integer"
+case "$ISA" in native|avx512|avx2) ;; *) die "--isa must be native, avx512 or avx2, got '$ISA'" ;; esac
+[[ $ISA != avx512 ]] || grep -qw avx512f /proc/cpuinfo 2>/dev/null || die "--isa avx512: this CPU has no AVX-512"
 if [[ $DTYPE == auto ]]; then
-  if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then DTYPE=bfloat16; else DTYPE=float32; fi
+  if [[ $ISA == native ]] && grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then
+    DTYPE=bfloat16
+  else
+    DTYPE=float32
+  fi
   log "dtype auto -> $DTYPE"
 fi
 case "$DTYPE" in bfloat16|float32|float16) ;; *) die "--dtype must be auto, bfloat16, float32 or float16" ;; esac
@@ -78,6 +93,21 @@ BENCH="$REPO/scripts/benchmark_serving.py"
 RUN_DIR="${OUT%.json}_runs"
 BASE_URL="http://127.0.0.1:$PORT"
 mkdir -p "$RUN_DIR"
+
+# ---- --isa: the environment both sides run under (none for native) -----------------------------
+ISA_ENV=()
+if [[ $ISA != native ]]; then
+  ISA_ENV=(ATEN_CPU_CAPABILITY="$ISA" ONEDNN_MAX_CPU_ISA="$([[ $ISA == avx2 ]] && echo AVX2 || echo AVX512_CORE_VNNI)")
+  # vLLM asks torch.cpu what the CPU has before it loads its kernels (_C, _C_AVX512 or _C_AVX2) and picks its
+  # attention's ISA: answer as the older CPU would, in the server and in the engine processes it starts.
+  mkdir -p "$RUN_DIR/isa_$ISA"
+  cat >"$RUN_DIR/isa_$ISA/sitecustomize.py" <<EOF
+import torch.cpu
+torch.cpu._is_avx512_supported = lambda: $([[ $ISA == avx512 ]] && echo True || echo False)
+torch.cpu._is_avx512_bf16_supported = lambda: False
+torch.cpu._is_amx_tile_supported = lambda: False
+EOF
+fi
 
 # ---- server lifetime: one at a time, in its own process group, stopped by the trap -----------
 SERVER_PID=""
@@ -215,7 +245,9 @@ run_vllm() {
   # on a shared machine; 0.3 of this machine's node (~3.8 GiB) holds W1's 41k tokens in flight
   # (64 x 640) even with a float32 KV cache (45 KiB a token).
   # The default CPU binding keeps one of the two cores for vLLM itself (1.2-1.6x slower).
-  start_server "$RUN_DIR/vllm-server.log" \
+  local isa_env=(${ISA_ENV[@]+"${ISA_ENV[@]}"})
+  [[ $ISA == native ]] || isa_env+=(PYTHONPATH="$RUN_DIR/isa_$ISA${PYTHONPATH:+:$PYTHONPATH}")
+  start_server "$RUN_DIR/vllm-server.log" ${isa_env[@]+"${isa_env[@]}"} \
     VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}" \
     VLLM_CPU_NUM_OF_RESERVED_CPU="${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}" \
     LD_PRELOAD="$tcmalloc:$iomp${LD_PRELOAD:+:$LD_PRELOAD}" -- \
@@ -227,7 +259,9 @@ run_vllm() {
 }
 
 run_lightserve() {
-  start_server "$RUN_DIR/lightserve-server.log" -- \
+  local isa_env=(${ISA_ENV[@]+"${ISA_ENV[@]}"})
+  [[ $ISA == native ]] || isa_env+=(LIGHTSERVE_CPU_BUILD="$ISA")
+  start_server "$RUN_DIR/lightserve-server.log" ${isa_env[@]+"${isa_env[@]}"} -- \
     "$PYTHON" -m lightserve.launch_server --model_dir "$MODEL_DIR" --data_type "$DTYPE" --port "$PORT" \
     ${LIGHTSERVE_EXTRA_ARGS:-}
   run_side lightserve
@@ -244,9 +278,9 @@ if [[ $SUMMARIZE_ONLY == 0 ]]; then
 fi
 
 # ---- medians, merged JSON, table -------------------------------------------------------------
-"$PYTHON" - "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "$DTYPE" "${sides[@]}" <<'EOF'
+"$PYTHON" - "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "$DTYPE" "$ISA" "${sides[@]}" <<'EOF'
 import json, os, platform, statistics, sys, time
-out, run_dir, runs, workloads, model_dir, dtype, *sides = sys.argv[1:]
+out, run_dir, runs, workloads, model_dir, dtype, isa, *sides = sys.argv[1:]
 runs, workloads = int(runs), workloads.split(",")
 METRICS = {  # (label, aggregate key, sub key or None, higher is better)
     "W1": [("output tok/s", "output_throughput", None, True), ("requests/s", "request_throughput", None, True),
@@ -268,7 +302,7 @@ cpu_flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flag
 result = json.load(open(out)) if os.path.exists(out) else {}
 result.setdefault("sides", {})
 for side in sides:
-    entry = {"measured_at": None, "runs": runs, "model_dir": model_dir, "dtype": dtype,
+    entry = {"measured_at": None, "runs": runs, "model_dir": model_dir, "dtype": dtype, "isa": isa,
              "host": platform.node(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags, "workloads": {}}
     if side == "vllm" and os.path.exists(f"{run_dir}/vllm.version"):
         entry["version"] = open(f"{run_dir}/vllm.version").read().strip()

@@ -41,9 +41,12 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 
 # The builds the same sources make: `native` is what serving uses (-march=native: AVX-512 where the CPU has
 # it); the others switch wide instructions off, so a machine that has them can test what narrower CPUs run.
-# Each needs the CPU flags listed (a build for a CPU without them would not run here).
+# `avx512` is 16-lane vectors without vdpbf16ps, as on Skylake-SP to Ice Lake Xeons: where the native build has
+# AVX512-BF16 it is the only build that runs the 16-lane widening paths for bf16. Each needs the CPU flags listed
+# (a build for a CPU without them would not run here).
 BUILD_VARIANTS = {
     "native": ((), ()),
+    "avx512": (("-mno-avx512bf16",), ("avx512f",)),
     "avx2": (("-mno-avx512f",), ("avx2", "fma")),
     "portable": (("-mno-avx2", "-mno-fma"), ()),
 }
@@ -116,11 +119,19 @@ def _cache_dir() -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built kernel library (built now if needed), or None when it cannot be built here."""
+    """The built kernel library (built now if needed), or None when it cannot be built here. The native build unless
+    LIGHTSERVE_CPU_BUILD names another of BUILD_VARIANTS (ValueError for a name it does not know, or a build this
+    CPU cannot run)."""
     if envs.no_c_kernels():
         return None
+    name = envs.cpu_build()
+    if name not in BUILD_VARIANTS:
+        raise ValueError(f"LIGHTSERVE_CPU_BUILD={name!r}: not one of {', '.join(BUILD_VARIANTS)}")
+    flags, needs = BUILD_VARIANTS[name]
+    if missing := [f for f in needs if f not in cpu_flags().split()]:
+        raise ValueError(f"LIGHTSERVE_CPU_BUILD={name!r}: this CPU has no {', '.join(missing)}")
     try:
-        return load(build())
+        return load(build(flags))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("CPU C kernels unavailable, falling back to torch ops: %s", detail)

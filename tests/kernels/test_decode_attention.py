@@ -99,10 +99,10 @@ def test_decode_triton_strided_q_and_default_splits():
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: Gemma's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim, dtype):
-    """Every build this CPU runs (AVX-512, AVX2, plain C), GQA groups 1, 3, 4, 5 and 8 (compiled in) and 12
-    (a run-time group); ragged lengths: 1 token, off and on the 32-token blocks, and a 300-token request
-    that is split into chunks and merged; rows scattered through the cache; a strided q (a view into the
-    fused qkv projection). On an AVX512-BF16 CPU the native build scores bf16 with vdpbf16ps: a head at a
+    """Every build this CPU runs (AVX-512 with and without AVX512-BF16, AVX2, plain C), GQA groups 1, 3, 4, 5
+    and 8 (compiled in) and 12 (a run-time group); ragged lengths: 1 token, off and on the 32-token blocks, and a
+    300-token request that is split into chunks and merged; rows scattered through the cache; a strided q (a view
+    into the fused qkv projection). On an AVX512-BF16 CPU the native build scores bf16 with vdpbf16ps: a head at a
     time for groups of 1, head-packed (four heads to an instruction, some lanes empty for 3 and 5) for the rest."""
     lib = variant_library(variant)
     seq_lens = [1, 31, 32, 33, 300, 7]

@@ -4,6 +4,10 @@ panel partial, bias and strided input rows; what it declines falls back to F.lin
 that runs bf16 models' linears at M <= PAIR_MAX_M in every build, its vdpbf16ps GEMM above that (AVX512-BF16
 builds), and the dispatch between them and oneDNN. Also the float32 gate_up GEMM with SiLU-and-mul as its epilogue
 against the two kernels."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +23,7 @@ from lightserve.kernels.linear import (
     linear_ref,
     linear_silu_cpu,
     onednn_available,
+    onednn_bf16_available,
     pack_bf16_pairs,
     pack_linear_weight,
     pairs_take_every_m,
@@ -55,7 +60,7 @@ def test_packing_round_trips(variant):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n", [13, 64, 100])  # 13, 100: a partial last panel
 def test_c_linear_matches_f_linear(m, n, variant):
-    """Every build this CPU runs (AVX-512, AVX2, plain C)."""
+    """Every build this CPU runs (AVX-512 with and without AVX512-BF16, AVX2, plain C)."""
     lib = variant_library(variant)
     x, w, b = _case(m, n, 72, seed=m * 1000 + n)
     packed = pack_linear_weight(w, lib=lib)
@@ -182,32 +187,36 @@ def test_bf16_small_m_matches_f_linear(m, n, variant):
                                    **BF16_TOL)
 
 
-needs_dpbf16 = pytest.mark.skipif(library() is None or not library().linear_bf16_pairs_dpbf16(),
-                                  reason="the bf16 GEMM needs a vdpbf16ps build (an AVX512-BF16 CPU)")
+def _bf16_gemm(x, weight, bias=None):
+    """linear_bf16_pairs over PAIR_MAX_M rows where the build has vdpbf16ps; elsewhere it declines (asserted), and
+    linear() runs those rows on the CPU's other copy (oneDNN's, or float32 panels)."""
+    out = linear_bf16_pairs(x, weight, bias)
+    if library().linear_bf16_pairs_dpbf16():
+        return out
+    assert out is None
+    return linear(x, weight, bias)
 
 
 @needs_onednn
-@needs_dpbf16
 @pytest.mark.parametrize("m", [5, 11, 12, 13, 24, 47, 100])  # partial and whole 12-row tiles
 @pytest.mark.parametrize("n,k", [(13, 72), (32, 2), (48, 24), (100, 576), (1000, 64)])  # a partial panel pair
 def test_bf16_gemm_matches_f_linear(m, n, k):
     x, w, b = _bf16_case(m, n, k, seed=m * 1000 + n)
     weight = prepack_weight(w)
     for bias in (None, b):
-        torch.testing.assert_close(linear_bf16_pairs(x, weight, bias).float(), _bf16_ref(x, w, bias), **BF16_TOL)
+        torch.testing.assert_close(_bf16_gemm(x, weight, bias).float(), _bf16_ref(x, w, bias), **BF16_TOL)
 
 
 @needs_onednn
-@needs_dpbf16
 def test_bf16_gemm_row_blocks_and_strided_rows():
     """An x over the GEMM's 2 MB block (K = 1536: 682 rows a block) is cut into blocks; rows of a wider tensor with
     an even row stride run in place, an odd stride is declined (linear() then multiplies the unpacked weight)."""
     x, w, b = _bf16_case(700, 40, 1536)
     weight = prepack_weight(w)
-    torch.testing.assert_close(linear_bf16_pairs(x, weight, b).float(), _bf16_ref(x, w, b), **BF16_TOL)
+    torch.testing.assert_close(_bf16_gemm(x, weight, b).float(), _bf16_ref(x, w, b), **BF16_TOL)
     wide = torch.zeros(30, 1538, dtype=torch.bfloat16)
     wide[:, :1536] = x[:30]
-    torch.testing.assert_close(linear_bf16_pairs(wide[:, :1536], weight).float(), _bf16_ref(x[:30], w), **BF16_TOL)
+    torch.testing.assert_close(_bf16_gemm(wide[:, :1536], weight).float(), _bf16_ref(x[:30], w), **BF16_TOL)
     odd = torch.zeros(30, 1537, dtype=torch.bfloat16)
     odd[:, :1536] = x[:30]
     assert linear_bf16_pairs(odd[:, :1536], weight) is None
@@ -229,12 +238,16 @@ def test_bf16_gemm_only_in_dpbf16_builds(variant):
 def test_bf16_dispatch(monkeypatch):
     """Where the C GEMM takes every M (a vdpbf16ps build on a CPU without AMX) a bf16 weight keeps only the pair
     layout and linear() runs it at every M; elsewhere, or with LIGHTSERVE_ONEDNN_BF16_GEMM=1, oneDNN's copy is
-    made too and runs M over PAIR_MAX_M."""
+    made too and runs M over PAIR_MAX_M (float32 panels instead where oneDNN has no bf16 path: AVX2-only CPUs)."""
     x, w, b = _bf16_case(PAIR_MAX_M + 20, 1000, 576)
     every_m = pairs_take_every_m(library())
     assert every_m == (bool(library().linear_bf16_pairs_dpbf16()) and "amx_bf16" not in cpu_flags().split())
     weight = prepack_weight(w)
-    assert (weight.onednn is None) == every_m and weight.pairs is not None
+    assert weight.pairs is not None
+    if every_m:
+        assert weight.onednn is None and weight.widened is None
+    else:
+        assert (weight.onednn is not None, weight.widened is not None) == _large_m_copies()
     small = x[:PAIR_MAX_M]
     assert torch.equal(linear(small, weight, b), linear_bf16_pairs(small, weight, b))
     if every_m:
@@ -243,8 +256,47 @@ def test_bf16_dispatch(monkeypatch):
     monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")
     assert not pairs_take_every_m(library())
     both = prepack_weight(w)
-    assert both.onednn is not None and both.pairs is not None
+    assert both.pairs is not None and (both.onednn is not None, both.widened is not None) == _large_m_copies()
     torch.testing.assert_close(linear(x, both, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)  # oneDNN
+
+
+def _large_m_copies() -> tuple[bool, bool]:
+    """(a oneDNN copy, float32 panels): what a bf16 weight carries for M over PAIR_MAX_M where the pairs do not run
+    every M."""
+    return (True, False) if onednn_bf16_available() else (False, True)
+
+
+def test_bf16_where_onednn_has_no_bf16_path(monkeypatch):
+    """On a CPU where oneDNN has no bf16 path (AVX2 only: its weight reorder raises there) a bf16 weight gets float32
+    panels beside its pairs: M over PAIR_MAX_M runs the float32 GEMM on widened rows and rounds the output, M up to
+    PAIR_MAX_M the pairs. Forced with LIGHTSERVE_ONEDNN_BF16_GEMM (so a vdpbf16ps build splits the M range too)."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setattr(sys.modules["lightserve.kernels.linear"], "onednn_bf16_available", lambda: False)
+    monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")
+    x, w, b = _bf16_case(PAIR_MAX_M + 20, 1000, 576)
+    weight = prepack_weight(w)
+    assert weight.onednn is None and weight.pairs is not None and weight.widened is not None
+    want = linear_cpu(x.float(), pack_linear_weight(w.float()), b.float()).to(torch.bfloat16)
+    assert torch.equal(linear(x, weight, b), want)
+    small = x[:PAIR_MAX_M]
+    assert torch.equal(linear(small, weight, b), linear_bf16_pairs(small, weight, b))
+    torch.testing.assert_close(linear(x, weight, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)
+
+
+def test_onednn_bf16_follows_the_isa_it_is_held_to():
+    """Held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2 and the C kernels' AVX2 build: what an AVX2-only CPU runs) oneDNN has no
+    bf16 path, and prepacking a bf16 weight makes the float32 panels instead of calling the reorder that would
+    raise."""
+    if library() is None or "avx2" not in cpu_flags().split():
+        pytest.skip("needs the C kernels and an AVX2 CPU")
+    code = ("import torch; from lightserve.kernels.linear import onednn_bf16_available, prepack_weight; "
+            "w = prepack_weight(torch.ones(64, 32, dtype=torch.bfloat16)); "
+            "print(onednn_bf16_available(), w.onednn is None, w.widened is not None)")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "LIGHTSERVE_CPU_BUILD": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "True"]
 
 
 @pytest.mark.parametrize("threads", [1, 3, 7])

@@ -11,10 +11,17 @@ import dataclasses
 import pytest
 import torch
 
-from lightserve.kernels.cpu import BUILD_VARIANTS, kernel_times, library, variant_library
+from lightserve.kernels.cpu import kernel_times, library, variant_library
 from lightserve.kernels.decoder_layers import CpuDecoderLayers, timed_labels
-from lightserve.kernels.linear import PAIR_MAX_M, pack_linear_weight, pairs_take_every_m, unpack_linear_weight
+from lightserve.kernels.linear import (
+    PAIR_MAX_M,
+    onednn_bf16_available,
+    pack_linear_weight,
+    pairs_take_every_m,
+    unpack_linear_weight,
+)
 from lightserve.model_infer.models import load_model_dir
+from tests.kernels.kernel_cases import c_library_variants
 
 from .fake_worker import FakeWorker
 from .tiny_models import make_tiny_model
@@ -96,15 +103,17 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
 
 def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_path, monkeypatch):
     """What an AMX CPU, or one without AVX512-BF16, loads: each bf16 projection in oneDNN's layout (which runs M over
-    PAIR_MAX_M) beside linear.c's pairs. Forced here with LIGHTSERVE_ONEDNN_BF16_GEMM on any CPU: the steps of up
-    to PAIR_MAX_M tokens run in one call, the others the loop, bit for bit as the loop alone."""
+    PAIR_MAX_M; float32 panels where oneDNN has no bf16 path, on AVX2-only CPUs) beside linear.c's pairs. Forced here
+    with LIGHTSERVE_ONEDNN_BF16_GEMM on any CPU: the steps of up to PAIR_MAX_M tokens run in one call, the others
+    the loop, bit for bit as the loop alone."""
     if library() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")
     fused, loop = load_pair("qwen3", torch.bfloat16, tmp_path)
     assert fused.cpu_layers.max_tokens == PAIR_MAX_M
     gate_ups = [layer.gate_up for layer in fused.cpu_layers.layers]
-    assert all(w.onednn is not None and w.pairs is not None for w in gate_ups)
+    large_m = [w.onednn if onednn_bf16_available() else w.widened for w in gate_ups]
+    assert all(w.pairs is not None for w in gate_ups) and all(c is not None for c in large_m)
     calls = count_one_call_steps(fused)
     for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):
         assert torch.equal(got, ref)
@@ -142,14 +151,13 @@ def test_an_empty_step_returns_no_rows(tmp_path):
     assert out.shape == (0, fused.config.hidden_size)
 
 
-@pytest.mark.parametrize("variant", [v for v in BUILD_VARIANTS if v != "native"])
+@pytest.mark.parametrize("variant", [v for v in c_library_variants() if v != "native"])
 def test_one_call_layers_of_every_build_this_cpu_runs(variant, tmp_path):
-    """The driver from a narrower build (AVX2, or no AVX at all) against the native build's: float32 on weights packed
-    for that build's panels, logits to rounding (the vector widths sum in other orders); bf16 on the same pairs,
-    which those builds run up to PAIR_MAX_M rows (no vdpbf16ps), so the driver there takes the decode steps."""
+    """The driver from a narrower build (AVX-512 without vdpbf16ps, AVX2, or no AVX at all) against the native
+    build's: float32 on weights packed for that build's panels, logits to rounding (the vector widths sum in other
+    orders); bf16 on the same pairs, which those builds run up to PAIR_MAX_M rows (no vdpbf16ps), so the driver
+    there takes the decode steps."""
     lib = variant_library(variant)
-    if lib is None:
-        pytest.skip(f"this CPU cannot run the {variant} build")
     fused, _ = load_pair("qwen2", torch.float32, tmp_path)
     native = run_steps(fused)
     layers = [dataclasses.replace(layer, **{name: pack_linear_weight(unpack_linear_weight(getattr(layer, name)), lib)

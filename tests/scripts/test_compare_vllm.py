@@ -48,12 +48,14 @@ def setup(tmp_path: Path) -> dict:
     wrapper.write_text(
         "#!/usr/bin/env bash\n"
         'if [[ "$1" == -m && "$2" == lightserve.launch_server ]]; then\n'
+        f'  env > "{tmp_path / "server.env"}"\n'
         f'  shift 2; exec "{sys.executable}" "{HERE / "fake_llm_server.py"}" "$@"\n'
         "fi\n"
         f'exec "{sys.executable}" "$@"\n'
     )
     wrapper.chmod(0o755)
-    return {"model": model, "python": wrapper, "out": tmp_path / "results" / "cmp.json", "port": _free_port()}
+    return {"model": model, "python": wrapper, "out": tmp_path / "results" / "cmp.json", "port": _free_port(),
+            "server_env": tmp_path / "server.env"}
 
 
 def _run(setup: dict, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -94,3 +96,18 @@ def test_compare_script_refuses_a_busy_port(setup: dict) -> None:
         s.listen()
         proc = _run(setup, "--workloads", "W2", timeout=30)
     assert proc.returncode != 0 and "already in use" in proc.stderr
+
+
+def test_compare_script_holds_the_server_to_an_older_isa(setup: dict) -> None:
+    """--isa avx2: the server runs the AVX2 build of the C kernels, with torch and oneDNN held to AVX2 as well."""
+    proc = _run(setup, "--runs", "1", "--workloads", "W2", "--isa", "avx2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = dict(line.split("=", 1) for line in setup["server_env"].read_text().splitlines() if "=" in line)
+    held = (env["LIGHTSERVE_CPU_BUILD"], env["ATEN_CPU_CAPABILITY"], env["ONEDNN_MAX_CPU_ISA"])
+    assert held == ("avx2", "avx2", "AVX2")
+    res = json.loads(setup["out"].read_text())["sides"]["lightserve"]
+    assert (res["isa"], res["dtype"]) == ("avx2", "float32")  # auto: no native bf16 on an AVX2 CPU
+    vllm_site = setup["out"].parent / "cmp_runs" / "isa_avx2" / "sitecustomize.py"
+    assert "_is_avx512_supported = lambda: False" in vllm_site.read_text()
+    bad = _run(setup, "--isa", "avx3", timeout=30)
+    assert bad.returncode != 0 and "--isa must be native, avx512 or avx2" in bad.stderr

@@ -52,15 +52,19 @@ BUILD_VARIANTS = {
 }
 
 
+def _missing_flags(name: str) -> list[str]:
+    """The CPU flags BUILD_VARIANTS[name] needs that this CPU lacks."""
+    have = set(cpu_flags().split())
+    return [f for f in BUILD_VARIANTS[name][1] if f not in have]
+
+
 def variant_library(name: str) -> ctypes.CDLL | None:
     """The kernel library built as BUILD_VARIANTS[name], or None when this CPU cannot run that build's
     instructions (or nothing can be built here)."""
-    flags, needs = BUILD_VARIANTS[name]
-    have = set(cpu_flags().split())
-    if not all(f in have for f in needs):
+    if _missing_flags(name):
         return None
     try:
-        return load(build(flags))
+        return load(build(BUILD_VARIANTS[name][0]))
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -127,11 +131,10 @@ def library() -> ctypes.CDLL | None:
     name = envs.cpu_build()
     if name not in BUILD_VARIANTS:
         raise ValueError(f"LIGHTSERVE_CPU_BUILD={name!r}: not one of {', '.join(BUILD_VARIANTS)}")
-    flags, needs = BUILD_VARIANTS[name]
-    if missing := [f for f in needs if f not in cpu_flags().split()]:
+    if missing := _missing_flags(name):
         raise ValueError(f"LIGHTSERVE_CPU_BUILD={name!r}: this CPU has no {', '.join(missing)}")
     try:
-        return load(build(flags))
+        return load(build(BUILD_VARIANTS[name][0]))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("CPU C kernels unavailable, falling back to torch ops: %s", detail)

@@ -21,7 +21,7 @@ def test_a_narrower_build_is_loaded_on_request(monkeypatch, fresh_library):
     lib = fresh_library()
     assert lib._name == variant_library("avx2")._name
     assert lib.linear_panel_width() == 16 and not lib.linear_bf16_pairs_dpbf16()  # 8-float vectors, no vdpbf16ps
-    assert ("avx512f" in cpu_flags().split()) == (native._name != lib._name)
+    assert lib._name != native._name  # the flags are in the build's cache key, so even on an AVX2 CPU it is another
 
 
 def test_an_unknown_build_is_an_error(monkeypatch, fresh_library):

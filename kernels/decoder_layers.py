@@ -118,9 +118,10 @@ class CpuDecoderLayers:
         shapes its kernels decline.
 
         bf16 GEMMs run on linear.c's pair layout at every M where the build has vdpbf16ps and no weight keeps a
-        oneDNN copy. Elsewhere (AMX, where oneDNN is about twice as fast above a few rows; no AVX512-BF16) the
-        per-kernel forward runs the pairs up to PAIR_MAX_M rows and oneDNN above, so the driver takes the steps of up
-        to PAIR_MAX_M tokens: the decode of one to a few requests, where the Python between kernels weighs most."""
+        oneDNN copy or float32 panels. Elsewhere (AMX, where oneDNN is about twice as fast above a few rows; no
+        AVX512-BF16, where float32 panels run them) the per-kernel forward runs the pairs up to PAIR_MAX_M rows and
+        the other copy above, so the driver takes the steps of up to PAIR_MAX_M tokens: the decode of one to a few
+        requests, where the Python between kernels weighs most."""
         from lightserve.kernels.cpu import library
 
         lib = lib or library()
@@ -132,7 +133,8 @@ class CpuDecoderLayers:
         if len({layer.q_norm is None for layer in layers} | {layer.k_norm is None for layer in layers}) != 1:
             return None
         every_m = dtype == torch.float32 or (bool(lib.linear_bf16_pairs_dpbf16()) and all(
-            w.onednn is None for layer in layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))
+            w.onednn is None and w.widened is None
+            for layer in layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))
         self = cls(lib, layers, shape, dtype, None if every_m else PAIR_MAX_M)
         return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, 0, 0))) else None
 

@@ -10,13 +10,14 @@ and prefill alike. For bfloat16 models the weights are laid out once at load (`p
   SmolLM2's four projections over 30 layers plus the lm_head, weights from DRAM, GFLOP/s against oneDNN's prepacked
   GEMM in the same run (scripts/bench_cpu_kernels.py --linears): M=8 241 / 130, M=64 415 / 328, M=512 432 / 413
   (the CPU's vdpbf16ps ceiling measured 446); at M=1 the stream reads 32-35 GB/s against oneDNN's 17-23.
-- Elsewhere oneDNN's blocked layout runs M over PAIR_MAX_M (AMX where the CPU has it, about twice the vdpbf16ps
-  rate; AVX-512 without native bf16), and the pair layout, a second copy, the decode of one to four requests (its
-  portable build widens each pair by a shift and a mask).
-- Where oneDNN has no bf16 path (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, so AVX2-only CPUs, where its weight
-  reorder raises), a float32 copy in the C GEMM's panels runs M over PAIR_MAX_M on x widened to float32, the output
-  rounded to bf16: the float32 GEMM's rate, where torch's own bf16 matmul ran 3-8x slower (Zen 3: 15-18 GFLOP/s
-  against 60-120 for float32).
+- On AMX CPUs oneDNN's blocked layout runs M over PAIR_MAX_M (about twice the vdpbf16ps rate), and the pair
+  layout, a second copy, the decode of one to four requests (its builds without vdpbf16ps widen each pair by a
+  shift and a mask).
+- Where oneDNN does not multiply bf16 natively (`onednn_bf16_dot`: no AVX512-BF16 or AMX-BF16, as on AVX2-only
+  EPYCs and Skylake-SP to Ice Lake Xeons), a float32 copy in the C GEMM's panels runs M over PAIR_MAX_M on x
+  widened to float32, the output rounded to bf16: the float32 GEMM's rate. oneDNN's bf16 GEMM ran about a third of
+  it there (AVX-512 without AVX512-BF16) or has no bf16 path at all (AVX2: its weight reorder raises); torch's own
+  bf16 matmul on AVX2 ran 3-8x slower than float32 (Zen 3: 15-18 GFLOP/s against 60-120).
 torch's F.linear on plain bf16 weights repacks them on every call: on Zen 5, gate_up at M=64 took 0.456 ms a layer
 against 0.292 prepacked.
 Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2-135M's shapes, weights streamed from DRAM as in
@@ -83,15 +84,15 @@ def linear_ref(x: Tensor, weight: Tensor | PackedLinear, bias: Tensor | None = N
 class PrepackedLinear:
     """A [N, K] weight laid out once at load for the CPU GEMMs that run it: oneDNN's blocked layout (an opaque
     mkldnn tensor), and for bf16 weights linear.c's pair layout. Where the C kernel takes every M (its vdpbf16ps
-    build, on a CPU without AMX) only the pairs are kept; elsewhere oneDNN runs M over PAIR_MAX_M (where it has no
-    bf16 path, float32 panels instead: `widened`), and the pairs (when they fit in memory) the decode of one to a
-    few requests. At least one of onednn, pairs and widened is set."""
+    build, on a CPU without AMX) only the pairs are kept; elsewhere oneDNN runs M over PAIR_MAX_M (where it does not
+    multiply bf16 natively, float32 panels instead: `widened`), and the pairs (when they fit in memory) the decode
+    of one to a few requests. At least one of onednn, pairs and widened is set."""
 
     onednn: Tensor | None
     out_features: int  # N
     in_features: int  # K
     pairs: Tensor | None = None  # [ceil(N / 32) * 2, K / 2, 16] int32, pack_bf16_pairs
-    widened: PackedLinear | None = None  # the weight in float32 panels, where oneDNN has no bf16 path (then no onednn)
+    widened: PackedLinear | None = None  # float32 panels, where oneDNN does not multiply bf16 natively (then no onednn)
 
 
 def onednn_available() -> bool:
@@ -103,6 +104,31 @@ def onednn_bf16_available() -> bool:
     """Whether oneDNN runs bf16 GEMMs on this CPU: it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (torch answers from
     the CPU, held to ONEDNN_MAX_CPU_ISA where that is set)."""
     return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# oneDNN's instruction sets without bf16 dot products (its ONEDNN_MAX_CPU_ISA names, oldest first). Held to one of
+# these, oneDNN's bf16 GEMM widens each operand to float32 itself, where it has a bf16 path at all.
+ONEDNN_ISAS_WITHOUT_BF16_DOT = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def onednn_bf16_dot() -> bool:
+    """Whether oneDNN's bf16 GEMM multiplies bf16 natively here: the CPU has AVX512-BF16 or AMX-BF16 and oneDNN is
+    not held below them (ONEDNN_MAX_CPU_ISA). Elsewhere its bf16 GEMM widens to float32 and loses to linear.c's
+    float32 GEMM on widened rows: held to AVX512_CORE_VNNI (the Zen 5, 2 threads, SmolLM2's linears over 30 layers)
+    it ran 134 GFLOP/s at M = 64 and 139 at M = 512, against 383 and 443 for the float32 GEMM."""
+    from lightserve import envs
+    from lightserve.kernels.cpu import cpu_flags
+
+    native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
+    return onednn_bf16_available() and bool(native) and envs.onednn_max_cpu_isa() not in ONEDNN_ISAS_WITHOUT_BF16_DOT
+
+
+def onednn_runs_bf16() -> bool:
+    """Whether bf16 linears over PAIR_MAX_M rows that the pairs do not take go to oneDNN (where it multiplies bf16
+    natively, or LIGHTSERVE_ONEDNN_BF16_GEMM asks for it where it has a bf16 path) rather than to float32 panels."""
+    from lightserve import envs
+
+    return onednn_bf16_dot() or (envs.onednn_bf16_gemm() and onednn_bf16_available())
 
 
 def pairs_take_every_m(lib) -> bool:
@@ -120,15 +146,15 @@ def pairs_take_every_m(lib) -> bool:
 def prepack_weight(weight: Tensor) -> PrepackedLinear:
     """weight [N, K] (CPU, bf16 or float32) -> PrepackedLinear; the row-major tensor is not kept. A bf16 weight with
     an even K gets the pair layout: alone where the C kernel runs every M (pairs_take_every_m), else beside oneDNN's
-    (the weights' memory twice), or beside float32 panels where oneDNN has no bf16 path (three times), unless that
-    would leave less than PAIR_MIN_FREE_FRACTION of the machine's memory available."""
+    (the weights' memory twice), or beside float32 panels where oneDNN does not multiply bf16 natively (three times),
+    unless that would leave less than PAIR_MIN_FREE_FRACTION of the machine's memory available."""
     from lightserve.kernels.cpu import library
 
     n, k = weight.shape
     pairs_ok = weight.dtype == torch.bfloat16 and k % 2 == 0 and library() is not None
     if pairs_ok and pairs_take_every_m(library()):
         return PrepackedLinear(None, n, k, pairs=pack_bf16_pairs(weight))
-    if weight.dtype == torch.bfloat16 and not onednn_bf16_available():
+    if weight.dtype == torch.bfloat16 and not onednn_runs_bf16():
         pairs = pack_bf16_pairs(weight) if pairs_ok and _pairs_fit(weight) else None
         return PrepackedLinear(None, n, k, pairs=pairs, widened=pack_linear_weight(weight.float()))
     with torch.no_grad():
@@ -194,7 +220,7 @@ def linear(x: Tensor, weight: Tensor | PackedLinear | PrepackedLinear, bias: Ten
             out = linear_bf16_pairs(x, weight, bias)
             if out is not None:
                 return out
-        if weight.widened is not None:  # no oneDNN bf16 here: the float32 GEMM on widened rows, rounded back
+        if weight.widened is not None:  # no native bf16 here: the float32 GEMM on widened rows, rounded back
             xf, bf = x.float(), None if bias is None else bias.float()
             out = linear_cpu(xf, weight.widened, bf)
             return (linear_ref(xf, weight.widened, bf) if out is None else out).to(x.dtype)

@@ -42,3 +42,9 @@ def cpu_build() -> str:
     (kernels/cpu/__init__.py's BUILD_VARIANTS) instead of the native one, to measure on this CPU the code an older
     one runs. Unset or empty: native."""
     return os.environ.get("LIGHTSERVE_CPU_BUILD", "") or "native"
+
+
+def onednn_max_cpu_isa() -> str:
+    """ONEDNN_MAX_CPU_ISA (or its older name DNNL_MAX_CPU_ISA), oneDNN's own: the newest instruction set oneDNN may
+    use, upper-case, e.g. AVX512_CORE_VNNI; "" when unset (oneDNN then uses all the CPU has)."""
+    return (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()

@@ -157,7 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=384, help="tokens already in each request's KV")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=10, help="decode steps timed; with --prefill, prefill runs")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--model_dir", default=None, help="a checkpoint folder (default: SmolLM2, prepared as make does)")
@@ -207,16 +207,21 @@ def main() -> None:
         if args.prefill:
             runner.forward(record.plan)  # warm-up; rewrites the same KV rows
             op_time, ungrouped = defaultdict(float), defaultdict(float)
-            with kernel_times() as ktimes:
-                t = time.perf_counter()
-                runner.forward(record.plan)
-                took = time.perf_counter() - t
+            runs, kernels_per_run = [], []  # --steps runs of the same prefill: one run is too noisy to share out
+            for _ in range(args.steps):
+                with kernel_times() as ktimes:
+                    t = time.perf_counter()
+                    runner.forward(record.plan)
+                    runs.append(time.perf_counter() - t)
+                kernels_per_run.append(ktimes)
+            took = statistics.median(runs)
             _profiled_forward(runner, record.plan, op_time, ungrouped)
             over = f" over a cached {args.prefix}-token prefix (+1 decode)" if args.prefix else ""
             print(f"prefill step, {b} x {ctx} prompt tokens{over}, {args.dtype}, {args.threads} threads: "
-                  f"forward {1e3 * took:.1f} ms ({b * ctx / took:.0f} tokens/s)")
-            _print_op_groups(op_time, ungrouped, "a second run")
-            _print_kernel_times([ktimes], took, took)
+                  f"forward {1e3 * took:.1f} ms ({b * ctx / took:.0f} tokens/s; median of {len(runs)} runs, "
+                  f"{1e3 * min(runs):.1f}-{1e3 * max(runs):.1f})")
+            _print_op_groups(op_time, ungrouped, "one more run")
+            _print_kernel_times(kernels_per_run, took, took)
             return
         writer.write(record.plan, runner.forward(record.plan), 0.0)
         sched.finish_step(record)

@@ -41,10 +41,19 @@ def test_silu_and_mul_c_kernel_matches_reference(num_tokens, inter, dtype, varia
     g = torch.Generator().manual_seed(inter)
     x = (torch.randn(num_tokens, 2 * inter + 4, generator=g) * 6).to(dtype)[:, : 2 * inter]  # strided; large |x|
     x[0, 0], x[0, 1] = -120.0, 120.0  # exp's clamps
+    x[-1, 2], x[-1, inter + 3] = float("nan"), float("nan")  # a NaN gate and a NaN up, in both lanes of a bf16 pair
     out = silu_and_mul_cpu(x, lib=lib)
     assert out.dtype == dtype
+    ref = silu_and_mul_ref(x)
+    assert out[-1, 2:4].isnan().all()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=1e-6)
-    torch.testing.assert_close(out, silu_and_mul_ref(x), **tol)
+    torch.testing.assert_close(out, ref, equal_nan=True, **tol)
+    if dtype == torch.bfloat16:
+        # Rounded where torch's two ops round, the bits are torch's (1.5M elements of [512, 3,072] at 6 sigma: all),
+        # but for the clamped exp (silu(-120) is -7e-37 here, -0 in torch) and NaN payloads.
+        plain = ~ref.isnan()
+        plain[0, :2] = False
+        assert torch.equal(out[plain], ref[plain])
     assert silu_and_mul_cpu(x.double()) is None
 
 

@@ -23,7 +23,8 @@ from lightserve.kernels.linear import (
     linear_ref,
     linear_silu_cpu,
     onednn_available,
-    onednn_bf16_available,
+    onednn_bf16_dot,
+    onednn_runs_bf16,
     pack_bf16_pairs,
     pack_linear_weight,
     pairs_take_every_m,
@@ -263,13 +264,14 @@ def test_bf16_dispatch(monkeypatch):
 def _large_m_copies() -> tuple[bool, bool]:
     """(a oneDNN copy, float32 panels): what a bf16 weight carries for M over PAIR_MAX_M where the pairs do not run
     every M."""
-    return (True, False) if onednn_bf16_available() else (False, True)
+    return (True, False) if onednn_runs_bf16() else (False, True)
 
 
 def test_bf16_where_onednn_has_no_bf16_path(monkeypatch):
-    """On a CPU where oneDNN has no bf16 path (AVX2 only: its weight reorder raises there) a bf16 weight gets float32
-    panels beside its pairs: M over PAIR_MAX_M runs the float32 GEMM on widened rows and rounds the output, M up to
-    PAIR_MAX_M the pairs. Forced with LIGHTSERVE_ONEDNN_BF16_GEMM (so a vdpbf16ps build splits the M range too)."""
+    """On a CPU where oneDNN does not multiply bf16 natively (AVX2 only, where its weight reorder raises; AVX-512
+    without AVX512-BF16) a bf16 weight gets float32 panels beside its pairs: M over PAIR_MAX_M runs the float32 GEMM
+    on widened rows and rounds the output, M up to PAIR_MAX_M the pairs. Forced with LIGHTSERVE_ONEDNN_BF16_GEMM (so
+    a vdpbf16ps build splits the M range too)."""
     if library() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setattr(sys.modules["lightserve.kernels.linear"], "onednn_bf16_available", lambda: False)
@@ -284,19 +286,44 @@ def test_bf16_where_onednn_has_no_bf16_path(monkeypatch):
     torch.testing.assert_close(linear(x, weight, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)
 
 
-def test_onednn_bf16_follows_the_isa_it_is_held_to():
-    """Held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2 and the C kernels' AVX2 build: what an AVX2-only CPU runs) oneDNN has no
-    bf16 path, and prepacking a bf16 weight makes the float32 panels instead of calling the reorder that would
-    raise."""
-    if library() is None or "avx2" not in cpu_flags().split():
-        pytest.skip("needs the C kernels and an AVX2 CPU")
+@pytest.mark.parametrize("flags, held, gemm_env, dot, runs", [
+    ("avx2 fma", "", "", False, False),                               # AVX2 EPYC
+    ("avx2 avx512f avx512bw", "", "", False, False),                  # Skylake-SP to Ice Lake
+    ("avx2 avx512f avx512bw", "", "1", False, True),                  # ... oneDNN asked for
+    ("avx2 avx512f avx512_bf16", "", "", True, True),                 # Zen 4 / 5, Cooper Lake
+    ("avx2 avx512f amx_bf16 amx_tile", "", "", True, True),           # Sapphire Rapids and later
+    ("avx2 avx512f avx512_bf16", "AVX512_CORE_VNNI", "", False, False),   # oneDNN held below its bf16
+    ("avx2 avx512f avx512_bf16", "avx512_core_bf16", "", True, True),
+    ("avx2 avx512f amx_bf16", "AVX2", "", False, False),
+])
+def test_onednn_runs_bf16_where_the_cpu_multiplies_bf16(monkeypatch, flags, held, gemm_env, dot, runs):
+    """oneDNN runs bf16 linears over PAIR_MAX_M only with AVX512-BF16 or AMX-BF16 to run them on (and not held below
+    them), or where LIGHTSERVE_ONEDNN_BF16_GEMM asks; elsewhere the float32 panels do."""
+    monkeypatch.setattr(sys.modules["lightserve.kernels.cpu"], "cpu_flags", lambda: flags)
+    monkeypatch.setattr(sys.modules["lightserve.kernels.linear"], "onednn_bf16_available", lambda: True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", held)
+    monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", gemm_env)
+    assert onednn_bf16_dot() is dot
+    assert onednn_runs_bf16() is runs
+
+
+@pytest.mark.parametrize("held, build, flag, available", [
+    ("AVX2", "avx2", "avx2", False),  # an AVX2-only CPU: no bf16 path, the reorder would raise
+    ("AVX512_CORE_VNNI", "avx512", "avx512bw", True),  # Skylake-SP to Ice Lake: a bf16 path, but widening
+])
+def test_onednn_bf16_follows_the_isa_it_is_held_to(held, build, flag, available):
+    """Held to an older CPU's instructions (ONEDNN_MAX_CPU_ISA and that build of the C kernels, as
+    scripts/compare_vllm.sh --isa runs) prepacking a bf16 weight makes the float32 panels, not a oneDNN copy."""
+    if library() is None or flag not in cpu_flags().split():
+        pytest.skip(f"needs the C kernels and {flag}")
     code = ("import torch; from lightserve.kernels.linear import onednn_bf16_available, prepack_weight; "
             "w = prepack_weight(torch.ones(64, 32, dtype=torch.bfloat16)); "
             "print(onednn_bf16_available(), w.onednn is None, w.widened is not None)")
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "LIGHTSERVE_CPU_BUILD": "avx2"}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": held, "LIGHTSERVE_CPU_BUILD": build}
+    env.pop("LIGHTSERVE_ONEDNN_BF16_GEMM", None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["False", "True", "True"]
+    assert out.stdout.split() == [str(available), "True", "True"]
 
 
 @pytest.mark.parametrize("threads", [1, 3, 7])

@@ -15,7 +15,7 @@ from lightserve.kernels.cpu import kernel_times, library, variant_library
 from lightserve.kernels.decoder_layers import CpuDecoderLayers, timed_labels
 from lightserve.kernels.linear import (
     PAIR_MAX_M,
-    onednn_bf16_available,
+    onednn_runs_bf16,
     pack_linear_weight,
     pairs_take_every_m,
     unpack_linear_weight,
@@ -103,7 +103,7 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
 
 def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_path, monkeypatch):
     """What an AMX CPU, or one without AVX512-BF16, loads: each bf16 projection in oneDNN's layout (which runs M over
-    PAIR_MAX_M; float32 panels where oneDNN has no bf16 path, on AVX2-only CPUs) beside linear.c's pairs. Forced here
+    PAIR_MAX_M; float32 panels where oneDNN does not multiply bf16 natively) beside linear.c's pairs. Forced here
     with LIGHTSERVE_ONEDNN_BF16_GEMM on any CPU: the steps of up to PAIR_MAX_M tokens run in one call, the others
     the loop, bit for bit as the loop alone."""
     if library() is None:
@@ -112,7 +112,7 @@ def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_pa
     fused, loop = load_pair("qwen3", torch.bfloat16, tmp_path)
     assert fused.cpu_layers.max_tokens == PAIR_MAX_M
     gate_ups = [layer.gate_up for layer in fused.cpu_layers.layers]
-    large_m = [w.onednn if onednn_bf16_available() else w.widened for w in gate_ups]
+    large_m = [w.onednn if onednn_runs_bf16() else w.widened for w in gate_ups]
     assert all(w.pairs is not None for w in gate_ups) and all(c is not None for c in large_m)
     calls = count_one_call_steps(fused)
     for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):

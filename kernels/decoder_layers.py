@@ -25,16 +25,17 @@ class LayerArgs(ctypes.Structure):
     """decoder_layers.c's LayerArgs: one layer's pointers."""
 
     _fields_ = [("input_norm", _P), ("post_attn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _P),
-                ("qkv_bias", _P), ("o_proj", _P), ("o_bias", _P), ("gate_up", _P), ("down", _P), ("k_cache", _P),
-                ("v_cache", _P), ("cos_sin", _P), ("cos_sin_row", _I64), ("window", _I32)]
+                ("qkv_bias", _P), ("o_proj", _P), ("o_bias", _P), ("gate_up", _P), ("down", _P), ("qkv_f", _P),
+                ("qkv_bias_f", _P), ("o_proj_f", _P), ("o_bias_f", _P), ("gate_up_f", _P), ("down_f", _P),
+                ("k_cache", _P), ("v_cache", _P), ("cos_sin", _P), ("cos_sin_row", _I64), ("window", _I32)]
 
 
 class ModelDims(ctypes.Structure):
     """decoder_layers.c's ModelDims."""
 
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32),
-                ("head_dim", _I32), ("inter", _I32), ("bf16", _I32), ("eps", _F32), ("sm_scale", _F32),
-                ("softcap", _F32), ("kv_rows", _I64), ("kc_row", _I64), ("vc_row", _I64)]
+                ("head_dim", _I32), ("inter", _I32), ("bf16", _I32), ("widened", _I32), ("eps", _F32),
+                ("sm_scale", _F32), ("softcap", _F32), ("kv_rows", _I64), ("kc_row", _I64), ("vc_row", _I64)]
 
 
 class StepArgs(ctypes.Structure):
@@ -49,7 +50,8 @@ class StepArgs(ctypes.Structure):
 class Scratch(ctypes.Structure):
     """decoder_layers.c's Scratch: the step's buffers."""
 
-    _fields_ = [("x", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("q", _P), ("k", _P)]
+    _fields_ = [("x", _P), ("qkv", _P), ("attn", _P), ("gate_up", _P), ("act", _P), ("q", _P), ("k", _P), ("xf", _P),
+                ("yf", _P)]
 
 
 def timed_labels(dtype: torch.dtype) -> tuple[str, ...]:
@@ -98,9 +100,13 @@ class CpuDecoderLayers:
     bound on first use and again whenever the model is handed another cache."""
 
     def __init__(self, lib: ctypes.CDLL, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, widened: bool = False) -> None:
         self.lib, self.layers, self.shape, self.dtype = lib, layers, shape, dtype
         self.max_tokens = max_tokens  # the most tokens a step it runs may have; None: any number
+        # bf16 GEMMs over PAIR_MAX_M rows on the weights' float32 panels, with the biases in float32 (held here)
+        self.widened = widened
+        self.float_biases = [(_float(layer.qkv_bias), _float(layer.o_bias)) if widened else (None, None)
+                             for layer in layers]
         self.labels = timed_labels(dtype)
         # Scratch columns a token takes: x | qkv | attn | gate_up | act, then with q/k norms the normed q | k.
         sh, hd = shape, shape.head_dim
@@ -118,10 +124,11 @@ class CpuDecoderLayers:
         shapes its kernels decline.
 
         bf16 GEMMs run on linear.c's pair layout at every M where the build has vdpbf16ps and no weight keeps a
-        oneDNN copy or float32 panels. Elsewhere (AMX, where oneDNN is about twice as fast above a few rows; no
-        AVX512-BF16, where float32 panels run them) the per-kernel forward runs the pairs up to PAIR_MAX_M rows and
-        the other copy above, so the driver takes the steps of up to PAIR_MAX_M tokens: the decode of one to a few
-        requests, where the Python between kernels weighs most."""
+        oneDNN copy or float32 panels. Where every weight has float32 panels of this build's width instead (CPUs
+        without native bf16 products) the driver runs them above PAIR_MAX_M rows, as linear() does, and takes every
+        step. Elsewhere (AMX, where oneDNN is about twice as fast above a few rows) the per-kernel forward runs the
+        pairs up to PAIR_MAX_M rows and oneDNN above, so the driver takes the steps of up to PAIR_MAX_M tokens: the
+        decode of one to a few requests, where the Python between kernels weighs most."""
         from lightserve.kernels.cpu import library
 
         lib = lib or library()
@@ -132,10 +139,12 @@ class CpuDecoderLayers:
         # q and k norms on every layer or on none (the scratch has the normed q and k or not)
         if len({layer.q_norm is None for layer in layers} | {layer.k_norm is None for layer in layers}) != 1:
             return None
-        every_m = dtype == torch.float32 or (bool(lib.linear_bf16_pairs_dpbf16()) and all(
-            w.onednn is None and w.widened is None
-            for layer in layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)))
-        self = cls(lib, layers, shape, dtype, None if every_m else PAIR_MAX_M)
+        weights = [w for layer in layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        widened = dtype == torch.bfloat16 and all(
+            w.onednn is None and w.widened is not None and w.widened.panel == lib.linear_panel_width() for w in weights)
+        every_m = dtype == torch.float32 or widened or (bool(lib.linear_bf16_pairs_dpbf16()) and all(
+            w.onednn is None and w.widened is None for w in weights))
+        self = cls(lib, layers, shape, dtype, None if every_m else PAIR_MAX_M, widened)
         return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, 0, 0))) else None
 
     def takes(self, tokens: int) -> bool:
@@ -173,6 +182,11 @@ class CpuDecoderLayers:
         for w in self.widths[:-1]:
             offsets.append(offsets[-1] + tokens * w * es)
         bufs = Scratch(*(base + o for o in offsets))
+        if self.widened:  # a GEMM's x and output in float32: [T, max K], then [T, max N]
+            max_k = max(sh.hidden, sh.num_heads * sh.head_dim, sh.inter)
+            max_n = max(self.widths[1], sh.hidden, 2 * sh.inter)
+            floats = torch.empty(tokens * (max_k + max_n), dtype=torch.float32)  # alive until the call returns
+            bufs.xf, bufs.yf = floats.data_ptr(), floats.data_ptr() + tokens * max_k * 4
         hidden = torch.empty(tokens, sh.hidden, dtype=self.dtype)  # [T, H]
         times = active_kernel_times()
         secs = (ctypes.c_double * len(self.labels))() if times is not None else None
@@ -195,7 +209,8 @@ class CpuDecoderLayers:
         (zeros: the shapes alone, as decoder_layers_supported reads them)."""
         sh = self.shape
         return ModelDims(len(self.layers), sh.hidden, sh.num_heads, sh.num_kv_heads, sh.head_dim, sh.inter,
-                         int(self.dtype == torch.bfloat16), sh.eps, sh.sm_scale, sh.softcap, kv_rows, kc_row, vc_row)
+                         int(self.dtype == torch.bfloat16), int(self.widened), sh.eps, sh.sm_scale, sh.softcap,
+                         kv_rows, kc_row, vc_row)
 
     def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[ModelDims, ctypes.Array]:
         """The dims and layer array for this KV cache: built when the model is first handed its lists of per-layer
@@ -210,19 +225,26 @@ class CpuDecoderLayers:
                 raise ValueError(f"decoder_layers: a KV cache layer of another layout ({k.shape}, {k.dtype})")
         assert len(k_caches) == len(self.layers), (len(k_caches), len(self.layers))
         layer_args = (LayerArgs * len(self.layers))(*(
-            _layer_args(layer, k, v) for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True)))
+            _layer_args(layer, biases, k, v)
+            for layer, biases, k, v in zip(self.layers, self.float_biases, k_caches, v_caches, strict=True)))
         dims = self.model_dims(k0.shape[0], k0.stride(0), v_caches[0].stride(0))
         self._bound = (k_caches, v_caches, dims, layer_args)
         return dims, layer_args
 
 
-def _layer_args(layer: DecoderLayer, k_cache: Tensor, v_cache: Tensor) -> LayerArgs:
+def _layer_args(layer: DecoderLayer, float_biases: tuple[Tensor | None, Tensor | None], k_cache: Tensor,
+                v_cache: Tensor) -> LayerArgs:
     def ptr(t: Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
+
+    def widened(w: PackedLinear | PrepackedLinear) -> int | None:
+        return w.widened.panels.data_ptr() if isinstance(w, PrepackedLinear) and w.widened is not None else None
 
     return LayerArgs(ptr(layer.input_norm), ptr(layer.post_attn_norm), ptr(layer.q_norm), ptr(layer.k_norm),
                      _weight_ptr(layer.qkv), ptr(layer.qkv_bias),
                      _weight_ptr(layer.o_proj), ptr(layer.o_bias), _weight_ptr(layer.gate_up), _weight_ptr(layer.down),
+                     widened(layer.qkv), ptr(float_biases[0]), widened(layer.o_proj), ptr(float_biases[1]),
+                     widened(layer.gate_up), widened(layer.down),
                      k_cache.data_ptr(), v_cache.data_ptr(), layer.cos_sin.data_ptr(), layer.cos_sin.stride(0),
                      layer.window)
 
@@ -251,6 +273,10 @@ def _takes_layer(lib: ctypes.CDLL, layer: DecoderLayer, sh: ModelShape, dtype: t
     cs = layer.cos_sin
     return cs.dtype == torch.float32 and cs.dim() == 2 and cs.shape[1] == sh.head_dim and cs.stride(1) == 1 \
         and layer.input_norm is not None and layer.post_attn_norm is not None
+
+
+def _float(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.float()
 
 
 def _int32(t: Tensor) -> Tensor:

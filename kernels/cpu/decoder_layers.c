@@ -25,12 +25,15 @@
 // On return `hidden` holds the last layer's MLP output and `residual` the sum before it: what the model's final
 // add + RMSNorm reads. Linear weights are in the layout of the dtype's C GEMM: linear.c's panels (float32) or
 // its bf16 pair layout. The pair kernels take every M in a build with vdpbf16ps and up to PAIR_MAX_M rows in every
-// build; the caller keeps a step's tokens within what its weights' kernels take (kernels/decoder_layers.py), so on
-// a CPU whose larger bf16 GEMMs run on oneDNN (AMX, or no AVX512-BF16) the decode of one to a few requests runs
-// here and larger steps run the per-kernel forward.
+// build. On a CPU without native bf16 products a bf16 model's layers also carry float32 panels (`*_f`, with float32
+// biases): above PAIR_MAX_M rows x is widened to float32, the float32 GEMM runs and its output is rounded to bf16,
+// as kernels/linear.py's linear() runs `PrepackedLinear.widened`. The caller keeps a step's tokens within what its
+// weights' kernels take (kernels/decoder_layers.py), so on an AMX CPU, whose larger bf16 GEMMs run on oneDNN, the
+// decode of one to a few requests runs here and larger steps run the per-kernel forward.
 #include <stdint.h>
 #include <time.h>
 
+#include "fastmath.h"
 #include "kernels.h"
 
 // One layer's tensors. Linear weights as packed at load; biases and the cos/sin table as noted.
@@ -40,6 +43,8 @@ typedef struct {
     const void *qkv, *qkv_bias;               // packed [(Hq + 2 Hk) D, H]; bias [(Hq + 2 Hk) D] or NULL
     const void *o_proj, *o_bias;              // packed [H, Hq D]; bias [H] or NULL
     const void *gate_up, *down;               // packed [2 I, H] (gate rows, then up rows), [H, I]
+    // bf16 with `widened` only (else NULL): the same four projections in float32 panels, the biases in float32
+    const float *qkv_f, *qkv_bias_f, *o_proj_f, *o_bias_f, *gate_up_f, *down_f;
     void *k_cache, *v_cache;                  // [kv_rows, Hk, D], row strides kc_row / vc_row
     const float *cos_sin;                     // [max_pos, D] float32 (cos | sin), row stride cos_sin_row
     int64_t cos_sin_row;
@@ -49,6 +54,7 @@ typedef struct {
 // The model's shapes, the same for every layer and step.
 typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, bf16;
+    int32_t widened;  // bf16: GEMMs over PAIR_MAX_M rows run the layers' float32 panels
     float eps, sm_scale, softcap;
     int64_t kv_rows, kc_row, vc_row;
 } ModelDims;
@@ -69,6 +75,7 @@ typedef struct {
 typedef struct {
     void *x, *qkv, *attn, *gate_up, *act;  // widths H, (Hq + 2 Hk) D, Hq D, 2 I, I
     void *q, *k;                           // widths Hq D, Hk D: the normed q and k (used with q/k norms only)
+    float *xf, *yf;                        // with `widened`: a GEMM's x and output in float32, [T, max K], [T, max N]
 } Scratch;
 
 // Per-kernel wall times, in seconds, added into times[] when the caller passes it (Python's kernel_times()
@@ -94,11 +101,22 @@ static void toc(Timer *t, int what) {
     if (t->times) t->times[what] += now() - t->start;
 }
 
-static int linear(const ModelDims *d, const void *x, int M, int K, const void *w, int N, const void *bias, void *out,
-                  int threads) {
-    if (d->bf16)
-        return linear_bf16_pairs(x, K, M, K, w, N, bias, out, N, threads);
-    return linear_packed(x, K, M, K, w, N, bias, out, N, threads);
+// x [M, K] -> out [M, N], contiguous, in the activation dtype. w / bias: the dtype's layout; wf / bias_f: the float32
+// panels and bias where `widened` (bf16 over PAIR_MAX_M rows), else unused.
+static int linear(const ModelDims *d, const Scratch *buf, const void *x, int M, int K, const void *w, int N,
+                  const void *bias, const float *wf, const float *bias_f, void *out, int threads) {
+    if (!d->bf16) return linear_packed(x, K, M, K, w, N, bias, out, N, threads);
+    if (!d->widened || M <= PAIR_MAX_M) return linear_bf16_pairs(x, K, M, K, w, N, bias, out, N, threads);
+    // Row blocks: each thread widens and rounds the rows it covers (x.float() and .to(bfloat16) in linear()).
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int i = 0; i < M; i++) {
+        const uint16_t *xi = (const uint16_t *)x + (int64_t)i * K;
+        for (int j = 0; j < K; j++) buf->xf[(int64_t)i * K + j] = bf16_to_f32(xi[j]);
+    }
+    if (linear_packed(buf->xf, K, M, K, wf, N, bias_f, buf->yf, N, threads)) return -1;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int i = 0; i < M; i++) f32_to_bf16_array(buf->yf + (int64_t)i * N, (uint16_t *)out + (int64_t)i * N, N);
+    return 0;
 }
 
 // 1 when decoder_layers takes this model: shapes its kernels take (the bf16 pair GEMMs need an even K).
@@ -127,7 +145,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         toc(&t, T_NORM);
 
         tic(&t);
-        if (linear(d, buf->x, T, H, w->qkv, qkv_w, w->qkv_bias, qkv, threads)) FAIL(l, T_LINEAR);
+        if (linear(d, buf, buf->x, T, H, w->qkv, qkv_w, w->qkv_bias, w->qkv_f, w->qkv_bias_f, qkv, threads))
+            FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
         // q [T, Hq, D] and k [T, Hk, D] with token strides q_tok / k_tok; v stays a view of qkv.
         char *q = qkv, *k = qkv + (int64_t)hq * D * es, *v = k + (int64_t)hk * D * es;
@@ -172,7 +191,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
             toc(&t, T_PREFILL);
         }
         tic(&t);
-        if (linear(d, attn, T, hq * D, w->o_proj, H, w->o_bias, hidden, threads)) FAIL(l, T_LINEAR);
+        if (linear(d, buf, attn, T, hq * D, w->o_proj, H, w->o_bias, w->o_proj_f, w->o_bias_f, hidden, threads))
+            FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
 
         tic(&t);
@@ -184,14 +204,15 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         if (!bf16 && linear_packed_silu(buf->x, H, T, H, w->gate_up, I, buf->act, threads) == 0) {
             toc(&t, T_LINEAR);
         } else {
-            if (linear(d, buf->x, T, H, w->gate_up, 2 * I, NULL, buf->gate_up, threads)) FAIL(l, T_LINEAR);
+            if (linear(d, buf, buf->x, T, H, w->gate_up, 2 * I, NULL, w->gate_up_f, NULL, buf->gate_up, threads))
+                FAIL(l, T_LINEAR);
             toc(&t, T_LINEAR);
             tic(&t);
             silu_and_mul(buf->gate_up, 2 * I, T, I, buf->act, bf16, threads);
             toc(&t, T_ACT);
         }
         tic(&t);
-        if (linear(d, buf->act, T, I, w->down, H, NULL, hidden, threads)) FAIL(l, T_LINEAR);
+        if (linear(d, buf, buf->act, T, I, w->down, H, NULL, w->down_f, NULL, hidden, threads)) FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
     }
 #undef FAIL

@@ -22,6 +22,7 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
                       float scale, int window, float softcap, int num_threads);
 
 // linear.c
+#define PAIR_MAX_M 4  // up to here linear_bf16_pairs streams the weights, in every build (kernels/linear.py)
 int linear_panel_width(void);
 int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, int N,
                   const float *bias, float *out, int64_t out_row, int num_threads);

@@ -210,7 +210,6 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 // The products are exact in float and summed in float; the output is rounded once (bias added first), as
 // oneDNN's bf16 GEMM rounds.
 #define PAIR_PW 16
-#define PAIR_MAX_M 4
 #if defined(__AVX512BF16__) && VL == 16
 #include <immintrin.h>
 #define PAIR_DPBF16 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -88,8 +89,9 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
         pytest.skip("no C compiler here")
     fused, loop = load_pair(arch, dtype, tmp_path)
     assert fused.cpu_layers is not None
-    # bf16 GEMMs on oneDNN above PAIR_MAX_M rows here (AMX, or no vdpbf16ps): the driver runs the decode steps.
-    every_step = dtype == torch.float32 or bf16_in_c()
+    # bf16 GEMMs on oneDNN above PAIR_MAX_M rows here (AMX): the driver runs the decode steps. Without native bf16
+    # products the float32 panels run them, in the driver too.
+    every_step = dtype == torch.float32 or bf16_in_c() or not onednn_runs_bf16()
     assert fused.cpu_layers.max_tokens == (None if every_step else PAIR_MAX_M)
     calls = count_one_call_steps(fused)
     want = run_steps(loop)
@@ -102,22 +104,44 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
 
 
 def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_path, monkeypatch):
-    """What an AMX CPU, or one without AVX512-BF16, loads: each bf16 projection in oneDNN's layout (which runs M over
-    PAIR_MAX_M; float32 panels where oneDNN does not multiply bf16 natively) beside linear.c's pairs. Forced here
-    with LIGHTSERVE_ONEDNN_BF16_GEMM on any CPU: the steps of up to PAIR_MAX_M tokens run in one call, the others
-    the loop, bit for bit as the loop alone."""
+    """What an AMX CPU loads: each bf16 projection in oneDNN's layout (which runs M over PAIR_MAX_M) beside
+    linear.c's pairs. Forced here with LIGHTSERVE_ONEDNN_BF16_GEMM on any CPU whose oneDNN has a bf16 path: the steps
+    of up to PAIR_MAX_M tokens run in one call, the others the loop, bit for bit as the loop alone. Where oneDNN has
+    none (AVX2 only) the weights get float32 panels instead, and the driver takes every step."""
     if library() is None:
         pytest.skip("no C compiler here")
     monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")
     fused, loop = load_pair("qwen3", torch.bfloat16, tmp_path)
-    assert fused.cpu_layers.max_tokens == PAIR_MAX_M
+    onednn = onednn_runs_bf16()
+    assert fused.cpu_layers.max_tokens == (PAIR_MAX_M if onednn else None)
     gate_ups = [layer.gate_up for layer in fused.cpu_layers.layers]
-    large_m = [w.onednn if onednn_runs_bf16() else w.widened for w in gate_ups]
+    large_m = [w.onednn if onednn else w.widened for w in gate_ups]
     assert all(w.pairs is not None for w in gate_ups) and all(c is not None for c in large_m)
     calls = count_one_call_steps(fused)
     for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):
         assert torch.equal(got, ref)
-    assert calls == [4, 4, 4]
+    assert calls == ([4, 4, 4] if onednn else [65, 4, 4, 4, 22])
+
+
+@pytest.mark.parametrize("arch", ["llama3", "llama_bias", "qwen3"])
+def test_bf16_weights_with_float32_panels_run_every_step_in_one_call(arch, tmp_path, monkeypatch):
+    """What a CPU without native bf16 products loads (AVX2 only, or AVX-512 without AVX512-BF16): linear.c's pairs
+    beside float32 panels, with no oneDNN copy. Forced here on any CPU. The driver widens x, runs the float32 GEMM
+    and rounds its output over PAIR_MAX_M rows, as linear() does, so it takes every step, bit for bit as the loop
+    (llama_bias: the biases in float32 too)."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")  # the pairs do not take every M
+    monkeypatch.setattr(sys.modules["lightserve.kernels.linear"], "onednn_runs_bf16", lambda: False)
+    fused, loop = load_pair(arch, torch.bfloat16, tmp_path)
+    layers = fused.cpu_layers
+    assert layers.widened and layers.max_tokens is None
+    assert all(w.onednn is None and w.widened is not None and w.pairs is not None
+               for layer in layers.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    calls = count_one_call_steps(fused)
+    for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):
+        assert torch.equal(got, ref)
+    assert calls == [65, 4, 4, 4, 22]
 
 
 def test_float32_gate_up_runs_fused_or_as_two_kernels_bit_for_bit(tmp_path):
@@ -170,11 +194,14 @@ def test_one_call_layers_of_every_build_this_cpu_runs(variant, tmp_path):
 
     fused, _ = load_pair("qwen2", torch.bfloat16, tmp_path / "bf16")
     native = run_steps(fused)
+    # Float32 panels (a CPU without native bf16) of this build's width: the driver runs them over PAIR_MAX_M rows.
+    widened = all(w.widened is not None and w.widened.panel == lib.linear_panel_width()
+                  for layer in fused.cpu_layers.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
     fused.cpu_layers = CpuDecoderLayers.build(fused.cpu_layers.layers, fused.cpu_layers.shape, torch.bfloat16, lib=lib)
-    assert fused.cpu_layers.max_tokens == PAIR_MAX_M
+    assert fused.cpu_layers.max_tokens == (None if widened else PAIR_MAX_M)
     calls = count_one_call_steps(fused)
     steps = run_steps(fused)
-    assert calls == [4, 4, 4]
+    assert calls == ([65, 4, 4, 4, 22] if widened else [4, 4, 4])
     for got, want in zip(steps[1:4], native[1:4], strict=True):  # the decode steps' logits: bf16 sums in other orders
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
@@ -240,7 +267,7 @@ def test_structs_match_the_c_side():
     lib = library()
     if lib is None:
         pytest.skip("no C compiler here")
-    ok = ModelDims(2, 256, 4, 2, 64, 128, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
-    bad = ModelDims(2, 256, 4, 2, 48, 128, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
+    ok = ModelDims(2, 256, 4, 2, 64, 128, 0, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
+    bad = ModelDims(2, 256, 4, 2, 48, 128, 0, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
     assert lib.decoder_layers_supported(ctypes.byref(ok)) == 1
     assert lib.decoder_layers_supported(ctypes.byref(bad)) == 0

@@ -12,7 +12,7 @@ from lightserve.messages import BatchPlan, FinishReason, StepDone, TokensReady, 
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.grammar import GrammarSet
 from lightserve.model_infer.logits_process import needs_processing, process_logits
-from lightserve.model_infer.sampler import SamplingTensors, sample
+from lightserve.model_infer.sampler import SamplingTensors, greedy_host, sample
 from lightserve.model_infer.token_history import TokenHistory
 from lightserve.shm.req_pool import ReqPool
 
@@ -89,20 +89,23 @@ class OutputWriter:
         # processing works on a copy (and most steps, with no row to process, need none).
         raw = logits
         grammar_rows = np.flatnonzero(params["grammar_kind"] != 0)
-        if grammar_rows.size or needs_processing(params, num_out):
+        processed = bool(grammar_rows.size) or needs_processing(params, num_out)
+        if processed:
             logits = process_logits(logits.clone(), idx, params, num_out, prompt_lens, self.history, self.eos_ids)
             if grammar_rows.size:
                 self.grammars.mask(logits, idx, grammar_rows, params["grammar_kind"], pool)
-        next_ids, logprobs = sample(logits, SamplingTensors.from_params(params, num_out),
-                                    raw_logits=None if logits is raw else raw)
+        # An all-greedy batch on CPU needs no torch op (greedy_host); the rest goes through sample().
+        host = None if processed else greedy_host(logits, params)
+        if host is not None:
+            next_ids = torch.from_numpy(host[0])
+            ids, lps = host[0].astype(np.int32), host[1]
+        else:
+            next_ids, logprobs = sample(logits, SamplingTensors.from_params(params, num_out),
+                                        raw_logits=None if logits is raw else raw)
         pos = prompt_lens + num_out                              # where each new token goes
         self.history.append(idx, pos, next_ids)
-        if next_ids.device.type != "cpu":
-            # One read-back for both (the step's one wait for the GPU): ids < 2**53 are exact in float64.
-            both = torch.stack([next_ids.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()   # [2, S]
-            ids, lps = both[0].astype(np.int32), both[1].astype(np.float32)
-        else:  # host tensors: numpy views, no stack
-            ids, lps = next_ids.numpy().astype(np.int32), logprobs.numpy().astype(np.float32)
+        if host is None:
+            ids, lps = _host_arrays(next_ids, logprobs)
         top_k = np.minimum(params["top_logprobs"], pool.max_top_logprobs)
         top_rows = np.flatnonzero(top_k > 0)
         if top_rows.size:
@@ -136,3 +139,12 @@ class OutputWriter:
         pool.finish[idx] = finish
         if grammar_rows.size:
             self.grammars.drop(idx[finish != FinishReason.NONE])
+
+
+def _host_arrays(next_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """sample()'s [S] ids and logprobs as numpy int32 and float32."""
+    if next_ids.device.type != "cpu":
+        # One read-back for both (the step's one wait for the GPU): ids < 2**53 are exact in float64.
+        both = torch.stack([next_ids.to(torch.float64), logprobs.to(torch.float64)]).cpu().numpy()   # [2, S]
+        return both[0].astype(np.int32), both[1].astype(np.float32)
+    return next_ids.numpy().astype(np.int32), logprobs.numpy().astype(np.float32)  # host tensors: numpy views

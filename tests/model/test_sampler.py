@@ -2,6 +2,7 @@
 distribution, top-k / top-p filtering, and returned logprobs."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -10,9 +11,11 @@ from lightserve.model_infer.sampler import (
     SamplingTensors,
     _filter_top_k_top_p,
     greedy_cpu,
+    greedy_host,
     sample,
     uniform_from_seed,
 )
+from lightserve.sampling import PARAMS_DTYPE, SamplingParams
 from tests.kernels.kernel_cases import portable_library
 
 
@@ -162,3 +165,31 @@ def test_fused_greedy_kernel_matches_torch(portable):
     logits[7, 5] = float("nan")
     assert greedy_cpu(logits, lib=lib) is None
     assert torch.equal(sample(logits, SamplingTensors(**_params(70, temperature=0.0)))[0], logits.argmax(-1))
+
+
+def _records(params: list[SamplingParams]) -> np.ndarray:
+    records = np.zeros(len(params), dtype=PARAMS_DTYPE)
+    for i, p in enumerate(params):
+        p.to_record(records[i])
+    return records
+
+
+@pytest.mark.skipif(library() is None, reason="no C compiler: greedy sampling runs torch ops")
+def test_greedy_host_returns_what_sample_returns_bit_for_bit():
+    """The output writer's all-greedy CPU path (numpy and one C call) against sample() on the same batch: the same
+    ids and the same logprob bits, with greedy asked as temperature 0 or as top_k 1, on rows with a tie and banned
+    (-inf) tokens. A row that samples, a non-finite row or GPU logits leave it to sample()."""
+    logits = torch.randn(9, 49157, generator=torch.Generator().manual_seed(7)) * 4
+    logits[2, [11, 30000]] = 40.0
+    logits[5, :20000] = float("-inf")
+    params = _records([SamplingParams(temperature=0.0)] * 6 + [SamplingParams(temperature=0.8, top_k=1)] * 3)
+    ids, logprobs = greedy_host(logits, params)
+    want_ids, want_logprobs = sample(logits, SamplingTensors.from_params(params, np.zeros(9, np.int64)))
+    assert ids.dtype == np.int64 and logprobs.dtype == np.float32
+    assert np.array_equal(ids, want_ids.numpy()) and int(ids[2]) == 11
+    assert np.array_equal(logprobs.view(np.int32), want_logprobs.numpy().view(np.int32))
+
+    one_samples = _records([SamplingParams(temperature=0.0)] * 8 + [SamplingParams(temperature=0.7)])
+    assert greedy_host(logits, one_samples) is None
+    logits[4, 7] = float("nan")
+    assert greedy_host(logits, params) is None

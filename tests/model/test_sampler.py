@@ -178,7 +178,7 @@ def _records(params: list[SamplingParams]) -> np.ndarray:
 def test_greedy_host_returns_what_sample_returns_bit_for_bit():
     """The output writer's all-greedy CPU path (numpy and one C call) against sample() on the same batch: the same
     ids and the same logprob bits, with greedy asked as temperature 0 or as top_k 1, on rows with a tie and banned
-    (-inf) tokens. A row that samples, a non-finite row or GPU logits leave it to sample()."""
+    (-inf) tokens. A row that samples or a non-finite row leaves the batch to sample()."""
     logits = torch.randn(9, 49157, generator=torch.Generator().manual_seed(7)) * 4
     logits[2, [11, 30000]] = 40.0
     logits[5, :20000] = float("-inf")

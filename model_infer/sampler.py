@@ -67,16 +67,15 @@ def sample(logits: torch.Tensor, params: SamplingTensors,
     # Host copies in fixed dtypes (the parameters usually come from numpy arrays of any int/float width).
     temperatures = params.temperature.to("cpu", torch.float32)
     top_ks = params.top_k.to("cpu", torch.int64)
-    greedy = (temperatures <= 0) | (top_ks == 1)  # [B] bool, on the host
+    greedy = greedy_rows(temperatures, top_ks)  # [B] bool, on the host
     raw = logits if raw_logits is None else raw_logits
     all_greedy = bool(greedy.all())
     # An all-greedy batch needs none of the other parameters: it returns before they are converted (each small
     # torch op costs tens of us right after a CPU forward has streamed the weights through the caches).
     if raw is logits and all_greedy:
-        fused = greedy_cpu(logits)  # argmax and logsumexp in one C call on CPU
+        fused = _greedy_fused(logits)  # argmax and logsumexp in one C call on CPU
         if fused is not None:
-            next_ids, lse = fused
-            return next_ids, logits.gather(1, next_ids.unsqueeze(1)).squeeze(1) - lse
+            return torch.from_numpy(fused[0]), torch.from_numpy(fused[1])
     top_ps = params.top_p.to("cpu", torch.float32)
     top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
     seeds, steps = params.seed, params.step
@@ -114,21 +113,31 @@ def greedy_cpu(logits: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tens
     return None if out is None else (torch.from_numpy(out[0]), torch.from_numpy(out[1]))
 
 
+def greedy_rows(temperature, top_k):
+    """Which rows sample greedily: temperature <= 0 or top_k 1. [B] numpy arrays or torch tensors alike."""
+    return (temperature <= 0) | (top_k == 1)
+
+
 def greedy_host(logits: torch.Tensor, params: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """sample() of an all-greedy batch on CPU in numpy and one C call: logits [B, V] float32 (the model's, not
-    processed), params [B] PARAMS_DTYPE records -> (next ids [B] int64, logprobs [B] float32), bit for bit what
-    sample() returns there; None where sample() must run (a row that samples, logits on a GPU, no C kernel, a row
-    that is not finite). Each small torch op costs tens of microseconds right after a CPU forward, and the greedy
-    path through sample() took 0.30 ms of a 15.4 ms float32 decode step at batch 1 (scripts/profile_step.py, Zen 5)."""
-    if logits.device.type != "cpu" or not bool(((params["temperature"] <= 0) | (params["top_k"] == 1)).all()):
+    """sample() of an all-greedy batch on CPU without a torch op: logits [B, V] float32 (the model's, not
+    processed), params [B] PARAMS_DTYPE records -> (next ids [B] int64, logprobs [B] float32), what sample()
+    returns there; None where sample() must run (a row that samples, logits on a GPU, no C kernel, a row that is not
+    finite). The output writer calls it with the shm records: building sample()'s SamplingTensors and its greedy
+    test is a dozen small torch ops, each tens of microseconds right after a CPU forward; the greedy path through
+    sample() took 0.30 ms of a 15.4 ms float32 decode step at batch 1 (scripts/profile_step.py, Zen 5)."""
+    if logits.device.type != "cpu" or not greedy_rows(params["temperature"], params["top_k"]).all():
         return None
+    return _greedy_fused(logits)
+
+
+def _greedy_fused(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """An all-greedy batch's (next ids [B] int64, logprobs [B] float32) from the C kernel, or None (see greedy_cpu)."""
     out = _argmax_logsumexp(logits)
     if out is None:
         return None
     ids, lse = out
-    # The chosen logit is the row's maximum; minus the logsumexp in float32, as sample()'s gather - lse.
-    chosen = logits.numpy()[np.arange(ids.size), ids]
-    return ids, chosen - lse
+    # The chosen logit is the row's maximum: its logprob is that minus the logsumexp, in float32.
+    return ids, logits.numpy()[np.arange(ids.size), ids] - lse
 
 
 def _argmax_logsumexp(logits: torch.Tensor, lib=None) -> tuple[np.ndarray, np.ndarray] | None:

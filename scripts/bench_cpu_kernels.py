@@ -33,11 +33,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from lightserve.engine_procs import preload_tcmalloc
 from lightserve.kernels.cpu import BUILD_VARIANTS, c_compiler, library, variant_library
 from lightserve.kernels.decode_attention import decode_attention_c_args, decode_attention_cpu
-from lightserve.kernels.linear import cpu_pack_for, linear, pairs_take_every_m
+from lightserve.kernels.linear import cpu_pack_for, linear, onednn_bf16_available, pairs_take_every_m
 from lightserve.kernels.prefill_attention import prefill_attention_cpu
 from lightserve.model_infer.sampler import greedy_cpu
 
@@ -208,18 +209,22 @@ def fma_peak(threads: int) -> float | None:
 
 def time_linears(rows: list[int], layers: int, reps: int, dtype: torch.dtype) -> list[dict]:
     """Linears of every row count in `dtype`: as served (kernels.linear on the layout the model packs at load:
-    linear.c's panels for float32, prepack_weight's for bf16) against oneDNN's prepacked GEMM, over `layers` layers of
-    distinct weights plus the lm_head (weights from memory, as in a step), the two alternated rep by rep. GFLOP/s of
-    the whole pass, medians."""
+    linear.c's panels for float32, prepack_weight's for bf16) against oneDNN's prepacked GEMM (torch's F.linear for
+    bf16 where oneDNN has no bf16 path: an AVX2-only CPU), over `layers` layers of distinct weights plus the lm_head
+    (weights from memory, as in a step), the two alternated rep by rep. GFLOP/s of the whole pass, medians."""
     gen = torch.Generator().manual_seed(0)
     raw = {name: [(torch.randn(n, k, generator=gen) * 0.05).to(dtype) for _ in range(layers)]
            for name, (n, k) in LINEAR_SHAPES.items()}
     raw["lm_head"] = [(torch.randn(*LM_HEAD, generator=gen) * 0.05).to(dtype)]
     pack = cpu_pack_for(raw["lm_head"][0]) or (lambda w: w)  # what the model's load does (plain F.linear: none)
     served = {name: [pack(w) for w in ws] for name, ws in raw.items()}
-    onednn = {name: [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for name, ws in raw.items()}
+    baseline = "oneDNN" if dtype == torch.float32 or onednn_bf16_available() else "F.linear"
+    if baseline == "oneDNN":
+        other = {name: [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for name, ws in raw.items()}
+    else:
+        other = raw
     shapes = {name: (ws[0].shape[1], sum(w.numel() for w in ws)) for name, ws in raw.items()}  # K, weights
-    del raw
+    del raw  # `other` may still hold it
     results = []
     for m in rows:
         xs = {name: torch.randn(m, k, generator=gen).to(dtype) for name, (k, _) in shapes.items()}
@@ -230,26 +235,29 @@ def time_linears(rows: list[int], layers: int, reps: int, dtype: torch.dtype) ->
                 for w in ws:
                     linear(xs[name], w)
 
-        def run_onednn(xs: dict = xs) -> None:
-            for name, ws in onednn.items():
+        def run_other(xs: dict = xs) -> None:
+            for name, ws in other.items():
                 for w in ws:
-                    torch.ops.mkldnn._linear_pointwise(xs[name], w, None, "none", [], "")
+                    if baseline == "oneDNN":
+                        torch.ops.mkldnn._linear_pointwise(xs[name], w, None, "none", [], "")
+                    else:
+                        F.linear(xs[name], w)
 
-        times = {"served": [], "onednn": []}
-        run_served(), run_onednn()
+        times = {"served": [], "other": []}
+        run_served(), run_other()
         for _ in range(reps):
-            for key, fn in (("served", run_served), ("onednn", run_onednn)):
+            for key, fn in (("served", run_served), ("other", run_other)):
                 t = time.perf_counter()
                 fn()
                 times[key].append(time.perf_counter() - t)
         sec = {key: statistics.median(v) for key, v in times.items()}
         name = str(dtype).removeprefix("torch.")
-        results.append({"op": f"linear_{name}", "rows": m, "layers": layers, "ms_served": 1e3 * sec["served"],
-                        "ms_onednn": 1e3 * sec["onednn"], "gflops_served": flops / sec["served"] / 1e9,
-                        "gflops_onednn": flops / sec["onednn"] / 1e9})
+        results.append({"op": f"linear_{name}", "rows": m, "layers": layers, "baseline": baseline,
+                        "ms_served": 1e3 * sec["served"], "ms_baseline": 1e3 * sec["other"],
+                        "gflops_served": flops / sec["served"] / 1e9, "gflops_baseline": flops / sec["other"] / 1e9})
         print(f"{name:8s} linears M={m:<5d} served {1e3 * sec['served']:8.2f} ms "
-              f"{flops / sec['served'] / 1e9:6.1f} GFLOP/s   oneDNN {1e3 * sec['onednn']:8.2f} ms "
-              f"{flops / sec['onednn'] / 1e9:6.1f} GFLOP/s   served/oneDNN {sec['served'] / sec['onednn']:.2f}")
+              f"{flops / sec['served'] / 1e9:6.1f} GFLOP/s   {baseline} {1e3 * sec['other']:8.2f} ms "
+              f"{flops / sec['other'] / 1e9:6.1f} GFLOP/s   served/{baseline} {sec['served'] / sec['other']:.2f}")
     return results
 
 

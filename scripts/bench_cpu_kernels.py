@@ -218,13 +218,16 @@ def time_linears(rows: list[int], layers: int, reps: int, dtype: torch.dtype) ->
     raw["lm_head"] = [(torch.randn(*LM_HEAD, generator=gen) * 0.05).to(dtype)]
     pack = cpu_pack_for(raw["lm_head"][0]) or (lambda w: w)  # what the model's load does (plain F.linear: none)
     served = {name: [pack(w) for w in ws] for name, ws in raw.items()}
-    baseline = "oneDNN" if dtype == torch.float32 or onednn_bf16_available() else "F.linear"
-    if baseline == "oneDNN":
+    if dtype == torch.float32 or onednn_bf16_available():
+        baseline = "oneDNN"
         other = {name: [torch.ops.mkldnn._reorder_linear_weight(w) for w in ws] for name, ws in raw.items()}
+
+        def run_one(x: torch.Tensor, w: torch.Tensor) -> None:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     else:
-        other = raw
+        baseline, other, run_one = "F.linear", raw, F.linear
     shapes = {name: (ws[0].shape[1], sum(w.numel() for w in ws)) for name, ws in raw.items()}  # K, weights
-    del raw  # `other` may still hold it
+    del raw
     results = []
     for m in rows:
         xs = {name: torch.randn(m, k, generator=gen).to(dtype) for name, (k, _) in shapes.items()}
@@ -238,10 +241,7 @@ def time_linears(rows: list[int], layers: int, reps: int, dtype: torch.dtype) ->
         def run_other(xs: dict = xs) -> None:
             for name, ws in other.items():
                 for w in ws:
-                    if baseline == "oneDNN":
-                        torch.ops.mkldnn._linear_pointwise(xs[name], w, None, "none", [], "")
-                    else:
-                        F.linear(xs[name], w)
+                    run_one(xs[name], w)
 
         times = {"served": [], "other": []}
         run_served(), run_other()

@@ -74,7 +74,12 @@
 #define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
 #define PF_DIST BLOCK   // prefetch the rows this many tokens ahead: the next block (2-4 blocks: no better)
 // Prefetch into L2, not L1 (prefetcht2): a block's K and V rows plus the next block's are ~49 KB in
-// bf16 at 3 KV heads x 64, more than a 32 KB L1. On Zen 4 (bf16, batch 64 x 384) 13 -> 20 GB/s.
+// bf16 at 3 KV heads x 64, more than a 32 KB L1. On Zen 4 (bf16, batch 64 x 384) 13 -> 20 GB/s. There,
+// prefetcht0 (into L1) is as slow as no software prefetch at all, whatever the block size: AVX2 build, raw
+// calls at 64 x 384, float32 1.71 ms a layer with prefetcht2, 3.61 with prefetcht0 (3.56 with 16-token
+// blocks); in a second run 1.85 with prefetcht2, 3.31 without prefetches. AMD documents the fill into L2
+// for T1/T2 as new in Zen 4: on Zen 3 and earlier every prefetch hint fills L1, the likely reason the
+// kernel reads only ~11 GB/s there (not measured on a Zen 3 yet).
 #define PF_LOCALITY 1
 #define MAX_GROUP 16
 // Head dims 64, 128 and 256 (Gemma's) are compiled in. Gemma-shaped bf16 KV (8/4 heads x 256, batch 16 x 1,000,

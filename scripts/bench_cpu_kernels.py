@@ -10,6 +10,8 @@ time kernels that compute more than they read instead (ms, and GFLOP/s for prefi
     python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
     python scripts/bench_cpu_kernels.py --heads 32 8 128 --layers 8 --dtypes bfloat16
     python scripts/bench_cpu_kernels.py --variants native avx2 portable   # the same source, narrower builds
+    python scripts/bench_cpu_kernels.py --cached --shapes 64x384  # the same kernel with its KV in L2
+    python scripts/bench_cpu_kernels.py --define PF_LOCALITY=-1 PF_LOCALITY=3,PF_DIST=64   # other compile-time choices
     python scripts/bench_cpu_kernels.py --linears 1 4 8 16 64 512   # linears as served against oneDNN, FMA peak
     python scripts/bench_cpu_kernels.py --prefill 15x48+1024 1x512 --variants native avx2   # prefill attention
     python scripts/bench_cpu_kernels.py --greedy 64x49152        # greedy sampling's argmax + logsumexp
@@ -17,6 +19,9 @@ time kernels that compute more than they read instead (ms, and GFLOP/s for prefi
 The variants (lightserve.kernels.cpu.BUILD_VARIANTS): `native` is the serving build (-march=native: AVX-512
 where the CPU has it), `avx512` the same source without AVX512-BF16 (what Skylake-SP to Ice Lake Xeons run),
 `avx2` with AVX-512 off (what an AVX2-only CPU runs), `portable` with AVX2 and FMA off too.
+--define adds builds of each variant with other values of decode_attention.c's compile-time choices
+(lightserve.kernels.cpu.TUNABLES: the prefetch hint and distance, the head-packing threshold); the decode timings take
+turns between the builds rep by rep, and each build's output is checked against the torch reference first.
 """
 from __future__ import annotations
 
@@ -36,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from lightserve.engine_procs import preload_tcmalloc
-from lightserve.kernels.cpu import BUILD_VARIANTS, c_compiler, library, variant_library
-from lightserve.kernels.decode_attention import decode_attention_c_args, decode_attention_cpu
+from lightserve.kernels.cpu import BUILD_VARIANTS, TUNABLES, c_compiler, library, variant_library
+from lightserve.kernels.decode_attention import decode_attention_c_args, decode_attention_ref
 from lightserve.kernels.linear import cpu_pack_for, linear, onednn_bf16_available, pairs_take_every_m
 from lightserve.kernels.prefill_attention import prefill_attention_cpu
 from lightserve.model_infer.sampler import greedy_cpu
@@ -73,16 +78,17 @@ def read_bandwidth(mb: int = 256, reps: int = 15) -> float:
 
 
 def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, layers: int,
-                scatter: bool, seed: int = 0) -> dict:
+                scatter: bool, seed: int = 0, cached: bool = False) -> dict:
     """KV caches for `layers` layers, each request's tokens in its own run of rows (as a fresh server
-    allocates them) or scattered (--scatter); q and the request tables."""
+    allocates them) or scattered (--scatter); q and the request tables. cached (--cached): every request reads the
+    same `context` rows, a few hundred KB a layer that stay in L2, so the kernel runs without waiting on memory."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
-    rows = batch * context
+    rows = context if cached else batch * context
     k = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
     order = torch.randperm(rows, generator=gen) if scatter else torch.arange(rows)
-    req_to_token = order.view(batch, context).to(torch.int32).contiguous()
+    req_to_token = (order.repeat(batch) if cached else order).view(batch, context).to(torch.int32).contiguous()
     return {
         "k": k, "v": v, "req_to_token": req_to_token,
         "req_rows": torch.arange(batch, dtype=torch.int32),
@@ -91,10 +97,9 @@ def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: to
     }
 
 
-def median_per_layer(attend, layers: int, reps: int, between=None) -> float:
+def median_per_layer(attend, layers: int, reps: int) -> float:
     """Median seconds per layer of attend(layer) (None: the C kernel declined): each rep runs every layer
-    once, in order, like a forward, so each layer's K/V comes from memory. between(sec): called after each timed rep
-    with that rep's seconds per layer, outside the timing (a bandwidth reading)."""
+    once, in order, like a forward, so each layer's K/V comes from memory."""
     def one_pass() -> None:
         for i in range(layers):
             assert attend(i) is not None, "the C kernel declined this shape"
@@ -105,31 +110,42 @@ def median_per_layer(attend, layers: int, reps: int, between=None) -> float:
         t = time.perf_counter()
         one_pass()
         times.append((time.perf_counter() - t) / layers)
-        if between is not None:
-            between(times[-1])
     return statistics.median(times)
 
 
-def time_decode(case: dict, lib, reps: int) -> tuple[float, list[tuple[float, float]]]:
-    """(median seconds per layer of the C decode attention, each rep's (seconds per layer, the read bandwidth in GB/s
-    read right after it)). The kernel is called with its arguments prepared once per layer, as the one-call driver
-    calls it from C: the Python wrapper's conversions, checks and output allocation (about 6 us a call, Zen 4) are
-    not the kernel's; its output for the last layer is checked against the wrapper's. Each rep is followed by a
-    bandwidth reading, so a share of bandwidth compares the two over the same seconds (this VM's read bandwidth
-    read 24-50 GB/s within one minute)."""
+def time_decode(case: dict, libs: dict, reps: int) -> dict[str, tuple[float, list[tuple[float, float]]]]:
+    """For each build in libs (name -> library): (median seconds per layer of the C decode attention, each rep's
+    (seconds per layer, the read bandwidth in GB/s read right after it)). The builds take turns rep by rep, so a
+    comparison between them spans the same minutes (this VM's read bandwidth read 24-50 GB/s within one minute). The
+    kernel is called with its arguments prepared once per layer, as the one-call driver calls it from C: the Python
+    wrapper's conversions, checks and output allocation (about 6 us a call, Zen 4) are not the kernel's. Each build's
+    output for the last layer is checked against the torch reference (kernels/decode_attention.py), within bf16's
+    rounding where the KV is bf16, so a build with other compile-time choices (--define) is checked too."""
     q = case["q"]
     out = torch.empty_like(q)  # [B, Hq, D]
     scale = q.shape[-1] ** -0.5
     calls = [decode_attention_c_args(q, case["k"][i], case["v"][i], case["req_to_token"], case["req_rows"],
                                      case["seq_lens"], scale, out)
              for i in range(case["k"].shape[0])]
-    pairs: list[tuple[float, float]] = []
-    sec = median_per_layer(lambda i: lib.decode_attention(*calls[i]) == 0 or None, len(calls), reps,
-                           between=lambda rep_sec: pairs.append((rep_sec, read_bandwidth(reps=3))))
-    want = decode_attention_cpu(q, case["k"][-1], case["v"][-1], case["req_to_token"], case["req_rows"],
-                                case["seq_lens"], scale, lib=lib)
-    assert want is not None and torch.equal(out, want), "the prepared call disagrees with the wrapper"
-    return sec, pairs
+    want = decode_attention_ref(q, case["k"][-1], case["v"][-1], case["req_to_token"], case["req_rows"],
+                                case["seq_lens"], int(case["seq_lens"].max()), scale).float()
+    tol = 2e-2 if q.dtype == torch.bfloat16 else 1e-5  # tests/kernels/kernel_cases.py's TOL
+
+    def one_pass(lib) -> float:
+        t = time.perf_counter()
+        for c in calls:
+            assert lib.decode_attention(*c) == 0, "the C kernel declined this shape"
+        return (time.perf_counter() - t) / len(calls)
+
+    pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in libs}
+    for name, lib in libs.items():
+        one_pass(lib)  # warm: the first call of a build pays its loading
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol, msg=lambda m, name=name: f"{name}: {m}")
+    for _ in range(reps):
+        for name, lib in libs.items():
+            sec = one_pass(lib)
+            pairs[name].append((sec, read_bandwidth(reps=3)))
+    return {name: (statistics.median(s for s, _ in p), p) for name, p in pairs.items()}
 
 
 def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, int], dtype: torch.dtype,
@@ -291,6 +307,14 @@ def time_compute_bound(args, libs: dict) -> list[dict]:
     return results
 
 
+def _parse_define(part: str) -> tuple[str, int]:
+    """"PF_LOCALITY=-1" -> ("PF_LOCALITY", -1); ValueError for anything else."""
+    name, sep, value = part.partition("=")
+    if not sep or not value.strip().removeprefix("-").isdigit():
+        raise ValueError(f"{part!r}: expected NAME=INTEGER")
+    return name.strip(), int(value)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, nargs=3, default=(9, 3, 64), metavar=("HQ", "HK", "D"),
@@ -299,7 +323,13 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in DECODE_SHAPES], help="BATCHxCONTEXT")
     ap.add_argument("--variants", nargs="+", default=["native"], choices=list(BUILD_VARIANTS))
+    ap.add_argument("--define", nargs="+", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                    help="also time each --variants build with these compile-time choices of decode_attention.c "
+                         f"({', '.join(TUNABLES)}; e.g. PF_LOCALITY=-1 for no prefetch), taking turns rep by rep")
     ap.add_argument("--scatter", action="store_true", help="scatter each request's tokens through the cache")
+    ap.add_argument("--cached", action="store_true",
+                    help="every request reads the same rows, which stay in L2: the kernel's time when memory never "
+                         "holds it up (its GB/s then counts the bytes it would read from memory)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--linears", type=int, nargs="+", metavar="M",
                     help="instead: linears of --dtypes at these row counts, as served against oneDNN's prepacked GEMM, "
@@ -330,7 +360,12 @@ def main() -> None:
                                                    "results": results}, indent=1))
         return
 
-    libs = {name: variant_library(name) for name in args.variants}
+    try:
+        tunings = [dict(_parse_define(part) for part in spec.split(",")) for spec in args.define]
+        libs = {name + "".join(f"+{k}={v}" for k, v in tuning.items()): variant_library(name, tuning)
+                for name in args.variants for tuning in [{}, *tunings]}
+    except ValueError as exc:
+        ap.error(f"--define: {exc}")
     if args.prefill or args.greedy:
         results = time_compute_bound(args, libs)
         if args.json:
@@ -344,24 +379,27 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
-            case = decode_case(batch, context, tuple(args.heads), dtype, args.layers, args.scatter)
+            case = decode_case(batch, context, tuple(args.heads), dtype, args.layers, args.scatter,
+                               cached=args.cached)
             kv_bytes = 2 * batch * context * args.heads[1] * args.heads[2] * case["k"].element_size()
-            for name, lib in libs.items():
-                if lib is None:
-                    print(f"{name}: this CPU cannot run that build")
-                    continue
-                sec, pairs = time_decode(case, lib, args.reps)
+            for name in [name for name, lib in libs.items() if lib is None]:
+                print(f"{name}: this CPU cannot run that build")
+            timed = time_decode(case, {name: lib for name, lib in libs.items() if lib is not None}, args.reps)
+            for name, (sec, pairs) in timed.items():
                 readings = [bw for _, bw in pairs]
                 bws += readings
                 gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 / s / bw for s, bw in pairs)
                 results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
-                                "context": context, "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
-                                "gbps": gbps, "rep_ms_per_layer": [1e3 * s for s, _ in pairs],
-                                "read_gbps": readings, "share_of_bandwidth": share})
+                                "context": context, "cached": args.cached, "heads": list(args.heads),
+                                "ms_per_layer": 1e3 * sec, "gbps": gbps,
+                                "rep_ms_per_layer": [1e3 * s for s, _ in pairs], "read_gbps": readings,
+                                "share_of_bandwidth": share})
+                base = name.split("+")[0]  # a --define build against its variant's own, timed in turn with it
+                against = f"; {sec / timed[base][0]:.2f}x {base}'s time" if base != name and base in timed else ""
                 print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {name:9s} "
                       f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * share:5.1f}% "
                       f"of the read bandwidth (median over reps, each against the reading after it; "
-                      f"{min(readings):.1f}-{max(readings):.1f} GB/s)")
+                      f"{min(readings):.1f}-{max(readings):.1f} GB/s{against})")
             del case
     if bws:
         print(f"streaming read bandwidth (torch.sum, 256 MB), {len(bws)} readings: median {statistics.median(bws):.1f}"

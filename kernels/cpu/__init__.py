@@ -58,13 +58,33 @@ def _missing_flags(name: str) -> list[str]:
     return [f for f in BUILD_VARIANTS[name][1] if f not in have]
 
 
-def variant_library(name: str) -> ctypes.CDLL | None:
-    """The kernel library built as BUILD_VARIANTS[name], or None when this CPU cannot run that build's
-    instructions (or nothing can be built here)."""
+# Compile-time choices of decode_attention.c that a build may override with -DNAME=VALUE, and the values each takes:
+# what scripts/bench_cpu_kernels.py --define measures on the CPU at hand before a default changes. PF_LOCALITY is the
+# prefetch hint (-1: none, 0: prefetchnta, 1: prefetcht2, 2: prefetcht1, 3: prefetcht0), PF_DIST how many tokens
+# ahead the rows are prefetched, PACK_MIN_GROUP the smallest query-head group scored head-packed (17: none is).
+TUNABLES = {"PF_LOCALITY": range(-1, 4), "PF_DIST": range(0, 1025), "PACK_MIN_GROUP": range(3, 18)}
+
+
+def tuning_flags(defines: dict[str, int]) -> tuple[str, ...]:
+    """-D flags for TUNABLES overrides ({"PF_LOCALITY": 3}); ValueError naming an unknown name or a value out of
+    range."""
+    for name, value in defines.items():
+        if name not in TUNABLES:
+            raise ValueError(f"{name}: not a tunable (one of {', '.join(TUNABLES)})")
+        if value not in TUNABLES[name]:
+            allowed = TUNABLES[name]
+            raise ValueError(f"{name}={value}: out of range ({allowed.start} to {allowed.stop - 1})")
+    return tuple(f"-D{name}={value}" for name, value in sorted(defines.items()))
+
+
+def variant_library(name: str, defines: dict[str, int] | None = None) -> ctypes.CDLL | None:
+    """The kernel library built as BUILD_VARIANTS[name] (with `defines` of TUNABLES set), or None when this CPU
+    cannot run that build's instructions (or nothing can be built here)."""
+    extra = tuning_flags(defines or {})
     if _missing_flags(name):
         return None
     try:
-        return load(build(BUILD_VARIANTS[name][0]))
+        return load(build((*BUILD_VARIANTS[name][0], *extra)))
     except (OSError, subprocess.SubprocessError):
         return None
 

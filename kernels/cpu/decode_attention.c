@@ -69,10 +69,16 @@
 // attend and the V pass's register limit): SmolLM2's 9 x 3 x 64 heads at batch 64 x 384
 // 0.630 -> 0.588 ms a layer, 16 x 1,100 0.480 -> 0.387, 1 x 2,000 0.071 -> 0.054; groups of 8 (24 x 3 x 64) at 64 x 384
 // 1.086 -> 0.861 ms.
-#define PACK_MIN_GROUP 3
+#ifndef PACK_MIN_GROUP  // PACK_MIN_GROUP, PF_DIST and PF_LOCALITY: a build may set them
+#define PACK_MIN_GROUP 3   // (kernels/cpu/__init__.py TUNABLES, scripts/bench_cpu_kernels.py --define)
+#endif
+// Smaller groups would pad the packed query past its buffer (1 head: 4x its elements, 2: 2x; the buffer holds 2x).
+_Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 
 #define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
-#define PF_DIST BLOCK   // prefetch the rows this many tokens ahead: the next block (2-4 blocks: no better)
+#ifndef PF_DIST
+#define PF_DIST BLOCK  // prefetch the rows this many tokens ahead: the next block (2-4 blocks: no better)
+#endif
 // Prefetch into L2, not L1 (prefetcht2): a block's K and V rows plus the next block's are ~49 KB in
 // bf16 at 3 KV heads x 64, more than a 32 KB L1. On Zen 4 (bf16, batch 64 x 384) 13 -> 20 GB/s. There,
 // prefetcht0 (into L1) is as slow as no software prefetch at all, whatever the block size: AVX2 build, raw
@@ -80,7 +86,14 @@
 // blocks); in a second run 1.85 with prefetcht2, 3.31 without prefetches. AMD documents the fill into L2
 // for T1/T2 as new in Zen 4: on Zen 3 and earlier every prefetch hint fills L1, the likely reason the
 // kernel reads only ~11 GB/s there (not measured on a Zen 3 yet).
-#define PF_LOCALITY 1
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 1  // the hint: 0 = prefetchnta, 1 = prefetcht2, 2 = prefetcht1, 3 = prefetcht0
+#endif
+#if PF_LOCALITY < 0  // -1: no software prefetch, to measure what they bring
+#define PREFETCH(p) ((void)(p))
+#else
+#define PREFETCH(p) __builtin_prefetch((p), 0, PF_LOCALITY)
+#endif
 #define MAX_GROUP 16
 // Head dims 64, 128 and 256 (Gemma's) are compiled in. Gemma-shaped bf16 KV (8/4 heads x 256, batch 16 x 1,000,
 // Zen 4): 2.63 ms a layer here against 35.6 in the gathering torch reference it used to fall back to.
@@ -140,7 +153,7 @@ static inline __attribute__((always_inline)) void scores_packed(const char *cons
                 for (int r = 0; r < 4; r++) {
                     const int j = j0 + 4 * i + r;
                     if (g0 == 0 && pk[j])
-                        for (int o = 0; o < dim * 2; o += 64) __builtin_prefetch(pk[j] + head_off + o, 0, PF_LOCALITY);
+                        for (int o = 0; o < dim * 2; o += 64) PREFETCH(pk[j] + head_off + o);
                     const char *k = kr[j] + head_off;
                     __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();  // two chains: half the latency
                     for (int m = 0; m < nq; m += 2) {  // pairs 4m .. 4m + 3 of the row in every 128-bit lane
@@ -268,7 +281,7 @@ static inline __attribute__((always_inline)) int attend(
             vf part[MAX_GROUP][BLOCK];
             for (int j = 0; j < BLOCK && !packed; j++) {
                 if (pk[j])
-                    for (int o = 0; o < dim * esize; o += 64) __builtin_prefetch(pk[j] + head_off + o, 0, PF_LOCALITY);
+                    for (int o = 0; o < dim * esize; o += 64) PREFETCH(pk[j] + head_off + o);
 #if DPBF16
                 if (bf16 && qb) {
                     const uint16_t *qbh = qb + (int64_t)h * group * dim;
@@ -326,7 +339,7 @@ static inline __attribute__((always_inline)) int attend(
                         for (int i = 0; i < cv; i++) o[g][i] = vload(ag + g * dim + i * VL) * alpha[g0 + g];
                     for (int j = 0; j < n; j++) {
                         if (c0 == 0 && g0 == 0 && pv[j])
-                            for (int o = 0; o < dim * esize; o += 64) __builtin_prefetch(pv[j] + head_off + o, 0, PF_LOCALITY);
+                            for (int o = 0; o < dim * esize; o += 64) PREFETCH(pv[j] + head_off + o);
                         vf vv[NV_MAX];
                         load_row(vr[j] + head_off + (int64_t)c0 * VL * esize, bf16, cv * VL, vv);
                         for (int g = 0; g < ng; g++) {

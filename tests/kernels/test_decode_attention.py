@@ -3,7 +3,7 @@ over ragged sequence lengths, GQA and split counts that leave some splits empty.
 import pytest
 import torch
 
-from lightserve.kernels.cpu import library, variant_library
+from lightserve.kernels.cpu import library, tuning_flags, variant_library
 from lightserve.kernels.decode_attention import (
     SPLIT_BUCKETS,
     _default_num_splits,
@@ -113,6 +113,33 @@ def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim
     out = decode_attention_cpu(q_view, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
     assert out is not None and out.dtype == dtype
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("tuning", [{"PF_LOCALITY": -1}, {"PF_LOCALITY": 3, "PF_DIST": 0}, {"PF_DIST": 100},
+                                    {"PACK_MIN_GROUP": 17}, {"PACK_MIN_GROUP": 5}])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (32, 4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_with_other_compile_time_choices_matches_reference(tuning, num_heads, num_kv_heads, head_dim,
+                                                                      dtype):
+    """The builds scripts/bench_cpu_kernels.py --define times: no software prefetch, prefetcht0 on the current
+    block, a distance off the block size (the next task's rows are then prefetched from mid-block), and head packing
+    from groups of 5 or never (on an AVX512-BF16 CPU groups of 3 and 4 then score a head at a time)."""
+    lib = variant_library("native", tuning)
+    batch, q, meta = _decode_case([1, 31, 33, 300, 129], num_heads, num_kv_heads, head_dim, dtype)
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
+    out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
+    assert out is not None
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.parametrize("defines, match", [({"PF_LOCALITY": 4}, "PF_LOCALITY=4: out of range"),
+                                            ({"PACK_MIN_GROUP": 2}, "PACK_MIN_GROUP=2: out of range"),
+                                            ({"BLOCK": 16}, "BLOCK: not a tunable")])
+def test_tuning_flags_reject_what_the_source_does_not_take(defines, match):
+    with pytest.raises(ValueError, match=match):
+        tuning_flags(defines)
+    assert tuning_flags({"PF_LOCALITY": -1, "PF_DIST": 64}) == ("-DPF_DIST=64", "-DPF_LOCALITY=-1")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")

@@ -52,3 +52,22 @@ def test_decode_attention_reports_its_share_of_the_bandwidth_read_beside_it(tmp_
         shares = [kv_gb / (ms / 1e3) / bw for ms, bw in zip(r["rep_ms_per_layer"], r["read_gbps"], strict=True)]
         assert r["share_of_bandwidth"] == pytest.approx(statistics.median(shares)) and r["share_of_bandwidth"] > 0
     assert len(report["read_gbps_readings"]) == 3 * len(rows)
+
+
+def test_define_times_other_builds_in_turn_and_rejects_what_it_cannot_build(tmp_path):
+    """--define: each build with other compile-time choices of decode attention is checked against the torch reference
+    inside the script, then timed in turns with the plain build; a name the source does not take is a usage error.
+    With --cached every request reads the same rows."""
+    out = tmp_path / "define.json"
+    script = str(REPO / "scripts" / "bench_cpu_kernels.py")
+    run = subprocess.run([sys.executable, script, "--shapes", "2x96", "--dtypes", "bfloat16", "--layers", "2",
+                          "--reps", "2", "--cached", "--define", "PF_LOCALITY=-1", "PACK_MIN_GROUP=17,PF_DIST=64",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"native", "native+PF_LOCALITY=-1", "native+PACK_MIN_GROUP=17+PF_DIST=64"}
+    assert all(len(r["rep_ms_per_layer"]) == 2 and r["gbps"] > 0 and r["cached"] for r in rows.values())
+    assert "x native's time" in run.stdout
+    bad = subprocess.run([sys.executable, script, "--shapes", "2x96", "--define", "BLOCK=16"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert bad.returncode == 2 and "BLOCK: not a tunable" in bad.stderr

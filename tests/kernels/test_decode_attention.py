@@ -115,16 +115,21 @@ def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
 
+# Two builds (each takes ~10 s to compile), shared with tests/scripts/test_bench_cpu_kernels.py's --define run.
+TUNINGS = [{"PF_LOCALITY": -1, "PF_DIST": 0, "PACK_MIN_GROUP": 17},
+           {"PF_LOCALITY": 3, "PF_DIST": 100, "PACK_MIN_GROUP": 5}]
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("tuning", [{"PF_LOCALITY": -1}, {"PF_LOCALITY": 3, "PF_DIST": 0}, {"PF_DIST": 100},
-                                    {"PACK_MIN_GROUP": 17}, {"PACK_MIN_GROUP": 5}])
+@pytest.mark.parametrize("tuning", TUNINGS)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (32, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_with_other_compile_time_choices_matches_reference(tuning, num_heads, num_kv_heads, head_dim,
                                                                       dtype):
-    """The builds scripts/bench_cpu_kernels.py --define times: no software prefetch, prefetcht0 on the current
-    block, a distance off the block size (the next task's rows are then prefetched from mid-block), and head packing
-    from groups of 5 or never (on an AVX512-BF16 CPU groups of 3 and 4 then score a head at a time)."""
+    """The builds scripts/bench_cpu_kernels.py --define times: no software prefetch, with the distance at 0 and head
+    packing never (on an AVX512-BF16 CPU every group then scores a head at a time); prefetcht0 at a distance off the
+    block size (the next task's rows are then prefetched from mid-block) and head packing from groups of 5 (groups of 8
+    packed, of 3 not)."""
     lib = variant_library("native", tuning)
     batch, q, meta = _decode_case([1, 31, 33, 300, 129], num_heads, num_kv_heads, head_dim, dtype)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}

@@ -85,9 +85,13 @@ def gemm_rate(dtype: torch.dtype, rows: int, mc: ModelConfig) -> float:
     return 2 * rows * w.numel() / min(times) / 1e9
 
 
-def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> float:
+def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype,
+                   step_gemm_s: float | None = None) -> float:
     """Print what one decode step must cost here at least: its bytes (all weights once, every request's KV)
-    at the measured read bandwidth, and its FLOPs at the measured GEMM rate; the floor is the larger."""
+    at the measured read bandwidth, and its FLOPs at the measured GEMM rate; the floor is the larger. The GEMM rate
+    is the better of gemm_rate() and the rate the step's own linears reached (their FLOPs over step_gemm_s, their
+    timed seconds, when the C kernels ran them): the host sometimes halves gemm_rate()'s 30 calls in a row (Zen 4:
+    217 GFLOP/s in a run whose step's GEMMs ran at 410), which put the floor above the step."""
     size = torch.empty((), dtype=dtype).element_size()
     h, d = mc.hidden_size, mc.head_dim
     layer_params = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
@@ -95,13 +99,16 @@ def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype
     kv_bytes = batch * context * mc.num_layers * 2 * mc.num_kv_heads * d * size
     flops = 2 * batch * params + 4 * batch * context * mc.num_layers * mc.num_heads * d
     bw = read_bandwidth()
-    rate = gemm_rate(dtype, max(batch, 512), mc)  # the GEMM ceiling: large M
+    bench = gemm_rate(dtype, max(batch, 512), mc)  # the GEMM ceiling: large M
+    step_rate = 2 * batch * params / step_gemm_s / 1e9 if step_gemm_s else 0.0
+    rate = max(bench, step_rate)
     mem_ms, flop_ms = 1e3 * (params * size + kv_bytes) / (bw * 1e9), 1e3 * flops / (rate * 1e9)
     print(f"  physical floor ({cpu_caption()}):")
     print(f"    bytes: {params * size / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB KV at {bw:.1f} GB/s read "
           f"-> {mem_ms:.1f} ms")
-    print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s ({dtype} linear as served, M={max(batch, 512)}) "
-          f"-> {flop_ms:.1f} ms")
+    own = f", the step's own linears {step_rate:.0f}" if step_rate else ""
+    print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s (the better of: {dtype} linear as served at "
+          f"M={max(batch, 512)} {bench:.0f}{own}) -> {flop_ms:.1f} ms")
     print(f"    floor: {max(mem_ms, flop_ms):.1f} ms")
     return max(mem_ms, flop_ms)
 
@@ -128,10 +135,10 @@ def _print_op_groups(op_time: dict, ungrouped: dict, what: str) -> None:
         print(f"    {'(other) ' + name:30s} {1e3 * v:8.2f} ms")
 
 
-def _print_kernel_times(steps: list[dict[str, float]], forward: float, step: float) -> None:
+def _print_kernel_times(steps: list[dict[str, float]], forward: float, step: float) -> dict[str, float]:
     """The C kernels' wall times without the profiler (kernels.cpu.kernel_times), by op group: medians over the
     steps, as shares of the whole step; the rest of the forward is torch ops (oneDNN GEMMs where they run) and
-    Python."""
+    Python. Returns the medians (seconds by op group)."""
     groups = [defaultdict(float) for _ in steps]
     for per_group, times in zip(groups, steps):
         for name, sec in times.items():
@@ -143,6 +150,7 @@ def _print_kernel_times(steps: list[dict[str, float]], forward: float, step: flo
         print(f"    {g:30s} {1e3 * v:8.2f} ms  {100 * v / step:5.1f}%")
     rest = forward - sum(med.values())
     print(f"    {'rest of the forward':30s} {1e3 * rest:8.2f} ms  {100 * rest / step:5.1f}%")
+    return med
 
 
 class _NoSocket:
@@ -270,9 +278,8 @@ def main() -> None:
         print(f"  outside the model forward: {1e3 * overhead:.2f} ms ({100 * overhead / total:.1f}% of the step)")
         if op_time:
             _print_op_groups(op_time, ungrouped, "last step")
-        if step_kernels:
-            _print_kernel_times(step_kernels, med["worker: forward"], total)
-        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype))
+        kernel_med = _print_kernel_times(step_kernels, med["worker: forward"], total) if step_kernels else {}
+        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), kernel_med.get("linear (GEMM)"))
         print(f"    this step: {1e3 * total:.1f} ms = {1e3 * total / floor_ms:.2f}x the floor")
     finally:
         pool.close()

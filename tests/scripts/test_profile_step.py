@@ -39,6 +39,10 @@ def test_decode_profile_times_the_c_kernels(tmp_path):
     assert rows["rest of the forward"][0] >= 0
     assert sum(pct for _, pct in rows.values()) < 100  # shares of the whole step, of which the forward is part
     assert re.search(r"this step: [\d.]+ ms = [\d.]+x the floor", out)
+    # The floor's GEMM rate is the better of the benchmark's and the rate the step's own timed linears reached.
+    rate, bench, own = map(float, re.search(r"GFLOP at (\d+) GFLOP/s \(the better of: .* (\d+), the step's own "
+                                            r"linears (\d+)\)", out).groups())
+    assert rate == max(bench, own) and own > 0
 
 
 def test_prefill_profile_times_the_c_kernels(tmp_path):

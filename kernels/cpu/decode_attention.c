@@ -32,9 +32,10 @@
 // requests in flight at once, so most were dropped). The prefetches go to L2 (PF_LOCALITY below).
 // Issuing the V rows' prefetches from the V pass instead of the score pass keeps memory busy through
 // both passes: on Zen 4 (batch 64 x 384 and 16 x 1,100, bf16 and float32) 9-12% faster.
-// A thread claims its next task when it starts the current one's last block, and that block prefetches the next
-// task's first rows, so a task never starts on rows nobody asked for: each thread's tasks are one stream to the
-// prefetches, and the claim comes late enough to keep the balance of claiming on completion. Zen 4, raw kernel
+// A thread claims its next task when the rows it prefetches pass the current one's end (its last block, or last two
+// where it prefetches two blocks ahead), and those blocks prefetch the next task's first rows, so a task never starts
+// on rows nobody asked for: each thread's tasks are one stream to the prefetches, and the claim comes late enough to
+// keep the balance of claiming on completion. Zen 4, raw kernel
 // calls, SmolLM2's heads, the two builds alternated in one process, medians of 3 pairs: bf16 KV at 64 x 384 0.894 ->
 // 0.745 ms a layer, 16 x 1,100 0.611 -> 0.581, 1 x 2,000 0.092 -> 0.083; float32 at 64 x 384 1.79 -> 1.40. Claiming
 // at the start of the current task instead gained as much there but cost 15-26% at 1 x 300 (3 tasks on 2 threads:
@@ -76,8 +77,17 @@
 _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 
 #define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
-#ifndef PF_DIST
-#define PF_DIST BLOCK  // prefetch the rows this many tokens ahead: the next block (2-4 blocks: no better)
+// How many tokens ahead the rows are prefetched: the next block, or two blocks where the scores run fastest against
+// the fewest bytes, the DPBF16 scores of 128-byte head rows (bf16 at head_dim 64). Zen 4, raw kernel calls, the builds
+// alternated (scripts/bench_cpu_kernels.py --define PF_DIST=...), SmolLM2's 3 KV heads x 64 in bf16: the native build
+// 0.85-0.95x the time at 48-80 tokens ahead against 32, at 64 x 384 and 16 x 1,100 (1.00-1.02x at 1 x 2,000), neutral
+// with 8 KV heads x 64; but the AVX2 build, whose scores take longer, 1.06-1.08x. With 256-byte head rows (float32 at
+// 64, bf16 at 128) 16 tokens ahead cost 1.02-1.30x and 64 1.00-1.13x. On Zen 5, 2-4 blocks ahead measured no better
+// than one (SmolLM2's heads, bf16). A build may fix the distance (PF_DIST).
+#ifdef PF_DIST
+#define PF_TOKENS(dp_scores, head_bytes) PF_DIST
+#else
+#define PF_TOKENS(dp_scores, head_bytes) ((dp_scores) && (head_bytes) <= 128 ? 2 * BLOCK : BLOCK)
 #endif
 // Prefetch into L2, not L1 (prefetcht2): a block's K and V rows plus the next block's are ~49 KB in
 // bf16 at 3 KV heads x 64, more than a 32 KB L1. On Zen 4 (bf16, batch 64 x 384) 13 -> 20 GB/s. There,
@@ -198,8 +208,8 @@ static void pack_query(const uint16_t *q, int64_t q_head, int num_heads, int gro
 #endif
 
 // One task. qp: [Hq, dim], the request's query in load_row's element order; scores are scaled by `scale`.
-// locs: the request's KV rows by token; the task reads tokens [lo, hi). Its last block claims the thread's next
-// task from `queue` and prefetches that task's first rows; returns the claimed index (num_tasks: none left).
+// locs: the request's KV rows by token; the task reads tokens [lo, hi). Its last blocks claim the thread's next
+// task from `queue` and prefetch that task's first rows; returns the claimed index (num_tasks: none left).
 // qb: [Hq, dim], the query as bf16 in its own order, for the DPBF16 scores (qp is then unset), or with groups of
 // PACK_MIN_GROUP or more as pack_query packs it; NULL: widen K.
 // state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi).
@@ -233,7 +243,8 @@ static inline __attribute__((always_inline)) int attend(
     memset(acc, 0, sizeof(float) * (size_t)num_heads * dim);
     const char *kc = k_cache, *vc = v_cache;
     const int64_t k_step = kc_row * esize, v_step = vc_row * esize;
-    int next = -1;  // the next task, claimed at the last block
+    const int pf_dist = PF_TOKENS(qb != NULL, dim * esize);
+    int next = -1;  // the next task, claimed once the prefetched rows pass hi
     const int32_t *nlocs = NULL;
     int nlo = 0, nhi = 0;
 
@@ -249,7 +260,7 @@ static inline __attribute__((always_inline)) int attend(
         // loop and V in the V loop: spread out, so the requests never outnumber the line-fill buffers (a burst of
         // them at the block's start was measured to gain nothing).
         const char *pk[BLOCK], *pv[BLOCK];
-        if (t0 + PF_DIST >= hi && next < 0) {  // the last block: the rows PF_DIST ahead are the next task's
+        if (t0 + pf_dist >= hi && next < 0) {  // the rows pf_dist ahead are the next task's
             next = claim(queue);
             if (next < queue->num_tasks) {
                 const Task nt = queue->order[next];
@@ -258,7 +269,7 @@ static inline __attribute__((always_inline)) int attend(
             }
         }
         for (int j = 0; j < BLOCK; j++) {
-            const int t = t0 + PF_DIST + j, u = nlo + (t - hi);
+            const int t = t0 + pf_dist + j, u = nlo + (t - hi);
             const int64_t loc = t < hi ? locs[t] : (nlocs && u < nhi ? nlocs[u] : -1);
             pk[j] = loc >= 0 ? kc + loc * k_step : NULL;
             pv[j] = loc >= 0 ? vc + loc * v_step : NULL;
@@ -438,7 +449,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
     const Queue queue = {order, num_tasks, &claimed, req_to_token, req_rows, r2t_row};
 #pragma omp parallel num_threads(num_threads)
     {
-        // Tasks longest first; each task's last block claims the thread's next (see the top).
+        // Tasks longest first; each task's last blocks claim the thread's next (see the top).
         for (int i = claim(&queue); i < num_tasks;) {
             const Task tk = order[i];
             const int b = tk.req;

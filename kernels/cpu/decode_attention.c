@@ -75,6 +75,18 @@
 #endif
 // Smaller groups would pad the packed query past its buffer (1 head: 4x its elements, 2: 2x; the buffer holds 2x).
 _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
+// The V pass as vdpbf16ps (DPBF16, groups of DPV_MIN_GROUP or more query heads): the block's weights rounded to bf16
+// pairs (token j, j + 1) and two V rows interleaved into the same pairs, so each instruction adds two tokens where the
+// widening pass needs an FMA per token. The interleave (a shift and a 16-bit blend per 32 elements) costs what the
+// widening did; the multiplies halve, and pay where there are many per V row. Zen 4, raw kernel calls from memory, the
+// builds alternated (bench_cpu_kernels.py --define DPV_MIN_GROUP=17 against this), batch 64 x 384 / 16 x 1,100 /
+// 1 x 2,000: the widening pass took 1.03 / 1.13 / 1.13x the time at 32 x 8 x 128 (groups of 4), 1.14 / 1.19 / 1.20x
+// at 28 x 4 x 128 (7), 1.17 / 1.11 / 1.11x at 32 x 4 x 128 (8); 0.98-0.99x at 32 x 8 x 64; SmolLM2's groups of 3
+// at 64 measured 0.93-1.07x (and 5-8% slower in an earlier form), so they stay widening. The weights' rounding to bf16
+// is within the bf16 model's tolerance (its KV and output are bf16).
+#ifndef DPV_MIN_GROUP
+#define DPV_MIN_GROUP 4
+#endif
 
 #define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
 // How many tokens ahead the rows are prefetched: the next block, or two blocks where the scores run fastest against
@@ -340,6 +352,15 @@ static inline __attribute__((always_inline)) int attend(
                 for (int j0 = VL; j0 < BLOCK; j0 += VL) s += vload(&p[g][j0]);
                 lsum[hg] = lsum[hg] * alpha[g] + s;
             }
+#if DPBF16
+            const int dpv = bf16 && qb && group >= DPV_MIN_GROUP;
+            uint32_t pb[MAX_GROUP][BLOCK / 2] __attribute__((aligned(64)));  // weights as bf16 pairs (j, j + 1)
+            if (dpv)
+                for (int g = 0; g < group; g++)
+                    _mm512_store_si512(pb[g], (__m512i)_mm512_cvtne2ps_pbh(vload(&p[g][VL]), vload(&p[g][0])));
+#else
+            const int dpv = 0;
+#endif
             // V: the block's V rows stream past the output tile in registers (cv vectors of gc heads' rows).
             for (int c0 = 0; c0 < nv; c0 += cv)
                 for (int g0 = 0; g0 < group; g0 += gc) {
@@ -348,7 +369,30 @@ static inline __attribute__((always_inline)) int attend(
                     vf o[MAX_GROUP][NV_MAX];
                     for (int g = 0; g < ng; g++)
                         for (int i = 0; i < cv; i++) o[g][i] = vload(ag + g * dim + i * VL) * alpha[g0 + g];
-                    for (int j = 0; j < n; j++) {
+#if DPBF16
+                    // Two tokens at a time; with n odd the last pair's second row repeats the last, weighted 0.
+                    for (int j = 0; j < n && dpv; j += 2) {
+                        // Each column chunk prefetches its own columns of the next rows: with half the iterations
+                        // a chunk, the whole rows at once would come in bursts.
+                        for (int t = j; t < j + 2 && g0 == 0; t++)
+                            if (pv[t])
+                                for (int off = c0 * VL * esize; off < (c0 + cv) * VL * esize; off += 64)
+                                    PREFETCH(pv[t] + head_off + off);
+                        const uint16_t *r0 = (const uint16_t *)(vr[j] + head_off) + c0 * VL;
+                        const uint16_t *r1 = (const uint16_t *)(vr[j + 1] + head_off) + c0 * VL;
+                        __m512bh w[NV_MAX];  // in load_row's order: per 32 elements the even ones, then the odd
+                        for (int i = 0; i < cv; i += 2) {
+                            const __m512i a = _mm512_loadu_si512(r0 + i * VL), b = _mm512_loadu_si512(r1 + i * VL);
+                            w[i] = (__m512bh)_mm512_mask_blend_epi16(0xAAAAAAAAu, a, _mm512_slli_epi32(b, 16));
+                            w[i + 1] = (__m512bh)_mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(a, 16), b);
+                        }
+                        for (int g = 0; g < ng; g++) {
+                            const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pb[g0 + g][j / 2]);
+                            for (int i = 0; i < cv; i++) o[g][i] = (vf)_mm512_dpbf16_ps((__m512)o[g][i], pp, w[i]);
+                        }
+                    }
+#endif
+                    for (int j = 0; j < n && !dpv; j++) {
                         if (c0 == 0 && g0 == 0 && pv[j])
                             for (int o = 0; o < dim * esize; o += 64) PREFETCH(pv[j] + head_off + o);
                         vf vv[NV_MAX];

@@ -95,7 +95,7 @@ def test_decode_triton_strided_q_and_default_splits():
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("variant", c_library_variants())
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (9, 3), (32, 8), (5, 1), (8, 1), (12, 1)])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (9, 3), (32, 8), (5, 1), (7, 1), (8, 1), (12, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: Gemma's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim, dtype):
@@ -117,7 +117,7 @@ def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim
 
 # Two builds (each takes ~10 s to compile), shared with tests/scripts/test_bench_cpu_kernels.py's --define run.
 TUNINGS = [{"PF_LOCALITY": -1, "PF_DIST": 0, "PACK_MIN_GROUP": 17, "DPV_MIN_GROUP": 17},
-           {"PF_LOCALITY": 3, "PF_DIST": 100, "PACK_MIN_GROUP": 5, "DPV_MIN_GROUP": 1}]
+           {"PF_LOCALITY": 3, "PF_DIST": 100, "PACK_MIN_GROUP": 5, "DPV_MIN_GROUP": 1, "SHARE_K": 0}]
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
@@ -129,8 +129,8 @@ def test_cpu_kernel_with_other_compile_time_choices_matches_reference(tuning, nu
     """The builds scripts/bench_cpu_kernels.py --define times: no software prefetch, with the distance at 0, head
     packing never and the V pass always widening (on an AVX512-BF16 CPU every group then scores a head at a time and
     adds V with FMAs); prefetcht0 at a distance off the block size (the next task's rows are then prefetched from
-    mid-block), head packing from groups of 5 (groups of 8 packed, of 3 not) and the V pass as vdpbf16ps for every
-    group, odd block lengths included."""
+    mid-block), head packing from groups of 5 (groups of 8 packed, of 3 not) with each pass loading its own K, and
+    the V pass as vdpbf16ps for every group, odd block lengths included."""
     lib = variant_library("native", tuning)
     batch, q, meta = _decode_case([1, 31, 33, 300, 129], num_heads, num_kv_heads, head_dim, dtype)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}

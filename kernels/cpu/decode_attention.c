@@ -35,11 +35,11 @@
 // A thread claims its next task when the rows it prefetches pass the current one's end (its last block, or last two
 // where it prefetches two blocks ahead), and those blocks prefetch the next task's first rows, so a task never starts
 // on rows nobody asked for: each thread's tasks are one stream to the prefetches, and the claim comes late enough to
-// keep the balance of claiming on completion. Zen 4, raw kernel
-// calls, SmolLM2's heads, the two builds alternated in one process, medians of 3 pairs: bf16 KV at 64 x 384 0.894 ->
-// 0.745 ms a layer, 16 x 1,100 0.611 -> 0.581, 1 x 2,000 0.092 -> 0.083; float32 at 64 x 384 1.79 -> 1.40. Claiming
-// at the start of the current task instead gained as much there but cost 15-26% at 1 x 300 (3 tasks on 2 threads:
-// one thread took two), where this build runs as before.
+// keep the balance of claiming on completion. Zen 4, raw kernel calls, SmolLM2's heads, the two builds alternated in
+// one process, medians of 3 pairs: bf16 KV at 64 x 384 0.894 -> 0.745 ms a layer, 16 x 1,100 0.611 -> 0.581,
+// 1 x 2,000 0.092 -> 0.083; float32 at 64 x 384 1.79 -> 1.40. Claiming at the start of the current task instead
+// gained as much there but cost 15-26% at 1 x 300 (3 tasks on 2 threads: one thread took two), where this build runs
+// as before.
 // Vectors are vec.h's `vf`: 16 lanes on AVX-512 CPUs, 8 on AVX2 ones, from this one source.
 #include <math.h>
 #include <stdint.h>

@@ -62,8 +62,8 @@ def _missing_flags(name: str) -> list[str]:
 # what scripts/bench_cpu_kernels.py --define measures on the CPU at hand before a default changes. PF_LOCALITY is the
 # prefetch hint (-1: none, 0: prefetchnta, 1: prefetcht2, 2: prefetcht1, 3: prefetcht0), PF_DIST how many tokens
 # ahead the rows are prefetched, PACK_MIN_GROUP the smallest query-head group scored head-packed (17: none is),
-# DPV_MIN_GROUP the smallest whose V pass runs as vdpbf16ps (17: none does), SHARE_K whether groups of 5-8 score both
-# packed passes from one load of each K pair (0: each pass loads its own).
+# DPV_MIN_GROUP the smallest whose V pass runs as vdpbf16ps (17: none does), SHARE_K whether the packed passes of groups
+# over 4 go two at a time from one load of each K pair (0: each pass loads its own).
 TUNABLES = {"PF_LOCALITY": range(-1, 4), "PF_DIST": range(0, 1025), "PACK_MIN_GROUP": range(3, 18),
             "DPV_MIN_GROUP": range(1, 18), "SHARE_K": range(0, 2)}
 

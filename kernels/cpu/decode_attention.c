@@ -76,11 +76,12 @@
 // Smaller groups would pad the packed query past its buffer (1 head: 4x its elements, 2: 2x; the buffer holds 2x).
 _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 #ifndef SHARE_K
-#define SHARE_K 1  // groups of 5-8: both head-packed passes from one load of each K pair (scores_packed)
+#define SHARE_K 1  // head-packed passes two at a time from one load of each K pair (scores_packed)
 #endif
 // Zen 4, raw kernel calls from memory, the builds alternated (--define SHARE_K=0 against this), two runs: groups of 7
 // and 8 at head_dim 128 (28 x 4 x 128, 32 x 4 x 128) took 1.04-1.21x the time with each pass loading its own K, groups
-// of 5 (40 x 8 x 128) 1.05-1.13x, groups of 8 at 64 (24 x 3 x 64) 1.04-1.06x; with the KV in cache 1.07-1.14x.
+// of 5 (40 x 8 x 128) 1.05-1.13x, groups of 8 at 64 (24 x 3 x 64) 1.04-1.06x; with the KV in cache 1.07-1.14x. Groups
+// of 16 (32 x 2 x 128, four passes as two pairs) 1.01-1.08x in one run.
 // The V pass as vdpbf16ps (DPBF16, groups of DPV_MIN_GROUP or more query heads): the block's weights rounded to bf16
 // pairs (token j, j + 1) and two V rows interleaved into the same pairs, so each instruction adds two tokens where the
 // widening pass needs an FMA per token. The interleave (a shift and a 16-bit blend per 32 elements) costs what the
@@ -191,65 +192,51 @@ static inline __attribute__((always_inline)) void store_scores(const __m512 s4[4
 // One block's scores for the query heads of one KV head, head-packed (PACK_MIN_GROUP above). kr[j]: token j's K row
 // (bf16, head_off bytes in: this head's dim elements); pk[j]: a row to prefetch meanwhile, or NULL. qv: this KV
 // head's packed query from pack_query, (group + 3) / 4 passes of dim / 8 vectors. Writes p[g][j] = scale * q_g . k_j
-// for every token of the block and g < group. Groups of 5-8 (two passes) score both passes from one broadcast of
-// each K pair (SHARE_K), which saves a third of the loads a token.
+// for every token of the block and g < group. Passes go two at a time (SHARE_K): the second pass's instructions take
+// the first's broadcast of each K pair, which saves a third of a token's loads in groups of 5-8.
 static inline __attribute__((always_inline)) void scores_packed(const char *const *kr, const char *const *pk,
                                                                int64_t head_off, const __m512bh *qv, int dim,
                                                                int group, float scale, float p[][BLOCK]) {
     const int nq = dim / 8;
     const __m512 sc = _mm512_set1_ps(scale);
-    if (SHARE_K && group > 4 && group <= 8) {
-        const __m512bh *qw = qv + nq;  // the second pass: heads 4 .. group - 1
+    for (int g0 = 0; g0 < group;) {
+        const int two = SHARE_K && g0 + 4 < group;  // heads g0 + 4 .. g0 + 7 from the same K loads
+        const __m512bh *qw = qv + nq;               // their packed query
         for (int j0 = 0; j0 < BLOCK; j0 += 16) {
+            // s4[i]: lane 4L + r = the score of head g0 + L for token j0 + 4i + r (t4: of head g0 + 4 + L)
             __m512 s4[4], t4[4];
             for (int i = 0; i < 4; i++) {
+                // a[r]: lane 4L + c = head g0 + L's products with token j0 + 4i + r over pairs = c mod 4
+                // (b: head g0 + 4 + L's)
                 __m512 a[4], b[4];
-                for (int r = 0; r < 4; r++) {
-                    const int j = j0 + 4 * i + r;
-                    if (pk[j])
-                        for (int o = 0; o < dim * 2; o += 64) PREFETCH(pk[j] + head_off + o);
-                    const char *k = kr[j] + head_off;
-                    __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
-                    __m512 y0 = _mm512_setzero_ps(), y1 = _mm512_setzero_ps();
-                    for (int m = 0; m < nq; m += 2) {
-                        const __m512bh k0 = pairs_x4(k + 16 * m), k1 = pairs_x4(k + 16 * m + 16);
-                        x0 = _mm512_dpbf16_ps(x0, k0, qv[m]);
-                        x1 = _mm512_dpbf16_ps(x1, k1, qv[m + 1]);
-                        y0 = _mm512_dpbf16_ps(y0, k0, qw[m]);
-                        y1 = _mm512_dpbf16_ps(y1, k1, qw[m + 1]);
-                    }
-                    a[r] = _mm512_add_ps(x0, x1);
-                    b[r] = _mm512_add_ps(y0, y1);
-                }
-                s4[i] = fold4(a);
-                t4[i] = fold4(b);
-            }
-            store_scores(s4, 0, group, j0, sc, p);
-            store_scores(t4, 4, group, j0, sc, p);
-        }
-        return;
-    }
-    for (int g0 = 0; g0 < group; g0 += 4, qv += nq) {
-        for (int j0 = 0; j0 < BLOCK; j0 += 16) {
-            __m512 s4[4];  // s4[i]: lane 4L + r = the score of head g0 + L for token j0 + 4i + r
-            for (int i = 0; i < 4; i++) {
-                __m512 a[4];  // a[r]: lane 4L + c = head g0 + L's products with token j0 + 4i + r over pairs = c mod 4
                 for (int r = 0; r < 4; r++) {
                     const int j = j0 + 4 * i + r;
                     if (g0 == 0 && pk[j])
                         for (int o = 0; o < dim * 2; o += 64) PREFETCH(pk[j] + head_off + o);
                     const char *k = kr[j] + head_off;
-                    __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();  // two chains: half the latency
+                    // Two chains a pass: half the latency.
+                    __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+                    __m512 y0 = _mm512_setzero_ps(), y1 = _mm512_setzero_ps();
                     for (int m = 0; m < nq; m += 2) {  // pairs 4m .. 4m + 3 of the row in every 128-bit lane
-                        x0 = _mm512_dpbf16_ps(x0, pairs_x4(k + 16 * m), qv[m]);
-                        x1 = _mm512_dpbf16_ps(x1, pairs_x4(k + 16 * m + 16), qv[m + 1]);
+                        const __m512bh k0 = pairs_x4(k + 16 * m), k1 = pairs_x4(k + 16 * m + 16);
+                        x0 = _mm512_dpbf16_ps(x0, k0, qv[m]);
+                        x1 = _mm512_dpbf16_ps(x1, k1, qv[m + 1]);
+                        if (two) {
+                            y0 = _mm512_dpbf16_ps(y0, k0, qw[m]);
+                            y1 = _mm512_dpbf16_ps(y1, k1, qw[m + 1]);
+                        }
                     }
                     a[r] = _mm512_add_ps(x0, x1);
+                    b[r] = _mm512_add_ps(y0, y1);
                 }
                 s4[i] = fold4(a);
+                if (two) t4[i] = fold4(b);
             }
             store_scores(s4, g0, group, j0, sc, p);
+            if (two) store_scores(t4, g0 + 4, group, j0, sc, p);
         }
+        g0 += two ? 8 : 4;
+        qv += two ? 2 * nq : nq;
     }
 }
 

@@ -90,8 +90,11 @@ def test_disconnect_while_queued_for_a_slot(server):
 
 
 def test_disconnect_while_waiting_behind_a_long_prefill_and_mid_prefill(server):
-    """A: a 120-token prompt that prefills 2 tokens per step. B: waits in the router for A's KV.
-    Both leave at once while B waits and A is mid-prefill: neither ever produces a token."""
+    """A: a 120-token prompt that prefills 2 tokens per step (60 steps). B: waits in the router for
+    A's KV. B leaves while waiting, then A leaves mid-prefill: neither ever produces a token.
+
+    B goes first, and A only once the router has dropped B: were both to leave at once, A's abort
+    could free its KV before B's abort arrived, and B would be admitted for a moment."""
     before = scrape(server.url)
 
     async def run():
@@ -100,15 +103,18 @@ def test_disconnect_while_waiting_behind_a_long_prefill_and_mid_prefill(server):
         b = await _stream(server.url, 30, 4)
         snap = await _in_thread(wait_metric, server.url, lambda m: m["requests_waiting"] == 1
                                 and m["steps_total"] >= started["steps_total"] + 2, WAIT_S)
-        a.abort()
         b.abort()
-        return started, snap
+        b_gone = await _in_thread(wait_metric, server.url, lambda m: m["requests_waiting"] == 0, WAIT_S)
+        a.abort()
+        return snap, b_gone
 
-    started, snap = asyncio.run(run())
-    # The snapshot (taken just before the disconnects) shows A mid-prefill (running, no token yet:
-    # its first token comes with its last chunk) and B waiting.
+    snap, b_gone = asyncio.run(run())
+    # The snapshots (each taken just before a disconnect) show A mid-prefill (running, no token
+    # yet: its first token comes with its last chunk) with B waiting, then without B.
     assert snap["requests_running"] == 1 and snap["requests_waiting"] == 1, snap
     assert snap["generation_tokens_total"] == before["generation_tokens_total"], snap
+    assert b_gone["requests_running"] == 1, b_gone
+    assert b_gone["generation_tokens_total"] == before["generation_tokens_total"], b_gone
     m = assert_idle(server.url)
     assert m["generation_tokens_total"] == before["generation_tokens_total"], "a token was produced"
     assert m["prompt_tokens_total"] - before["prompt_tokens_total"] == 120  # B was never admitted

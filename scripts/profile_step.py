@@ -47,9 +47,13 @@ from lightserve.router.scheduler import Limits, Scheduler
 from lightserve.sampling import SamplingParams
 from lightserve.shm.req_pool import ReqPool
 
-GROUPS = {  # aten op name fragment -> op group
-    "mm": "linear (GEMM)", "addmm": "linear (GEMM)", "linear": "linear (GEMM)", "mkldnn_linear": "linear (GEMM)",
-    "decode_attention_cpu": "attention", "prefill_attention_cpu": "attention", "linear_cpu": "linear (GEMM)",
+# The C linears' labels first: "linear" would also match them. GEMMs that torch runs (oneDNN: AMX and other large
+# bf16 shapes, or no C kernels) have their own group, so that the floor's step GEMM rate counts their time too.
+TORCH_GEMM = "linear (GEMM, torch)"
+GROUPS = {  # op name or C kernel label fragment -> op group
+    "linear_cpu": "linear (GEMM)", "linear_bf16_cpu": "linear (GEMM)", "linear_silu_cpu": "linear (GEMM)",
+    "mm": TORCH_GEMM, "addmm": TORCH_GEMM, "linear": TORCH_GEMM, "mkldnn_linear": TORCH_GEMM,
+    "decode_attention_cpu": "attention", "prefill_attention_cpu": "attention",
     "rmsnorm_cpu": "norms",
     "silu_and_mul_cpu": "activation", "rotary_cpu": "rotary", "argmax_logsumexp_cpu": "sampling",
     "scaled_dot_product": "attention", "index_select": "attention (KV gather)", "bmm": "attention",
@@ -89,9 +93,9 @@ def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype
                    step_gemm_s: float | None = None) -> float:
     """Print what one decode step must cost here at least: its bytes (all weights once, every request's KV)
     at the measured read bandwidth, and its FLOPs at the measured GEMM rate; the floor is the larger. The GEMM rate
-    is the better of gemm_rate() and the rate the step's own linears reached (their FLOPs over step_gemm_s, their
-    timed seconds, when the C kernels ran them): the host sometimes halves gemm_rate()'s 30 calls in a row (Zen 4:
-    217 GFLOP/s in a run whose step's GEMMs ran at 410), which put the floor above the step."""
+    is the better of gemm_rate() and the rate the step's own linears reached (their FLOPs over step_gemm_s, the
+    seconds of the C linears and of torch's GEMMs in the step): the host sometimes halves gemm_rate()'s 30 calls in a
+    row (Zen 4: 217 GFLOP/s in a run whose step's GEMMs ran at 410), which put the floor above the step."""
     size = torch.empty((), dtype=dtype).element_size()
     h, d = mc.hidden_size, mc.head_dim
     layer_params = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
@@ -279,7 +283,9 @@ def main() -> None:
         if op_time:
             _print_op_groups(op_time, ungrouped, "last step")
         kernel_med = _print_kernel_times(step_kernels, med["worker: forward"], total) if step_kernels else {}
-        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), kernel_med.get("linear (GEMM)"))
+        # The step's GEMM seconds: the C linears (median over the steps) and torch's (the profiled step).
+        gemm_s = kernel_med.get("linear (GEMM)", 0.0) + op_time.get(TORCH_GEMM, 0.0)
+        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), gemm_s or None)
         print(f"    this step: {1e3 * total:.1f} ms = {1e3 * total / floor_ms:.2f}x the floor")
     finally:
         pool.close()

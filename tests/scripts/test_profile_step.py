@@ -29,11 +29,13 @@ def _timed_rows(out):
 
 
 def test_decode_profile_times_the_c_kernels(tmp_path):
-    out = _run(tmp_path, "--batch", "4", "--context", "64", "--steps", "4", "--dtype", "float32")
+    # bf16 at batch 4: every linear runs in C on every CPU (the pair kernels take up to 4 rows everywhere).
+    out = _run(tmp_path, "--batch", "4", "--context", "64", "--steps", "4", "--dtype", "bfloat16")
     assert "forward by op group (last step, torch.profiler self CPU time)" in out
     assert "median of 3 steps" in out  # the profiled last step is left out
     rows = _timed_rows(out)
     assert {"linear (GEMM)", "attention", "norms", "rest of the forward"} <= set(rows)
+    assert "linear (GEMM, torch)" not in rows  # the C linears' labels are not taken for torch's GEMMs
     assert all(ms >= 0 for ms, _ in rows.values()) and rows["linear (GEMM)"][0] > 0
     # The kernels' medians fit in the forward's (a call counted twice, or timed across the whole step, would not).
     assert rows["rest of the forward"][0] >= 0
@@ -49,4 +51,5 @@ def test_prefill_profile_times_the_c_kernels(tmp_path):
     out = _run(tmp_path, "--batch", "1", "--context", "64", "--prefill", "--dtype", "float32")
     rows = _timed_rows(out)
     assert rows["linear (GEMM)"][0] > 0 and rows["attention"][0] > 0
+    assert "linear (GEMM, torch)" not in rows
     assert rows["rest of the forward"][0] >= 0  # the kernels fit in the one forward they were timed in

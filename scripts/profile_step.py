@@ -285,7 +285,7 @@ def main() -> None:
         kernel_med = _print_kernel_times(step_kernels, med["worker: forward"], total) if step_kernels else {}
         # The step's GEMM seconds: the C linears (median over the steps) and torch's (the profiled step).
         gemm_s = kernel_med.get("linear (GEMM)", 0.0) + op_time.get(TORCH_GEMM, 0.0)
-        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), gemm_s or None)
+        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), gemm_s)
         print(f"    this step: {1e3 * total:.1f} ms = {1e3 * total / floor_ms:.2f}x the floor")
     finally:
         pool.close()

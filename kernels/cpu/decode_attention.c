@@ -388,6 +388,7 @@ static inline __attribute__((always_inline)) int attend(
                 lsum[hg] = lsum[hg] * alpha[g] + s;
             }
 #if DPBF16
+            _Static_assert(BLOCK == 2 * VL, "a head's block of weights is one vcvtne2ps2bf16 of two vectors");
             const int dpv = bf16 && qb && group >= DPV_MIN_GROUP;
             uint32_t pb[MAX_GROUP][BLOCK / 2] __attribute__((aligned(64)));  // weights as bf16 pairs (j, j + 1)
             if (dpv)

@@ -17,6 +17,11 @@ KERNEL_CASES = [
     # head_dim 80 and 96 are no powers of two: the kernels pad them to BLOCK_D = 128 with masked lanes.
     (4, 1, 80, torch.float32), (4, 2, 96, torch.float16),
 ] + ([(4, 1, 64, torch.bfloat16), (8, 1, 128, torch.bfloat16)] if DEVICE.type == "cuda" else [])
+# Two builds of decode_attention.c with other compile-time choices (kernels/cpu TUNABLES), each ~10 s to compile:
+# tests/kernels/test_decode_attention.py checks them and tests/scripts/test_bench_cpu_kernels.py times them, so the
+# build cache compiles them once for both.
+DECODE_TUNINGS = [{"PF_LOCALITY": -1, "PF_DIST": 0, "PACK_MIN_GROUP": 17, "DPV_MIN_GROUP": 17},
+                  {"PF_LOCALITY": 3, "PF_DIST": 100, "PACK_MIN_GROUP": 5, "DPV_MIN_GROUP": 1, "SHARE_K": 0}]
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
        torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 

@@ -12,6 +12,7 @@ from lightserve.kernels.decode_attention import (
     decode_attention_triton,
 )
 from tests.kernels.kernel_cases import (
+    DECODE_TUNINGS,
     DEVICE,
     HEAD_LAYOUTS,
     KERNEL_CASES,
@@ -115,13 +116,8 @@ def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim
     torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
 
 
-# Two builds (each takes ~10 s to compile), shared with tests/scripts/test_bench_cpu_kernels.py's --define run.
-TUNINGS = [{"PF_LOCALITY": -1, "PF_DIST": 0, "PACK_MIN_GROUP": 17, "DPV_MIN_GROUP": 17},
-           {"PF_LOCALITY": 3, "PF_DIST": 100, "PACK_MIN_GROUP": 5, "DPV_MIN_GROUP": 1, "SHARE_K": 0}]
-
-
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
-@pytest.mark.parametrize("tuning", TUNINGS)
+@pytest.mark.parametrize("tuning", DECODE_TUNINGS)
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (32, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_with_other_compile_time_choices_matches_reference(tuning, num_heads, num_kv_heads, head_dim,

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightserve.kernels.linear import onednn_bf16_available
+from tests.kernels.kernel_cases import DECODE_TUNINGS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,15 +61,13 @@ def test_define_times_other_builds_in_turn_and_rejects_what_it_cannot_build(tmp_
     With --cached every request reads the same rows."""
     out = tmp_path / "define.json"
     script = str(REPO / "scripts" / "bench_cpu_kernels.py")
+    defines = [[f"{k}={v}" for k, v in tuning.items()] for tuning in DECODE_TUNINGS]  # the kernel tests' builds
     run = subprocess.run([sys.executable, script, "--shapes", "2x96", "--dtypes", "bfloat16", "--layers", "2",
-                          "--reps", "2", "--cached", "--define",
-                          "PF_LOCALITY=-1,PF_DIST=0,PACK_MIN_GROUP=17,DPV_MIN_GROUP=17",
-                          "PF_LOCALITY=3,PF_DIST=100,PACK_MIN_GROUP=5,DPV_MIN_GROUP=1,SHARE_K=0",
+                          "--reps", "2", "--cached", "--define", *(",".join(d) for d in defines),
                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"native", "native+PF_LOCALITY=-1+PF_DIST=0+PACK_MIN_GROUP=17+DPV_MIN_GROUP=17",
-                         "native+PF_LOCALITY=3+PF_DIST=100+PACK_MIN_GROUP=5+DPV_MIN_GROUP=1+SHARE_K=0"}
+    assert set(rows) == {"native", *("native+" + "+".join(d) for d in defines)}
     assert all(len(r["rep_ms_per_layer"]) == 2 and r["gbps"] > 0 and r["cached"] for r in rows.values())
     assert "x native's time" in run.stdout
     bad = subprocess.run([sys.executable, script, "--shapes", "2x96", "--define", "BLOCK=16"],

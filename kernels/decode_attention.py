@@ -254,7 +254,8 @@ def decode_attention_c_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_
     return (q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
             v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_rows.data_ptr(),
             seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0),
-            v_cache.stride(0), req_to_token.stride(0), sm_scale, window, softcap, torch.get_num_threads())
+            v_cache.stride(0), k_cache.stride(1), v_cache.stride(1), req_to_token.stride(0), sm_scale, window, softcap,
+            torch.get_num_threads())
 
 
 def warm_up_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor,

@@ -35,7 +35,8 @@ class ModelDims(ctypes.Structure):
 
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32),
                 ("head_dim", _I32), ("inter", _I32), ("bf16", _I32), ("widened", _I32), ("eps", _F32),
-                ("sm_scale", _F32), ("softcap", _F32), ("kv_rows", _I64), ("kc_row", _I64), ("vc_row", _I64)]
+                ("sm_scale", _F32), ("softcap", _F32), ("kv_rows", _I64), ("kc_row", _I64), ("vc_row", _I64),
+                ("kc_head", _I64), ("vc_head", _I64)]
 
 
 class StepArgs(ctypes.Structure):
@@ -145,7 +146,7 @@ class CpuDecoderLayers:
         every_m = dtype == torch.float32 or widened or (bool(lib.linear_bf16_pairs_dpbf16()) and all(
             w.onednn is None and w.widened is None for w in weights))
         self = cls(lib, layers, shape, dtype, None if every_m else PAIR_MAX_M, widened)
-        return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, 0, 0))) else None
+        return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, (0, 0), (0, 0)))) else None
 
     def takes(self, tokens: int) -> bool:
         """Whether run() takes a step of this many tokens (the per-kernel forward runs the others)."""
@@ -204,13 +205,13 @@ class CpuDecoderLayers:
                     times[label] += sec
         return hidden
 
-    def model_dims(self, kv_rows: int, kc_row: int, vc_row: int) -> ModelDims:
-        """The C side's ModelDims of these layers over a KV cache of kv_rows rows with row strides kc_row / vc_row
-        (zeros: the shapes alone, as decoder_layers_supported reads them)."""
+    def model_dims(self, kv_rows: int, k_strides: tuple[int, int], v_strides: tuple[int, int]) -> ModelDims:
+        """The C side's ModelDims of these layers over a KV cache of kv_rows rows with (row, head) strides
+        k_strides / v_strides (zeros: the shapes alone, as decoder_layers_supported reads them)."""
         sh = self.shape
         return ModelDims(len(self.layers), sh.hidden, sh.num_heads, sh.num_kv_heads, sh.head_dim, sh.inter,
                          int(self.dtype == torch.bfloat16), int(self.widened), sh.eps, sh.sm_scale, sh.softcap,
-                         kv_rows, kc_row, vc_row)
+                         kv_rows, k_strides[0], v_strides[0], k_strides[1], v_strides[1])
 
     def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[ModelDims, ctypes.Array]:
         """The dims and layer array for this KV cache: built when the model is first handed its lists of per-layer
@@ -227,7 +228,7 @@ class CpuDecoderLayers:
         layer_args = (LayerArgs * len(self.layers))(*(
             _layer_args(layer, biases, k, v)
             for layer, biases, k, v in zip(self.layers, self.float_biases, k_caches, v_caches, strict=True)))
-        dims = self.model_dims(k0.shape[0], k0.stride(0), v_caches[0].stride(0))
+        dims = self.model_dims(k0.shape[0], k0.stride()[:2], v_caches[0].stride()[:2])
         self._bound = (k_caches, v_caches, dims, layer_args)
         return dims, layer_args
 

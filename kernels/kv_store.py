@@ -78,7 +78,8 @@ def store_kv_cpu(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs
     head_dim = k.shape[2]
     with profiled("store_kv_cpu"):  # visible in scripts/profile_step.py
         rc = lib.store_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
-                          k_cache.data_ptr(), k_cache.stride(0), v_cache.data_ptr(), v_cache.stride(0),
+                          k_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), v_cache.data_ptr(),
+                          v_cache.stride(0), v_cache.stride(1),
                           k_cache.shape[0], kv_locs.data_ptr(), int(kv_locs.dtype == torch.int64), k.shape[0],
                           k.shape[1], head_dim, int(k.dtype == torch.bfloat16), torch.get_num_threads())
     return rc == 0

@@ -224,7 +224,8 @@ def prefill_attention_cpu(
             v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_to_token.stride(0),
             *(t.data_ptr() for t in meta), out.data_ptr(), meta[0].shape[0], num_heads, k_cache.shape[1], head_dim,
-            k_cache.stride(0), v_cache.stride(0), sm_scale, window, softcap, torch.get_num_threads())
+            k_cache.stride(0), v_cache.stride(0), k_cache.stride(1), v_cache.stride(1), sm_scale, window, softcap,
+            torch.get_num_threads())
     if rc != 0:
         return None
     return out.to(q.dtype)
@@ -232,9 +233,10 @@ def prefill_attention_cpu(
 
 def c_kv_layout(k_cache: Tensor, v_cache: Tensor) -> bool:
     """Whether the CPU C attention kernels (decode and prefill) take this KV cache: float32 or
-    bfloat16 [rows, Hk, D] with packed heads and the same strides for K and V. Shared with decode_attention."""
-    return k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.stride(-1) == 1 \
-        and k_cache.stride(-2) == k_cache.shape[-1] and v_cache.stride() == k_cache.stride()
+    bfloat16 [rows, Hk, D] with contiguous head rows (any row and head strides: token-major, or the head-major
+    view a CPU KVCache makes) and the same strides for K and V. Shared with decode_attention and store_kv."""
+    return k_cache.dim() == 3 and k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.stride(-1) == 1 \
+        and v_cache.stride() == k_cache.stride()
 
 
 def softcap_args(sm_scale: float, softcap: float) -> tuple[float, float]:

@@ -34,8 +34,15 @@ class KVCache:
         self.device = torch.device(device)
         # NOTE: zeros, not empty: attention kernels may read (and mask) rows never written, and NaN
         # garbage times a zero weight is still NaN.
-        self.k = torch.zeros(num_layers, num_kv_rows, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        if self.device.type == "cpu":
+            # Head-major storage [L, Hk, rows, D] behind the same [L, rows, Hk, D] view: each head's rows of a
+            # request lie back to back, so the C attention kernels, which walk a task's tokens head by head, read
+            # two contiguous streams per head (kernels/cpu/decode_attention.c, HEAD_OUTER).
+            self.k = torch.zeros(num_layers, num_kv_heads, num_kv_rows, head_dim, dtype=dtype).transpose(1, 2)
+            self.v = torch.zeros(num_layers, num_kv_heads, num_kv_rows, head_dim, dtype=dtype).transpose(1, 2)
+        else:
+            self.k = torch.zeros(num_layers, num_kv_rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+            self.v = torch.zeros_like(self.k)
         self.k_caches = list(self.k.unbind(0))  # num_layers x [num_kv_rows, Hk_local, D]
         self.v_caches = list(self.v.unbind(0))
         self.req_to_token = torch.zeros(num_req_rows, max_req_total_len, dtype=torch.int32, device=device)

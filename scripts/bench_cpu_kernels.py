@@ -78,16 +78,19 @@ def read_bandwidth(mb: int = 256, reps: int = 15) -> float:
 
 
 def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, layers: int,
-                scatter: bool, seed: int = 0, cached: bool = False) -> dict:
+                scatter: bool, seed: int = 0, cached: bool = False, token_major: bool = False) -> dict:
     """KV caches for `layers` layers, each request's tokens in its own run of rows (as a fresh server
     allocates them) or scattered (--scatter); q and the request tables. cached (--cached): every request reads the
     same `context` rows (`layers` x context rows in all: 9 MB at SmolLM2's 30 layers x 384 in bf16, which the caches
-    hold), so the kernel runs without waiting on memory."""
+    hold), so the kernel runs without waiting on memory. The K/V layout is a CPU KVCache's (model_infer/kv_cache.py):
+    [layers, rows, Hk, D] views of head-major storage, or token-major storage with token_major (--token-major)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     rows = context if cached else batch * context
     k = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
+    if not token_major:
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     order = torch.randperm(rows, generator=gen) if scatter else torch.arange(rows)
     req_to_token = (order.repeat(batch) if cached else order).view(batch, context).to(torch.int32).contiguous()
     return {
@@ -328,6 +331,9 @@ def main() -> None:
                     help="also time each --variants build with these compile-time choices of decode_attention.c "
                          f"({', '.join(TUNABLES)}; e.g. PF_LOCALITY=-1 for no prefetch), taking turns rep by rep")
     ap.add_argument("--scatter", action="store_true", help="scatter each request's tokens through the cache")
+    ap.add_argument("--token-major", action="store_true",
+                    help="decode attention over a token-major KV cache (each row all heads), not the head-major one "
+                         "a CPU server allocates")
     ap.add_argument("--cached", action="store_true",
                     help="every request reads the same rows, which stay in cache: the kernel's time when memory never "
                          "holds it up (its GB/s then counts the bytes it would read from memory)")
@@ -381,7 +387,7 @@ def main() -> None:
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
             case = decode_case(batch, context, tuple(args.heads), dtype, args.layers, args.scatter,
-                               cached=args.cached)
+                               cached=args.cached, token_major=args.token_major)
             kv_bytes = 2 * batch * context * args.heads[1] * args.heads[2] * case["k"].element_size()
             for name in [name for name, lib in libs.items() if lib is None]:
                 print(f"{name}: this CPU cannot run that build")
@@ -392,12 +398,14 @@ def main() -> None:
                 gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 / s / bw for s, bw in pairs)
                 results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
                                 "context": context, "cached": args.cached, "heads": list(args.heads),
+                                "kv_layout": "token-major" if args.token_major else "head-major",
                                 "ms_per_layer": 1e3 * sec, "gbps": gbps,
                                 "rep_ms_per_layer": [1e3 * s for s, _ in pairs], "read_gbps": readings,
                                 "share_of_bandwidth": share})
                 base = name.split("+")[0]  # a --define build against its variant's own, timed in turn with it
                 against = f"; {sec / timed[base][0]:.2f}x {base}'s time" if base != name and base in timed else ""
-                print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {name:9s} "
+                layout = "tok" if args.token_major else "head"
+                print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {layout}-major {name:9s} "
                       f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * share:5.1f}% "
                       f"of the read bandwidth (median over reps, each against the reading after it; "
                       f"{min(readings):.1f}-{max(readings):.1f} GB/s{against})")

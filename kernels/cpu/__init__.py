@@ -65,7 +65,7 @@ def _missing_flags(name: str) -> list[str]:
 # DPV_MIN_GROUP the smallest whose V pass runs as vdpbf16ps (17: none does), SHARE_K whether the packed passes of groups
 # over 4 go two at a time from one load of each K pair (0: each pass loads its own).
 TUNABLES = {"PF_LOCALITY": range(-1, 4), "PF_DIST": range(0, 1025), "PACK_MIN_GROUP": range(3, 18),
-            "DPV_MIN_GROUP": range(1, 18), "SHARE_K": range(0, 2)}
+            "DPV_MIN_GROUP": range(1, 18), "SHARE_K": range(0, 2), "HEAD_OUTER": range(0, 2)}
 
 
 def tuning_flags(defines: dict[str, int]) -> tuple[str, ...]:
@@ -228,10 +228,10 @@ def load(path: Path) -> ctypes.CDLL:
     i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     lib.decode_attention.restype = ctypes.c_int
     lib.decode_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
-                                     i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
+                                     i64, i64, i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
     lib.prefill_attention.restype = ctypes.c_int
     lib.prefill_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                                      i32, i32, i32, i32, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
+                                      i32, i32, i32, i32, i64, i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
     lib.linear_panel_width.restype = ctypes.c_int
     lib.linear_panel_width.argtypes = []
     lib.linear_packed.restype = ctypes.c_int
@@ -255,5 +255,6 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decoder_layers.restype = ctypes.c_int
     lib.decoder_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
     lib.store_kv.restype = ctypes.c_int
-    lib.store_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, ptr, i64, i64, ptr, i32, i64, i64, i64, i32, i32]
+    lib.store_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i32, i64, i64, i64,
+                             i32, i32]
     return lib

@@ -8,8 +8,8 @@
 //
 // Shapes (row-major, strides in elements):
 //   q            [B, Hq, D]            float32 or bfloat16 (act_bf16), token stride q_tok, head stride q_head
-//   k_cache      [rows, Hk, D]         float32 or bfloat16, row stride kc_row
-//   v_cache      [rows, Hk, D]         same dtype as k_cache, row stride vc_row
+//   k_cache      [rows, Hk, D]         float32 or bfloat16, row stride kc_row, head stride kc_head
+//   v_cache      [rows, Hk, D]         same dtype as k_cache, row stride vc_row, head stride vc_head
 //   req_to_token [num_rows, max_len]   int32, KV row of token t of a request, row stride r2t_row
 //   req_rows     [B]                   int32, each request's row in req_to_token
 //   seq_lens     [B]                   int32, tokens to attend to (>= 1)
@@ -75,6 +75,19 @@
 #endif
 // Smaller groups would pad the packed query past its buffer (1 head: 4x its elements, 2: 2x; the buffer holds 2x).
 _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
+// HEAD_OUTER: a task walks all of its tokens for KV head 0, then for head 1, and so on, rather than every head of a
+// block before the next block; each head's softmax state is its own either way. A token's K (and V) row holds all
+// heads, so head by head a thread reads two strided streams (a head's part of each row) rather than 2 x Hk
+// interleaved ones; with a head-major cache (head stride rows x D: kc_head / vc_head) the two are contiguous.
+// Zen 4, raw kernel calls from memory, SmolLM2's 9 x 3 x 64 heads, the builds alternated in one process, times
+// against this off over the token-major cache: the native build in bf16 0.88-0.99x at 64 x 384 and 16 x 1,100 (four
+// runs), 0.89-1.00x at 1 x 2,000, float32 KV 1.00-1.02x; over a head-major cache 0.88-0.93x at 64 x 384 and
+// 0.92-0.98x at 16 x 1,100. The AVX2 build 1.02x (token-major) and 1.07-1.23x (head-major); with prefetcht0, how a
+// Zen 3 fills (PF_LOCALITY=3), 1.01-1.04x token-major but 0.78x head-major. So on where vdpbf16ps scores, off
+// elsewhere until a Zen 3 is measured; a build may set it.
+#ifndef HEAD_OUTER
+#define HEAD_OUTER DPBF16
+#endif
 #ifndef SHARE_K
 #define SHARE_K 1  // head-packed passes two at a time from one load of each K pair (scores_packed)
 #endif
@@ -190,7 +203,7 @@ static inline __attribute__((always_inline)) void store_scores(const __m512 s4[4
 }
 
 // One block's scores for the query heads of one KV head, head-packed (PACK_MIN_GROUP above). kr[j]: token j's K row
-// (bf16, head_off bytes in: this head's dim elements); pk[j]: a row to prefetch meanwhile, or NULL. qv: this KV
+// (bf16, head_off bytes in: this head's dim elements); pk[j]: a head row to prefetch meanwhile, or NULL. qv: this KV
 // head's packed query from pack_query, (group + 3) / 4 passes of dim / 8 vectors. Writes p[g][j] = scale * q_g . k_j
 // for every token of the block and g < group. Passes go two at a time (SHARE_K): the second pass's instructions take
 // the first's broadcast of each K pair, which saves a third of a token's loads in groups of 5-8.
@@ -212,7 +225,7 @@ static inline __attribute__((always_inline)) void scores_packed(const char *cons
                 for (int r = 0; r < 4; r++) {
                     const int j = j0 + 4 * i + r;
                     if (g0 == 0 && pk[j])
-                        for (int o = 0; o < dim * 2; o += 64) PREFETCH(pk[j] + head_off + o);
+                        for (int o = 0; o < dim * 2; o += 64) PREFETCH(pk[j] + o);
                     const char *k = kr[j] + head_off;
                     // Two chains a pass: half the latency.
                     __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
@@ -263,7 +276,8 @@ static void pack_query(const uint16_t *q, int64_t q_head, int num_heads, int gro
 // bf16, dim and group are compile-time constants in the instances below (a runtime group works too).
 static inline __attribute__((always_inline)) int attend(
     const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo,
-    int hi, const Queue *queue, int num_kv_heads, int64_t kc_row, int64_t vc_row, float scale,
+    int hi, const Queue *queue, int num_kv_heads, int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,
+    float scale,
     float softcap, float *state, const int bf16, const int dim, const int group) {
     enum { NV_MAX = MAX_DIM / VL };
     const int nv = dim / VL, esize = bf16 ? 2 : 4;
@@ -295,6 +309,10 @@ static inline __attribute__((always_inline)) int attend(
     const int32_t *nlocs = NULL;
     int nlo = 0, nhi = 0;
 
+    // HEAD_OUTER: the task's tokens a KV head at a time (all of head 0's blocks, then head 1's, ...); else each block
+    // for every head in turn.
+    const int outer_heads = HEAD_OUTER ? num_kv_heads : 1;
+    for (int ho = 0; ho < outer_heads; ho++)
     for (int t0 = lo; t0 < hi; t0 += BLOCK) {
         const int n = hi - t0 < BLOCK ? hi - t0 : BLOCK;
         const char *kr[BLOCK], *vr[BLOCK];
@@ -303,11 +321,7 @@ static inline __attribute__((always_inline)) int attend(
             kr[j] = kc + loc * k_step;
             vr[j] = vc + loc * v_step;
         }
-        // The next block's rows (past hi: the next task's first ones), prefetched a head at a time, K in the score
-        // loop and V in the V loop: spread out, so the requests never outnumber the line-fill buffers (a burst of
-        // them at the block's start was measured to gain nothing).
-        const char *pk[BLOCK], *pv[BLOCK];
-        if (t0 + pf_dist >= hi && next < 0) {  // the rows pf_dist ahead are the next task's
+        if (ho == outer_heads - 1 && t0 + pf_dist >= hi && next < 0) {  // the rows pf_dist ahead are the next task's
             next = claim(queue);
             if (next < queue->num_tasks) {
                 const Task nt = queue->order[next];
@@ -315,14 +329,30 @@ static inline __attribute__((always_inline)) int attend(
                 nlo = nt.lo, nhi = nt.hi;
             }
         }
-        for (int j = 0; j < BLOCK; j++) {
-            const int t = t0 + pf_dist + j, u = nlo + (t - hi);
-            const int64_t loc = t < hi ? locs[t] : (nlocs && u < nhi ? nlocs[u] : -1);
-            pk[j] = loc >= 0 ? kc + loc * k_step : NULL;
-            pv[j] = loc >= 0 ? vc + loc * v_step : NULL;
-        }
-        for (int h = 0; h < num_kv_heads; h++) {
-            const int64_t head_off = (int64_t)h * dim * esize;
+        const int h_lo = HEAD_OUTER ? ho : 0, h_hi = HEAD_OUTER ? ho + 1 : num_kv_heads;
+        for (int h = h_lo; h < h_hi; h++) {
+            const int64_t head_off = (int64_t)h * kc_head * esize, vhead_off = (int64_t)h * vc_head * esize;
+            // The rows pf_dist tokens ahead of this head's (past hi: the next head's first ones where the heads go
+            // one after another, else the next task's), prefetched K in the score loop and V in the V loop: spread
+            // out, so the requests never outnumber the line-fill buffers (a burst of them at the block's start was
+            // measured to gain nothing). Pointers to the head's part of the row.
+            const char *pk[BLOCK], *pv[BLOCK];
+            for (int j = 0; j < BLOCK; j++) {
+                const int t = t0 + pf_dist + j;
+                int64_t loc = -1;
+                int hp = h;
+                if (t < hi) {
+                    loc = locs[t];
+                } else if (HEAD_OUTER && h + 1 < num_kv_heads) {
+                    loc = lo + (t - hi) < hi ? locs[lo + (t - hi)] : -1;
+                    hp = h + 1;
+                } else if (nlocs && nlo + (t - hi) < nhi) {
+                    loc = nlocs[nlo + (t - hi)];
+                    hp = HEAD_OUTER ? 0 : h;
+                }
+                pk[j] = loc >= 0 ? kc + loc * k_step + (int64_t)hp * kc_head * esize : NULL;
+                pv[j] = loc >= 0 ? vc + loc * v_step + (int64_t)hp * vc_head * esize : NULL;
+            }
             const float *qh = qp + (int64_t)h * group * dim;
             // Scores: each K row is loaded once for the group's G query heads, head-packed where that applies.
             // Otherwise part[g][j] holds the per-lane products of head g and token j, and one fold per VL tokens
@@ -339,7 +369,7 @@ static inline __attribute__((always_inline)) int attend(
             vf part[MAX_GROUP][BLOCK];
             for (int j = 0; j < BLOCK && !packed; j++) {
                 if (pk[j])
-                    for (int o = 0; o < dim * esize; o += 64) PREFETCH(pk[j] + head_off + o);
+                    for (int o = 0; o < dim * esize; o += 64) PREFETCH(pk[j] + o);
 #if DPBF16
                 if (bf16 && qb) {
                     const uint16_t *qbh = qb + (int64_t)h * group * dim;
@@ -413,9 +443,9 @@ static inline __attribute__((always_inline)) int attend(
                         for (int t = j; t < j + 2 && g0 == 0; t++)
                             if (pv[t])
                                 for (int off = c0 * VL * esize; off < (c0 + cv) * VL * esize; off += 64)
-                                    PREFETCH(pv[t] + head_off + off);
-                        const uint16_t *r0 = (const uint16_t *)(vr[j] + head_off) + c0 * VL;
-                        const uint16_t *r1 = (const uint16_t *)(vr[j + 1] + head_off) + c0 * VL;
+                                    PREFETCH(pv[t] + off);
+                        const uint16_t *r0 = (const uint16_t *)(vr[j] + vhead_off) + c0 * VL;
+                        const uint16_t *r1 = (const uint16_t *)(vr[j + 1] + vhead_off) + c0 * VL;
                         __m512bh w[NV_MAX];  // in load_row's order: per 32 elements the even ones, then the odd
                         for (int i = 0; i < cv; i += 2) {
                             const __m512i a = _mm512_loadu_si512(r0 + i * VL), b = _mm512_loadu_si512(r1 + i * VL);
@@ -430,9 +460,9 @@ static inline __attribute__((always_inline)) int attend(
 #endif
                     for (int j = 0; j < n && !dpv; j++) {
                         if (c0 == 0 && g0 == 0 && pv[j])
-                            for (int o = 0; o < dim * esize; o += 64) PREFETCH(pv[j] + head_off + o);
+                            for (int o = 0; o < dim * esize; o += 64) PREFETCH(pv[j] + o);
                         vf vv[NV_MAX];
-                        load_row(vr[j] + head_off + (int64_t)c0 * VL * esize, bf16, cv * VL, vv);
+                        load_row(vr[j] + vhead_off + (int64_t)c0 * VL * esize, bf16, cv * VL, vv);
                         for (int g = 0; g < ng; g++) {
                             vf pj = vbroadcast(p[g0 + g][j]);
                             for (int i = 0; i < cv; i++) o[g][i] += pj * vv[i];
@@ -454,14 +484,16 @@ static inline __attribute__((always_inline)) int attend(
 }
 
 typedef int (*task_fn)(const float *, const uint16_t *, const void *, const void *, const int32_t *, int, int,
-                       const Queue *, int, int64_t, int64_t, float, float, float *, int);
+                       const Queue *, int, int64_t, int64_t, int64_t, int64_t, float, float, float *, int);
 
 #define TASK(BF, DIM, G)                                                                                  \
     static int task_##BF##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc, const int32_t *locs, \
                                        int lo, int hi, const Queue *queue, int hk,                            \
-                                       int64_t kc_row, int64_t vc_row, float scale,                           \
+                                       int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,      \
+                                       float scale,                                                           \
                                        float softcap, float *state, int group) {                              \
-        return attend(qp, qb, kc, vc, locs, lo, hi, queue, hk, kc_row, vc_row, scale, softcap, state, BF, DIM, \
+        return attend(qp, qb, kc, vc, locs, lo, hi, queue, hk, kc_row, vc_row, kc_head, vc_head, scale, softcap,  \
+                      state, BF, DIM,                                                                      \
                       G ? G : group);                                                                      \
     }
 // Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
@@ -493,7 +525,8 @@ int decode_attention_supported(int num_heads, int num_kv_heads, int dim) {
 int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
                      const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
-                     int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int window, float softcap,
+                     int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head, int64_t r2t_row, float scale,
+                     int window, float softcap,
                      int num_threads) {
     if (!decode_attention_supported(num_heads, num_kv_heads, dim)) return -1;
     int group = num_heads / num_kv_heads;
@@ -565,7 +598,8 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
             // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
             int slot = first[b] + (int)((tk.lo - WINDOW_LO(b)) / chunk);
             i = fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo,
-                   tk.hi, &queue, num_kv_heads, kc_row, vc_row, scale, softcap, state + slot * state_len, group);
+                   tk.hi, &queue, num_kv_heads, kc_row, vc_row, kc_head, vc_head, scale, softcap, state + slot * state_len,
+                   group);
         }
 #pragma omp barrier
         // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).

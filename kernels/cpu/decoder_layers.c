@@ -45,7 +45,7 @@ typedef struct {
     const void *gate_up, *down;               // packed [2 I, H] (gate rows, then up rows), [H, I]
     // bf16 with `widened` only (else NULL): the same four projections in float32 panels, the biases in float32
     const float *qkv_f, *qkv_bias_f, *o_proj_f, *o_bias_f, *gate_up_f, *down_f;
-    void *k_cache, *v_cache;                  // [kv_rows, Hk, D], row strides kc_row / vc_row
+    void *k_cache, *v_cache;                  // [kv_rows, Hk, D], row strides kc_row / vc_row, head kc_head / vc_head
     const float *cos_sin;                     // [max_pos, D] float32 (cos | sin), row stride cos_sin_row
     int64_t cos_sin_row;
     int32_t window;                           // attention window in tokens, 0 for none
@@ -56,7 +56,7 @@ typedef struct {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, bf16;
     int32_t widened;  // bf16: GEMMs over PAIR_MAX_M rows run the layers' float32 panels
     float eps, sm_scale, softcap;
-    int64_t kv_rows, kc_row, vc_row;
+    int64_t kv_rows, kc_row, vc_row, kc_head, vc_head;
 } ModelDims;
 
 // One step's batch: token order is the decode tokens, then each prefill chunk's.
@@ -167,16 +167,16 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         rotary(k, k_tok, D, T, hk, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
         toc(&t, T_ROTARY);
         tic(&t);
-        if (store_kv(k, k_tok, D, v, qkv_w, D, w->k_cache, d->kc_row, w->v_cache, d->vc_row, d->kv_rows, s->kv_locs,
-                     s->locs_i64, T, hk, D, bf16, threads))
+        if (store_kv(k, k_tok, D, v, qkv_w, D, w->k_cache, d->kc_row, d->kc_head, w->v_cache, d->vc_row, d->vc_head,
+                     d->kv_rows, s->kv_locs, s->locs_i64, T, hk, D, bf16, threads))
             FAIL(l, T_STORE_KV);
         toc(&t, T_STORE_KV);
 
         if (nd > 0) {
             tic(&t);
             if (decode_attention(q, q_tok, D, bf16, w->k_cache, w->v_cache, bf16, s->req_to_token, s->decode_rows,
-                                 s->decode_lens, attn, nd, hq, hk, D, d->kc_row, d->vc_row, s->r2t_row, d->sm_scale,
-                                 w->window, d->softcap, threads))
+                                 s->decode_lens, attn, nd, hq, hk, D, d->kc_row, d->vc_row, d->kc_head, d->vc_head,
+                                 s->r2t_row, d->sm_scale, w->window, d->softcap, threads))
                 FAIL(l, T_DECODE);
             toc(&t, T_DECODE);
         }
@@ -185,8 +185,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
             if (prefill_attention(q + (int64_t)nd * q_tok * es, q_tok, D, bf16, w->k_cache, w->v_cache, bf16,
                                   s->req_to_token, s->r2t_row, s->extend_rows, s->extend_q_start,
                                   s->extend_prefix_lens, s->extend_lens, attn + (int64_t)nd * hq * D * es,
-                                  s->num_extend, hq, hk, D, d->kc_row, d->vc_row, d->sm_scale, w->window, d->softcap,
-                                  threads))
+                                  s->num_extend, hq, hk, D, d->kc_row, d->vc_row, d->kc_head, d->vc_head, d->sm_scale,
+                                  w->window, d->softcap, threads))
                 FAIL(l, T_PREFILL);
             toc(&t, T_PREFILL);
         }

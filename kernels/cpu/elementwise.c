@@ -18,7 +18,7 @@
 //   rotary:       x [T, H, D] in place, token stride x_tok, head stride x_head (q or k, views of qkv);
 //                 positions [T] int64; cos_sin [max_pos, D] float32 (cos | sin halves), row stride cs_row.
 //   store_kv:     k, v [T, H, D] (views of qkv), token strides k_tok / v_tok, head strides k_head / v_head;
-//                 k_cache, v_cache [rows, H, D] with contiguous heads, row strides kc_row / vc_row;
+//                 k_cache, v_cache [rows, H, D], row strides kc_row / vc_row, head strides kc_head / vc_head;
 //                 locs [T] int32 or int64: k_cache[locs[t]] = k[t], v_cache[locs[t]] = v[t].
 #include <math.h>
 #include <stdint.h>
@@ -198,8 +198,9 @@ void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t head
 // Returns 0, or -1 (nothing written) when a loc is outside [0, rows): the caller then runs index_copy_, which
 // raises.
 int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
-             void *k_cache, int64_t kc_row, void *v_cache, int64_t vc_row, int64_t rows, const void *locs,
-             int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16, int num_threads) {
+             void *k_cache, int64_t kc_row, int64_t kc_head, void *v_cache, int64_t vc_row, int64_t vc_head,
+             int64_t rows, const void *locs, int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16,
+             int num_threads) {
     const int es = bf16 ? 2 : 4;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t loc = locs_i64 ? ((const int64_t *)locs)[t] : ((const int32_t *)locs)[t];
@@ -211,13 +212,13 @@ int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_
         const int64_t loc = locs_i64 ? ((const int64_t *)locs)[t] : ((const int32_t *)locs)[t];
         char *kc = (char *)k_cache + loc * kc_row * es, *vc = (char *)v_cache + loc * vc_row * es;
         const char *kt = (const char *)k + t * k_tok * es, *vt = (const char *)v + t * v_tok * es;
-        if (k_head == dim && v_head == dim) {  // heads back to back (views of a fused qkv): one copy a row
+        if (k_head == dim && v_head == dim && kc_head == dim && vc_head == dim) {  // heads back to back: one copy a row
             memcpy(kc, kt, heads * head_bytes);
             memcpy(vc, vt, heads * head_bytes);
         } else {
             for (int64_t h = 0; h < heads; h++) {
-                memcpy(kc + h * head_bytes, kt + h * k_head * es, head_bytes);
-                memcpy(vc + h * head_bytes, vt + h * v_head * es, head_bytes);
+                memcpy(kc + h * kc_head * es, kt + h * k_head * es, head_bytes);
+                memcpy(vc + h * vc_head * es, vt + h * v_head * es, head_bytes);
             }
         }
     }

@@ -9,8 +9,8 @@ int decode_attention_supported(int num_heads, int num_kv_heads, int dim);
 int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
                      const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
-                     int64_t kc_row, int64_t vc_row, int64_t r2t_row, float scale, int window, float softcap,
-                     int num_threads);
+                     int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head, int64_t r2t_row, float scale,
+                     int window, float softcap, int num_threads);
 
 // prefill_attention.c
 int prefill_attention_supported(int num_heads, int num_kv_heads, int dim);
@@ -19,7 +19,7 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
                       const int32_t *req_rows, const int32_t *q_start, const int32_t *prefix_lens,
                       const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
-                      float scale, int window, float softcap, int num_threads);
+                      int64_t kc_head, int64_t vc_head, float scale, int window, float softcap, int num_threads);
 
 // linear.c
 #define PAIR_MAX_M 4  // up to here linear_bf16_pairs streams the weights, in every build (kernels/linear.py)
@@ -39,8 +39,9 @@ void rmsnorm(const void *x, int64_t x_row, void *residual, const void *weight, i
 void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t heads, int64_t dim,
             const int64_t *positions, const float *cos_sin, int64_t cs_row, int bf16, int num_threads);
 int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
-             void *k_cache, int64_t kc_row, void *v_cache, int64_t vc_row, int64_t rows, const void *locs,
-             int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16, int num_threads);
+             void *k_cache, int64_t kc_row, int64_t kc_head, void *v_cache, int64_t vc_row, int64_t vc_head,
+             int64_t rows, const void *locs, int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16,
+             int num_threads);
 
 // sampling.c
 void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vocab, int64_t *ids, float *lse,

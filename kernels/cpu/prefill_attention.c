@@ -10,8 +10,8 @@
 // Shapes (strides in elements):
 //   q            [T, Hq, D]          float32 or bfloat16 (act_bf16), token stride q_tok, head stride q_head
 //                                    (a view of qkv)
-//   k_cache      [rows, Hk, D]       float32 or bfloat16, row stride kc_row
-//   v_cache      [rows, Hk, D]       same dtype, row stride vc_row
+//   k_cache      [rows, Hk, D]       float32 or bfloat16, row stride kc_row, head stride kc_head
+//   v_cache      [rows, Hk, D]       same dtype, row stride vc_row, head stride vc_head
 //   req_to_token [num_rows, max_len] int32, row stride r2t_row
 //   req_rows, q_start, prefix_lens, extend_lens  [B] int32
 //   out          [T, Hq, D]          q's dtype, contiguous
@@ -160,7 +160,7 @@ typedef struct {
     const int32_t *req_to_token, *req_rows, *q_start, *prefix_lens, *extend_lens;
     void *out;
     int num_heads, dim, group, bq;
-    int64_t q_tok, q_head, kc_row, vc_row, r2t_row;
+    int64_t q_tok, q_head, kc_row, vc_row, kc_head, vc_head, r2t_row;
     float scale;
     int window;
     float softcap;
@@ -215,15 +215,15 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
         if (use_dp) {
             const uint16_t *kb[BN + KT];
             uint32_t *vp = (uint32_t *)s->vf;
-            for (int j = 0; j < nb; j++) kb[j] = (const uint16_t *)a->k_cache + locs[n0 + j] * a->kc_row + (int64_t)h * dim;
+            for (int j = 0; j < nb; j++) kb[j] = (const uint16_t *)a->k_cache + locs[n0 + j] * a->kc_row + (int64_t)h * a->kc_head;
             for (int j = nb; j < nb + KT; j++) kb[j] = kb[nb - 1];
             for (int p = 0; p < nb / 2; p++) {
-                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p] * a->vc_row + (int64_t)h * dim;
-                const uint16_t *v1 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p + 1] * a->vc_row + (int64_t)h * dim;
+                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p] * a->vc_row + (int64_t)h * a->vc_head;
+                const uint16_t *v1 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p + 1] * a->vc_row + (int64_t)h * a->vc_head;
                 for (int d = 0; d < dim; d++) vp[p * dim + d] = v0[d] | (uint32_t)v1[d] << 16;
             }
             if (nb % 2) {  // an odd block's last pair takes a zero second row
-                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + nb - 1] * a->vc_row + (int64_t)h * dim;
+                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + nb - 1] * a->vc_row + (int64_t)h * a->vc_head;
                 for (int d = 0; d < dim; d++) vp[nb / 2 * dim + d] = v0[d];
             }
             for (int j0 = 0; j0 < nb; j0 += KT)
@@ -235,15 +235,15 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
             for (int j = 0; j < nb; j++) {
                 int64_t loc = locs[n0 + j];
                 if (a->kv_bf16) {
-                    const uint16_t *kk = (const uint16_t *)a->k_cache + loc * a->kc_row + (int64_t)h * dim;
-                    const uint16_t *vv = (const uint16_t *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
+                    const uint16_t *kk = (const uint16_t *)a->k_cache + loc * a->kc_row + (int64_t)h * a->kc_head;
+                    const uint16_t *vv = (const uint16_t *)a->v_cache + loc * a->vc_row + (int64_t)h * a->vc_head;
                     for (int d = 0; d < dim; d++) s->kf[j * dim + d] = bf16_to_f32(kk[d]);
                     for (int d = 0; d < dim; d++) s->vf[j * dim + d] = bf16_to_f32(vv[d]);
                     kr[j] = s->kf + j * dim;
                     vr[j] = s->vf + j * dim;
                 } else {
-                    kr[j] = (const float *)a->k_cache + loc * a->kc_row + (int64_t)h * dim;
-                    vr[j] = (const float *)a->v_cache + loc * a->vc_row + (int64_t)h * dim;
+                    kr[j] = (const float *)a->k_cache + loc * a->kc_row + (int64_t)h * a->kc_head;
+                    vr[j] = (const float *)a->v_cache + loc * a->vc_row + (int64_t)h * a->vc_head;
                 }
             }
             for (int j = nb; j < nb + KT; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
@@ -360,13 +360,14 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
                       const int32_t *req_rows, const int32_t *q_start, const int32_t *prefix_lens,
                       const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
-                      float scale, int window, float softcap, int num_threads) {
+                      int64_t kc_head, int64_t vc_head, float scale, int window, float softcap, int num_threads) {
     if (!prefill_attention_supported(num_heads, num_kv_heads, dim)) return -1;
     const int group = num_heads / num_kv_heads;
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;
     Args a = {q, k_cache, v_cache, kv_bf16, act_bf16, req_to_token, req_rows, q_start, prefix_lens, extend_lens, out,
-              num_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, r2t_row, scale, window, softcap};
+              num_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, kc_head, vc_head, r2t_row, scale, window,
+              softcap};
     // Tasks, the longest first (the last token block of each request sees the most keys), so the
     // dynamic schedule does not end with one long task on one thread.
     int64_t ntasks = 0;

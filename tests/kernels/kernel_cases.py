@@ -20,28 +20,35 @@ KERNEL_CASES = [
 # Two builds of decode_attention.c with other compile-time choices (kernels/cpu TUNABLES), each ~10 s to compile:
 # tests/kernels/test_decode_attention.py checks them and tests/scripts/test_bench_cpu_kernels.py times them, so the
 # build cache compiles them once for both.
-DECODE_TUNINGS = [{"PF_LOCALITY": -1, "PF_DIST": 0, "PACK_MIN_GROUP": 17, "DPV_MIN_GROUP": 17},
-                  {"PF_LOCALITY": 3, "PF_DIST": 100, "PACK_MIN_GROUP": 5, "DPV_MIN_GROUP": 1, "SHARE_K": 0}]
+# HEAD_OUTER is each build's default in one of them and its opposite in the other, so both loop orders run on every
+# CPU.
+DECODE_TUNINGS = [{"PF_LOCALITY": -1, "PF_DIST": 0, "PACK_MIN_GROUP": 17, "DPV_MIN_GROUP": 17, "HEAD_OUTER": 1},
+                  {"PF_LOCALITY": 3, "PF_DIST": 100, "PACK_MIN_GROUP": 5, "DPV_MIN_GROUP": 1, "SHARE_K": 0,
+                   "HEAD_OUTER": 0}]
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.float16: {"atol": 2e-3, "rtol": 2e-3},
        torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
 
 @dataclass
 class KVBatch:
-    k_cache: torch.Tensor  # [num_rows, Hk, D]; rows no request owns hold NaN, so any stray read shows up
+    k_cache: torch.Tensor  # [num_rows, Hk, D] (head_major: a view of [Hk, num_rows, D]); rows no request owns
+    # hold NaN, so any stray read shows up
     v_cache: torch.Tensor
     req_to_token: torch.Tensor  # [B + 2, max_len + 3] int32; slots past a request's length point at NaN rows
     req_rows: torch.Tensor  # [B] int32, shuffled rows of req_to_token
     seq_lens: list[int]
 
 
-def make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed=0) -> KVBatch:
+def make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed=0, head_major=False) -> KVBatch:
     gen = torch.Generator().manual_seed(seed)
     num_used = sum(seq_lens)
     num_rows = num_used + 7
     rows = torch.randperm(num_rows, generator=gen)  # requests' tokens scattered through the cache
-    k_cache = torch.full((num_rows, num_kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = torch.full((num_rows, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    shape = (num_kv_heads, num_rows, head_dim) if head_major else (num_rows, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    if head_major:  # the same [num_rows, Hk, D] indexing, head stride num_rows * D
+        k_cache, v_cache = k_cache.transpose(0, 1), v_cache.transpose(0, 1)
     used = rows[:num_used]
     k_cache[used] = torch.randn(num_used, num_kv_heads, head_dim, generator=gen).to(dtype)
     v_cache[used] = torch.randn(num_used, num_kv_heads, head_dim, generator=gen).to(dtype)

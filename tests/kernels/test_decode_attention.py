@@ -27,8 +27,8 @@ from tests.kernels.kernel_cases import (
 SEQ_LENS = [1, 23, 70, 16]  # a single token, lengths off the 16-token tiles, one exactly on a tile
 
 
-def _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
-    batch = make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed)
+def _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, head_major=False):
+    batch = make_kv_batch(seq_lens, num_kv_heads, head_dim, dtype, seed, head_major)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     meta = {
         "req_to_token": batch.req_to_token, "req_rows": batch.req_rows,
@@ -117,18 +117,40 @@ def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_reads_a_head_major_cache(variant, num_heads, num_kv_heads, head_dim, dtype):
+    """K/V as views of [Hk, rows, D] storage (head stride rows x D): every build reads each head's rows there, and
+    prefetches the next head's first rows from there, with the result of the token-major cache."""
+    lib = variant_library(variant)
+    seq_lens = [1, 33, 300, 64]
+    batch, q, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype, head_major=True)
+    assert batch.k_cache.stride(1) == batch.k_cache.shape[0] * head_dim
+    meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
+    out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
+    assert out is not None
+    token_major = decode_attention_cpu(q, batch.k_cache.contiguous(), batch.v_cache.contiguous(), **meta_cpu, lib=lib)
+    torch.testing.assert_close(out, token_major, atol=0, rtol=0)
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta), **TOL[dtype])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("tuning", DECODE_TUNINGS)
+@pytest.mark.parametrize("head_major", [False, True])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (8, 1, 128), (32, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_with_other_compile_time_choices_matches_reference(tuning, num_heads, num_kv_heads, head_dim,
-                                                                      dtype):
+def test_cpu_kernel_with_other_compile_time_choices_matches_reference(tuning, head_major, num_heads, num_kv_heads,
+                                                                      head_dim, dtype):
     """The builds scripts/bench_cpu_kernels.py --define times: no software prefetch, with the distance at 0, head
     packing never and the V pass always widening (on an AVX512-BF16 CPU every group then scores a head at a time and
     adds V with FMAs); prefetcht0 at a distance off the block size (the next task's rows are then prefetched from
     mid-block), head packing from groups of 5 (groups of 8 packed, of 3 not) with each pass loading its own K, and
-    the V pass as vdpbf16ps for every group, odd block lengths included."""
+    the V pass as vdpbf16ps for every group, odd block lengths included; the heads one after another in one and
+    block by block in the other; over a token-major and a head-major cache."""
     lib = variant_library("native", tuning)
-    batch, q, meta = _decode_case([1, 31, 33, 300, 129], num_heads, num_kv_heads, head_dim, dtype)
+    batch, q, meta = _decode_case([1, 31, 33, 300, 129], num_heads, num_kv_heads, head_dim, dtype,
+                                  head_major=head_major)
     meta_cpu = {k: v for k, v in meta.items() if k != "max_seq_len"}
     out = decode_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu, lib=lib)
     assert out is not None

@@ -63,6 +63,12 @@ def test_store_kv_c_kernel_strided_heads_and_what_it_declines():
     k_t = k.transpose(0, 1).contiguous().transpose(0, 1)  # head stride T * D, not D: one copy per head
     assert store_kv_cpu(k_t, v, k_cache, v_cache, kv_locs)
     assert torch.equal(k_cache[kv_locs], k) and torch.equal(v_cache[kv_locs], v)
+    # a head-major cache (views of [H, rows, D]): each head's row lands rows x D apart
+    k_h, v_h = (c.transpose(0, 1).contiguous().transpose(0, 1).zero_() for c in (k_cache, v_cache))
+    assert store_kv_cpu(k, v, k_h, v_h, kv_locs)
+    assert torch.equal(k_h[kv_locs], k) and torch.equal(v_h[kv_locs], v)
+    k_h[kv_locs], v_h[kv_locs] = 0, 0
+    assert not k_h.any() and not v_h.any()  # and nothing else
     bad = kv_locs.clone()
     bad[-1] = 10  # past the last row: nothing is written, and the dispatch's reference raises
     before = k_cache.clone()

@@ -26,8 +26,8 @@ from tests.kernels.kernel_cases import (
 REQS = [(0, 21), (19, 6), (5, 1), (33, 17)]
 
 
-def _prefill_case(reqs, num_heads, num_kv_heads, head_dim, dtype, seed=0):
-    batch = make_kv_batch([p + e for p, e in reqs], num_kv_heads, head_dim, dtype, seed)
+def _prefill_case(reqs, num_heads, num_kv_heads, head_dim, dtype, seed=0, head_major=False):
+    batch = make_kv_batch([p + e for p, e in reqs], num_kv_heads, head_dim, dtype, seed, head_major)
     extend_lens = [e for _, e in reqs]
     q = torch.randn(sum(extend_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     starts = torch.tensor([0] + extend_lens[:-1], device=DEVICE).cumsum(0)
@@ -103,11 +103,13 @@ C_REQS = [(0, 130), (100, 40), (64, 1), (0, 1), (5, 17), (63, 66), (95, 98)]
     (9, 3, 64, torch.float32), (2, 2, 64, torch.float32), (8, 1, 128, torch.float32), (64, 1, 16, torch.float32),
     (4, 2, 80, torch.float32), (9, 3, 64, torch.bfloat16), (4, 1, 128, torch.bfloat16), (6, 2, 48, torch.bfloat16),
 ])
-def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype, variant):
+@pytest.mark.parametrize("head_major", [False, True])
+def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype, variant, head_major):
     """Every build this CPU runs (its wide and 16-wide tiles, plain C); bf16 q read in place and bf16 output.
-    Head dims 80 and 48 end with a 16-wide tile after the 32-wide ones of AVX-512 builds."""
+    Head dims 80 and 48 end with a 16-wide tile after the 32-wide ones of AVX-512 builds. K/V token-major, and as
+    views of [Hk, rows, D] storage."""
     lib = variant_library(variant)
-    batch, q, meta = _prefill_case(C_REQS, num_heads, num_kv_heads, head_dim, dtype)
+    batch, q, meta = _prefill_case(C_REQS, num_heads, num_kv_heads, head_dim, dtype, head_major=head_major)
     # q as the model passes it: a strided view into the fused qkv projection
     qkv = torch.cat([q.flatten(1), torch.zeros(q.shape[0], 2 * num_kv_heads * head_dim, dtype=dtype)], dim=1)
     q_view = qkv[:, :num_heads * head_dim].view(q.shape)

@@ -52,23 +52,25 @@ def test_decode_attention_reports_its_share_of_the_bandwidth_read_beside_it(tmp_
         # each rep's GB/s over the reading taken right after it, the median of those
         shares = [kv_gb / (ms / 1e3) / bw for ms, bw in zip(r["rep_ms_per_layer"], r["read_gbps"], strict=True)]
         assert r["share_of_bandwidth"] == pytest.approx(statistics.median(shares)) and r["share_of_bandwidth"] > 0
+        assert r["kv_layout"] == "head-major"  # as a CPU server allocates its KV cache
     assert len(report["read_gbps_readings"]) == 3 * len(rows)
 
 
 def test_define_times_other_builds_in_turn_and_rejects_what_it_cannot_build(tmp_path):
     """--define: each build with other compile-time choices of decode attention is checked against the torch reference
     inside the script, then timed in turns with the plain build; a name the source does not take is a usage error.
-    With --cached every request reads the same rows."""
+    With --cached every request reads the same rows; --token-major lays the KV out a row of all heads per token."""
     out = tmp_path / "define.json"
     script = str(REPO / "scripts" / "bench_cpu_kernels.py")
     defines = [[f"{k}={v}" for k, v in tuning.items()] for tuning in DECODE_TUNINGS]  # the kernel tests' builds
     run = subprocess.run([sys.executable, script, "--shapes", "2x96", "--dtypes", "bfloat16", "--layers", "2",
-                          "--reps", "2", "--cached", "--define", *(",".join(d) for d in defines),
+                          "--reps", "2", "--cached", "--token-major", "--define", *(",".join(d) for d in defines),
                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"native", *("native+" + "+".join(d) for d in defines)}
-    assert all(len(r["rep_ms_per_layer"]) == 2 and r["gbps"] > 0 and r["cached"] for r in rows.values())
+    assert all(len(r["rep_ms_per_layer"]) == 2 and r["gbps"] > 0 and r["cached"] and r["kv_layout"] == "token-major"
+               for r in rows.values())
     assert "x native's time" in run.stdout
     bad = subprocess.run([sys.executable, script, "--shapes", "2x96", "--define", "BLOCK=16"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)

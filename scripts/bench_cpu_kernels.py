@@ -153,9 +153,10 @@ def time_decode(case: dict, libs: dict, reps: int) -> dict[str, tuple[float, lis
 
 
 def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, int], dtype: torch.dtype,
-                 layers: int, seed: int = 0) -> dict:
+                 layers: int, seed: int = 0, token_major: bool = False) -> dict:
     """`batch` requests of `extend` new tokens over one shared `prefix` (already in the cache, as the radix
-    cache shares it), KV for `layers` layers; the FLOPs of the step's attention (QK and PV, causal)."""
+    cache shares it), KV for `layers` layers in decode_case's layout; the FLOPs of the step's attention (QK and PV,
+    causal)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     rows = prefix + batch * extend
@@ -164,9 +165,12 @@ def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, in
         req_to_token[b, :prefix] = torch.arange(prefix)
         req_to_token[b, prefix:] = prefix + b * extend + torch.arange(extend)
     keys_seen = batch * sum(prefix + i + 1 for i in range(extend))  # (query token, key) pairs
+    k, v = (torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    if not token_major:
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     return {
-        "k": torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype),
-        "v": torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype),
+        "k": k,
+        "v": v,
         "q": torch.randn(batch * extend, num_heads, head_dim, generator=gen).to(dtype),
         "meta": (req_to_token, torch.arange(batch, dtype=torch.int32), torch.arange(batch, dtype=torch.int32) * extend,
                  torch.full((batch,), prefix, dtype=torch.int32), torch.full((batch,), extend, dtype=torch.int32)),
@@ -288,7 +292,8 @@ def time_compute_bound(args, libs: dict) -> list[dict]:
         batch, extend = map(int, shape.split("+")[0].split("x"))
         prefix = int(shape.split("+")[1]) if "+" in shape else 0
         for dtype_name in args.dtypes:
-            case = prefill_case(batch, extend, prefix, tuple(args.heads), getattr(torch, dtype_name), args.layers)
+            case = prefill_case(batch, extend, prefix, tuple(args.heads), getattr(torch, dtype_name), args.layers,
+                                token_major=args.token_major)
             for name, lib in libs.items():
                 if lib is None:
                     print(f"{name}: this CPU cannot run that build")
@@ -296,9 +301,11 @@ def time_compute_bound(args, libs: dict) -> list[dict]:
                 sec = time_prefill(case, lib, args.reps)
                 results.append({"op": "prefill_attention", "variant": name, "dtype": dtype_name, "shape": shape,
                                 "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
-                                "gflops": case["flops"] / sec / 1e9})
-                print(f"prefill attention {dtype_name:8s} {shape:12s} {name:9s} {1e3 * sec:7.3f} ms/layer  "
-                      f"{case['flops'] / sec / 1e9:6.1f} GFLOP/s")
+                                "gflops": case["flops"] / sec / 1e9,
+                                "kv_layout": "token-major" if args.token_major else "head-major"})
+                layout = "tok" if args.token_major else "head"
+                print(f"prefill attention {dtype_name:8s} {shape:12s} {layout}-major {name:9s} "
+                      f"{1e3 * sec:7.3f} ms/layer  {case['flops'] / sec / 1e9:6.1f} GFLOP/s")
     for shape in args.greedy or []:
         rows, vocab = map(int, shape.split("x"))
         for name, lib in libs.items():
@@ -332,8 +339,8 @@ def main() -> None:
                          f"({', '.join(TUNABLES)}; e.g. PF_LOCALITY=-1 for no prefetch), taking turns rep by rep")
     ap.add_argument("--scatter", action="store_true", help="scatter each request's tokens through the cache")
     ap.add_argument("--token-major", action="store_true",
-                    help="decode attention over a token-major KV cache (each row all heads), not the head-major one "
-                         "a CPU server allocates")
+                    help="decode and prefill attention over a token-major KV cache (each row all heads), not the "
+                         "head-major one a CPU server allocates")
     ap.add_argument("--cached", action="store_true",
                     help="every request reads the same rows, which stay in cache: the kernel's time when memory never "
                          "holds it up (its GB/s then counts the bytes it would read from memory)")

@@ -22,7 +22,8 @@
 // Work: a task is one request's tokens [lo, hi), all heads. Requests are split into chunks when
 // there are few of them (batch 1 at 2,000 tokens is 8 tasks on 2 threads, not 1), so every thread
 // streams about the same number of KV bytes; a second pass merges a request's chunks (log-sum-exp).
-// A task walks its tokens in blocks of BLOCK. For each KV head it computes the block's scores for all
+// A task walks its tokens in blocks of BLOCK, each block for every KV head in turn, or (HEAD_OUTER, below) all of one
+// head's blocks before the next head's. For each KV head it computes the block's scores for all
 // G query heads from one load of each K row, updates the online softmax once per block, and adds the
 // block's V rows into the G output rows, which stay in registers (a tile at a time). Meanwhile it
 // prefetches the next block's K rows while it scores and its V rows while it adds V, a few lines per
@@ -78,13 +79,15 @@ _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 // HEAD_OUTER: a task walks all of its tokens for KV head 0, then for head 1, and so on, rather than every head of a
 // block before the next block; each head's softmax state is its own either way. A token's K (and V) row holds all
 // heads, so head by head a thread reads two strided streams (a head's part of each row) rather than 2 x Hk
-// interleaved ones; with a head-major cache (head stride rows x D: kc_head / vc_head) the two are contiguous.
-// Zen 4, raw kernel calls from memory, SmolLM2's 9 x 3 x 64 heads, the builds alternated in one process, times
-// against this off over the token-major cache: the native build in bf16 0.88-0.99x at 64 x 384 and 16 x 1,100 (four
-// runs), 0.89-1.00x at 1 x 2,000, float32 KV 1.00-1.02x; over a head-major cache 0.88-0.93x at 64 x 384 and
-// 0.92-0.98x at 16 x 1,100. The AVX2 build 1.02x (token-major) and 1.07-1.23x (head-major); with prefetcht0, how a
-// Zen 3 fills (PF_LOCALITY=3), 1.01-1.04x token-major but 0.78x head-major. So on where vdpbf16ps scores, off
-// elsewhere until a Zen 3 is measured; a build may set it.
+// interleaved ones; with a head-major cache (head stride rows x D: kc_head / vc_head, as a CPU KVCache lays it out)
+// the two are contiguous. Zen 4, raw kernel calls from memory, SmolLM2's 9 x 3 x 64 heads, the four combinations
+// alternated in one process, four runs, times against block by block over a token-major cache: the native build in
+// bf16, a head at a time over the head-major cache 0.88-0.97x at 64 x 384, 0.92-0.98x at 16 x 1,100 and 0.97-0.98x at
+// 1 x 2,000 (block by block there 0.94-0.96x, 0.96-1.04x and 1.03-1.11x; a head at a time over the token-major cache
+// 0.94-1.05x, 0.88-0.97x and 1.00-1.12x); float32 KV, one run, 0.94-1.03x. The AVX2 build, head-major: a head at a
+// time 1.07-1.23x with this CPU's L2 prefetches, but 0.78x with prefetcht0 (PF_LOCALITY=3, how a Zen 3 fills, per
+// AMD), block by block 1.02-1.21x and 0.91-0.97x. So on where vdpbf16ps scores, off elsewhere until a Zen 3 is
+// measured; a build may set it.
 #ifndef HEAD_OUTER
 #define HEAD_OUTER DPBF16
 #endif
@@ -277,8 +280,7 @@ static void pack_query(const uint16_t *q, int64_t q_head, int num_heads, int gro
 static inline __attribute__((always_inline)) int attend(
     const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo,
     int hi, const Queue *queue, int num_kv_heads, int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,
-    float scale,
-    float softcap, float *state, const int bf16, const int dim, const int group) {
+    float scale, float softcap, float *state, const int bf16, const int dim, const int group) {
     enum { NV_MAX = MAX_DIM / VL };
     const int nv = dim / VL, esize = bf16 ? 2 : 4;
     // The V pass's tile: cv vectors of each output row (a chunk of its dims, at least the 2 a bf16 load gives) for gc
@@ -490,11 +492,9 @@ typedef int (*task_fn)(const float *, const uint16_t *, const void *, const void
     static int task_##BF##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc, const int32_t *locs, \
                                        int lo, int hi, const Queue *queue, int hk,                            \
                                        int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,      \
-                                       float scale,                                                           \
-                                       float softcap, float *state, int group) {                              \
-        return attend(qp, qb, kc, vc, locs, lo, hi, queue, hk, kc_row, vc_row, kc_head, vc_head, scale, softcap,  \
-                      state, BF, DIM,                                                                      \
-                      G ? G : group);                                                                      \
+                                       float scale, float softcap, float *state, int group) {                 \
+        return attend(qp, qb, kc, vc, locs, lo, hi, queue, hk, kc_row, vc_row, kc_head, vc_head, scale, softcap, \
+                      state, BF, DIM, G ? G : group);                                                      \
     }
 // Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
 #define TASKS(BF, DIM) TASK(BF, DIM, 0) TASK(BF, DIM, 1) TASK(BF, DIM, 2) TASK(BF, DIM, 3) TASK(BF, DIM, 4) \
@@ -526,8 +526,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                      const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
                      int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head, int64_t r2t_row, float scale,
-                     int window, float softcap,
-                     int num_threads) {
+                     int window, float softcap, int num_threads) {
     if (!decode_attention_supported(num_heads, num_kv_heads, dim)) return -1;
     int group = num_heads / num_kv_heads;
     // Request b reads its tokens [lo_b, seq_lens[b]): all of them, or the window's.
@@ -598,8 +597,8 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
             // The task's slot in `state`: its index in `tasks` (request order), found from its lo.
             int slot = first[b] + (int)((tk.lo - WINDOW_LO(b)) / chunk);
             i = fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo,
-                   tk.hi, &queue, num_kv_heads, kc_row, vc_row, kc_head, vc_head, scale, softcap, state + slot * state_len,
-                   group);
+                   tk.hi, &queue, num_kv_heads, kc_row, vc_row, kc_head, vc_head, scale, softcap,
+                   state + slot * state_len, group);
         }
 #pragma omp barrier
         // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).

@@ -215,15 +215,16 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
         if (use_dp) {
             const uint16_t *kb[BN + KT];
             uint32_t *vp = (uint32_t *)s->vf;
-            for (int j = 0; j < nb; j++) kb[j] = (const uint16_t *)a->k_cache + locs[n0 + j] * a->kc_row + (int64_t)h * a->kc_head;
+            const uint16_t *kh = (const uint16_t *)a->k_cache + (int64_t)h * a->kc_head;  // head h of row 0
+            const uint16_t *vh = (const uint16_t *)a->v_cache + (int64_t)h * a->vc_head;
+            for (int j = 0; j < nb; j++) kb[j] = kh + locs[n0 + j] * a->kc_row;
             for (int j = nb; j < nb + KT; j++) kb[j] = kb[nb - 1];
             for (int p = 0; p < nb / 2; p++) {
-                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p] * a->vc_row + (int64_t)h * a->vc_head;
-                const uint16_t *v1 = (const uint16_t *)a->v_cache + locs[n0 + 2 * p + 1] * a->vc_row + (int64_t)h * a->vc_head;
+                const uint16_t *v0 = vh + locs[n0 + 2 * p] * a->vc_row, *v1 = vh + locs[n0 + 2 * p + 1] * a->vc_row;
                 for (int d = 0; d < dim; d++) vp[p * dim + d] = v0[d] | (uint32_t)v1[d] << 16;
             }
             if (nb % 2) {  // an odd block's last pair takes a zero second row
-                const uint16_t *v0 = (const uint16_t *)a->v_cache + locs[n0 + nb - 1] * a->vc_row + (int64_t)h * a->vc_head;
+                const uint16_t *v0 = vh + locs[n0 + nb - 1] * a->vc_row;
                 for (int d = 0; d < dim; d++) vp[nb / 2 * dim + d] = v0[d];
             }
             for (int j0 = 0; j0 < nb; j0 += KT)

@@ -56,6 +56,21 @@ def test_decode_attention_reports_its_share_of_the_bandwidth_read_beside_it(tmp_
     assert len(report["read_gbps_readings"]) == 3 * len(rows)
 
 
+@pytest.mark.parametrize("token_major", [False, True])
+def test_prefill_attention_reports_its_rate_over_either_kv_layout(tmp_path, token_major):
+    """--prefill: the C prefill attention over a shared cached prefix, over the head-major KV cache a CPU server
+    allocates or (--token-major) a row of all heads per token."""
+    out = tmp_path / "prefill.json"
+    run = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_cpu_kernels.py"), "--prefill", "2x40+24",
+                          "--dtypes", "bfloat16", "--layers", "2", "--reps", "1", "--json", str(out),
+                          *(["--token-major"] if token_major else [])],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = json.loads(out.read_text())["results"]
+    assert row["op"] == "prefill_attention" and row["shape"] == "2x40+24" and row["gflops"] > 0
+    assert row["kv_layout"] == ("token-major" if token_major else "head-major")
+
+
 def test_define_times_other_builds_in_turn_and_rejects_what_it_cannot_build(tmp_path):
     """--define: each build with other compile-time choices of decode attention is checked against the torch reference
     inside the script, then timed in turns with the plain build; a name the source does not take is a usage error.

@@ -36,8 +36,9 @@ class KVCache:
         # garbage times a zero weight is still NaN.
         if self.device.type == "cpu":
             # Head-major storage [L, Hk, rows, D] behind the same [L, rows, Hk, D] view: each head's rows of a
-            # request lie back to back, so the C attention kernels, which walk a task's tokens head by head, read
-            # two contiguous streams per head (kernels/cpu/decode_attention.c, HEAD_OUTER).
+            # request lie back to back, so where decode attention walks a task's tokens one head after another
+            # (kernels/cpu/decode_attention.c, HEAD_OUTER) it reads two contiguous streams; docs/benchmarks.md has
+            # what each layout measured.
             self.k = torch.zeros(num_layers, num_kv_heads, num_kv_rows, head_dim, dtype=dtype).transpose(1, 2)
             self.v = torch.zeros(num_layers, num_kv_heads, num_kv_rows, head_dim, dtype=dtype).transpose(1, 2)
         else:

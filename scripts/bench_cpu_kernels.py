@@ -77,20 +77,23 @@ def read_bandwidth(mb: int = 256, reps: int = 15) -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def kv_layout(kv: torch.Tensor, token_major: bool) -> torch.Tensor:
+    """kv [layers, rows, Hk, D] as a CPU KVCache lays it out (model_infer/kv_cache.py): the same values as a view
+    of head-major storage [layers, Hk, rows, D]; with token_major (--token-major) as it is."""
+    return kv if token_major else kv.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, layers: int,
                 scatter: bool, seed: int = 0, cached: bool = False, token_major: bool = False) -> dict:
     """KV caches for `layers` layers, each request's tokens in its own run of rows (as a fresh server
     allocates them) or scattered (--scatter); q and the request tables. cached (--cached): every request reads the
     same `context` rows (`layers` x context rows in all: 9 MB at SmolLM2's 30 layers x 384 in bf16, which the caches
-    hold), so the kernel runs without waiting on memory. The K/V layout is a CPU KVCache's (model_infer/kv_cache.py):
-    [layers, rows, Hk, D] views of head-major storage, or token-major storage with token_major (--token-major)."""
+    hold), so the kernel runs without waiting on memory. K/V in kv_layout's layout."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     rows = context if cached else batch * context
-    k = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype)
-    if not token_major:
-        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    k, v = (kv_layout(torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype), token_major)
+            for _ in range(2))
     order = torch.randperm(rows, generator=gen) if scatter else torch.arange(rows)
     req_to_token = (order.repeat(batch) if cached else order).view(batch, context).to(torch.int32).contiguous()
     return {
@@ -155,7 +158,7 @@ def time_decode(case: dict, libs: dict, reps: int) -> dict[str, tuple[float, lis
 def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, int], dtype: torch.dtype,
                  layers: int, seed: int = 0, token_major: bool = False) -> dict:
     """`batch` requests of `extend` new tokens over one shared `prefix` (already in the cache, as the radix
-    cache shares it), KV for `layers` layers in decode_case's layout; the FLOPs of the step's attention (QK and PV,
+    cache shares it), KV for `layers` layers in kv_layout's layout; the FLOPs of the step's attention (QK and PV,
     causal)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
@@ -165,9 +168,8 @@ def prefill_case(batch: int, extend: int, prefix: int, heads: tuple[int, int, in
         req_to_token[b, :prefix] = torch.arange(prefix)
         req_to_token[b, prefix:] = prefix + b * extend + torch.arange(extend)
     keys_seen = batch * sum(prefix + i + 1 for i in range(extend))  # (query token, key) pairs
-    k, v = (torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
-    if not token_major:
-        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    k, v = (kv_layout(torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype), token_major)
+            for _ in range(2))
     return {
         "k": k,
         "v": v,
@@ -285,6 +287,10 @@ def time_linears(rows: list[int], layers: int, reps: int, dtype: torch.dtype) ->
     return results
 
 
+def layout_name(args) -> str:
+    return "token-major" if args.token_major else "head-major"
+
+
 def time_compute_bound(args, libs: dict) -> list[dict]:
     """--prefill and --greedy: ms and GFLOP/s (prefill) for each shape, dtype and build variant."""
     results = []
@@ -301,10 +307,8 @@ def time_compute_bound(args, libs: dict) -> list[dict]:
                 sec = time_prefill(case, lib, args.reps)
                 results.append({"op": "prefill_attention", "variant": name, "dtype": dtype_name, "shape": shape,
                                 "heads": list(args.heads), "ms_per_layer": 1e3 * sec,
-                                "gflops": case["flops"] / sec / 1e9,
-                                "kv_layout": "token-major" if args.token_major else "head-major"})
-                layout = "tok" if args.token_major else "head"
-                print(f"prefill attention {dtype_name:8s} {shape:12s} {layout}-major {name:9s} "
+                                "gflops": case["flops"] / sec / 1e9, "kv_layout": layout_name(args)})
+                print(f"prefill attention {dtype_name:8s} {shape:12s} {layout_name(args)} {name:9s} "
                       f"{1e3 * sec:7.3f} ms/layer  {case['flops'] / sec / 1e9:6.1f} GFLOP/s")
     for shape in args.greedy or []:
         rows, vocab = map(int, shape.split("x"))
@@ -405,14 +409,13 @@ def main() -> None:
                 gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 / s / bw for s, bw in pairs)
                 results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
                                 "context": context, "cached": args.cached, "heads": list(args.heads),
-                                "kv_layout": "token-major" if args.token_major else "head-major",
+                                "kv_layout": layout_name(args),
                                 "ms_per_layer": 1e3 * sec, "gbps": gbps,
                                 "rep_ms_per_layer": [1e3 * s for s, _ in pairs], "read_gbps": readings,
                                 "share_of_bandwidth": share})
                 base = name.split("+")[0]  # a --define build against its variant's own, timed in turn with it
                 against = f"; {sec / timed[base][0]:.2f}x {base}'s time" if base != name and base in timed else ""
-                layout = "tok" if args.token_major else "head"
-                print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {layout}-major {name:9s} "
+                print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {layout_name(args)} {name:9s} "
                       f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * share:5.1f}% "
                       f"of the read bandwidth (median over reps, each against the reading after it; "
                       f"{min(readings):.1f}-{max(readings):.1f} GB/s{against})")

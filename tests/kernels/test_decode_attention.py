@@ -121,8 +121,8 @@ def test_cpu_kernel_matches_reference(variant, num_heads, num_kv_heads, head_dim
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (32, 8, 128), (8, 1, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_kernel_reads_a_head_major_cache(variant, num_heads, num_kv_heads, head_dim, dtype):
-    """K/V as views of [Hk, rows, D] storage (head stride rows x D): every build reads each head's rows there, and
-    prefetches the next head's first rows from there, with the result of the token-major cache."""
+    """K/V as views of [Hk, rows, D] storage (head stride rows x D), as a CPU KVCache lays them out: every build
+    finds each head's rows by the head stride, bit for bit the result over the same values token-major."""
     lib = variant_library(variant)
     seq_lens = [1, 33, 300, 64]
     batch, q, meta = _decode_case(seq_lens, num_heads, num_kv_heads, head_dim, dtype, head_major=True)

@@ -3,6 +3,7 @@ worker rank and waits for rank 0's StepDone before planning the next step."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from multiprocessing.connection import Connection
 
@@ -10,7 +11,7 @@ import zmq
 
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
-from lightserve.messages import AbortReq, AddReq, ReqReleased, Shutdown, StepDone, decode, encode
+from lightserve.messages import AbortReq, AddReq, BatchPlan, ReqReleased, Shutdown, StepDone, decode, encode
 from lightserve.procutil import child_process, report_ready
 from lightserve.router.scheduler import Scheduler, StepRecord
 from lightserve.shm.req_pool import ReqPool
@@ -100,7 +101,10 @@ class Router:
         return None
 
     def _account(self, record: StepRecord, done: StepDone, step_s: float) -> None:
-        """A periodic INFO line (never per step): throughput and where a step's time goes."""
+        """A periodic INFO line: throughput and where a step's time goes; with --log_level debug also a line per
+        step (step_line)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s", step_line(record.plan, done.forward_s, step_s))
         w = self._window
         w["steps"] += 1
         w["tokens"] += int(record.plan.input_ids.shape[0])
@@ -110,7 +114,7 @@ class Router:
         if now < self._log_at:
             return
         s = self.scheduler
-        logger.info("%.1f steps/s, %d tokens/step, step %.1f ms (forward+sample %.1f ms), running %d, "
+        logger.info("%.1f steps/s, %d tokens/step, step %.1f ms (forward %.1f ms), running %d, "
                     "waiting %d, KV free %d/%d", w["steps"] / (now - self._log_at + STATS_LOG_S),
                     w["tokens"] // w["steps"], 1e3 * w["step_s"] / w["steps"], 1e3 * w["forward_s"] / w["steps"],
                     len(s.running), len(s.waiting), s.allocator.num_free, s.allocator.num_total)
@@ -137,3 +141,14 @@ class Router:
             self.to_detok.send(encode(ReqReleased(shm_index, req_id, reason)))
         self.scheduler.released.clear()
         self.scheduler.publish_stats()
+
+
+def step_line(plan: BatchPlan, forward_s: float, step_s: float) -> str:
+    """One step for the DEBUG log, which scripts/step_trace.py reads back: its tokens; the requests decoding and the KV
+    tokens their attention reads (each one's context and its new token); the prompt chunks, their new tokens and the
+    tokens before them in KV (a cached prefix or earlier chunks); the model forward on rank 0, and the whole step as
+    the router waited for it (the forward, sampling, the shm writes and the messages)."""
+    nd = plan.num_decode
+    return (f"step {plan.step}: tokens {plan.input_ids.shape[0]} decode {nd} kv {int(plan.prefix_lens[:nd].sum()) + nd}"
+            f" prefill {plan.extend_lens.shape[0] - nd} new {int(plan.extend_lens[nd:].sum())}"
+            f" before {int(plan.prefix_lens[nd:].sum())} forward {1e3 * forward_s:.2f} ms step {1e3 * step_s:.2f} ms")

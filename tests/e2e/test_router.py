@@ -6,12 +6,17 @@ the same tokens whether a request was paused, chunked or served from the prefix 
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import aiohttp
 import httpx
 import pytest
 
 from tests.e2e.server import ServerProc, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import step_trace  # noqa: E402  (scripts/ is not a package)
 
 TIMEOUT = aiohttp.ClientTimeout(total=1200)
 
@@ -38,10 +43,11 @@ def _ids(result: dict) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tight_server(tmp_path_factory):
-    """KV for about 2,048 tokens and 64-token prefill chunks: 32 requests of ~100 tokens must pause."""
+    """KV for about 2,048 tokens and 64-token prefill chunks: 32 requests of ~100 tokens must pause. Logs at DEBUG, so
+    its log holds a line per step (scripts/step_trace.py)."""
     log = tmp_path_factory.mktemp("tight") / "server.log"
     srv = ServerProc("--data_type", "float32", "--max_total_token_num", "2048", "--chunked_prefill_size", "64",
-                     log_path=log).wait_ready()
+                     "--log_level", "debug", log_path=log).wait_ready()
     yield srv
     srv.stop()
 
@@ -79,12 +85,19 @@ def test_chunked_prefill_beside_running_streams_keeps_outputs(server, tight_serv
             long_result = await _generate(session, url, long_prompt, 16)
             return long_result, await asyncio.gather(*short_tasks)
 
+    log_start = tight_server.log_path.stat().st_size
     tight_long, tight_shorts = asyncio.run(go(tight_server.url))
     ample_long, ample_shorts = asyncio.run(go(server.url))
     assert tight_long["prompt_tokens"] > 1000  # 16+ chunks of 64 interleaved with the decodes
     assert _ids(tight_long) == _ids(ample_long)
     assert [_ids(r) for r in tight_shorts] == [_ids(r) for r in ample_shorts]
     _idle_kv_is_free_or_cached(tight_server)
+    # The router's step lines show it: the long prompt's chunks, none over 64 tokens, ran in steps beside the short
+    # streams' decodes (25 of its 26 chunk steps on a Zen 4), and those decoded their 47 tokens after the first.
+    steps = step_trace.parse(tight_server.log_path.read_bytes()[log_start:].decode(errors="replace").splitlines())
+    assert any(s.prefill and s.decode for s in steps)
+    assert all(s.new <= 64 * s.prefill and s.forward_ms <= s.step_ms for s in steps)
+    assert sum(s.new for s in steps) > 1000 and sum(s.decode for s in steps) >= 4 * 47
 
 
 @pytest.mark.timeout(1200)

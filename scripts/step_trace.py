@@ -66,21 +66,20 @@ def group_of(step: Step, max_decode: int) -> str:
 
 
 def summarize(steps: list[Step]) -> dict:
-    """Per group and in all: steps, seconds of step, mean step and forward ms, tokens (decoded, prompt), and the
-    time outside the forward."""
-    max_decode = max((s.decode for s in steps), default=1)
+    """Per group and in all (steps: at least one): steps, seconds of step, mean step and forward ms, tokens (decoded,
+    prompt), mean KV tokens read, and the time outside the forward."""
+    max_decode = max(s.decode for s in steps)
     groups: dict[str, list[Step]] = {}
     for s in sorted(steps, key=lambda s: (s.prefill > 0, s.tokens if s.prefill else s.decode)):
         groups.setdefault(group_of(s, max_decode), []).append(s)
     groups["all"] = steps
 
-    def row(ss: list[Step]) -> dict:
-        n = len(ss)
-        total = sum(s.step_ms for s in ss)
-        return {"steps": n, "seconds": total / 1e3, "mean_step_ms": total / n if n else 0.0,
-                "mean_forward_ms": sum(s.forward_ms for s in ss) / n if n else 0.0,
+    def row(ss: list[Step]) -> dict:  # ss: never empty
+        n, total = len(ss), sum(s.step_ms for s in ss)
+        return {"steps": n, "seconds": total / 1e3, "mean_step_ms": total / n,
+                "mean_forward_ms": sum(s.forward_ms for s in ss) / n,
                 "decode_tokens": sum(s.decode for s in ss), "prompt_tokens": sum(s.new for s in ss),
-                "mean_kv_tokens": sum(s.kv for s in ss) / n if n else 0.0,
+                "mean_kv_tokens": sum(s.kv for s in ss) / n,
                 "outside_forward_s": sum(s.step_ms - s.forward_ms for s in ss) / 1e3}
     return {name: row(ss) for name, ss in groups.items()}
 

@@ -6,11 +6,31 @@ output tokens: those live in the request pool (shm/). `encode`/`decode` are the 
 """
 from __future__ import annotations
 
+import operator
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 import numpy as np
+
+
+def message(cls):
+    """A message class: a frozen dataclass with slots that pickles as a call of its constructor with its field
+    values. dataclasses pickle a slotted class through fields() for every object: a step's DeltaBatch of 64
+    ReqDeltas took 165-172 us to pickle and 204-223 to unpickle that way, 51-59 and 111-119 this way (Zen 4)."""
+    cls = dataclass(frozen=True, slots=True)(cls)
+    names = tuple(f.name for f in fields(cls))
+    if len(names) > 1:
+        values = operator.attrgetter(*names)  # -> a tuple, in C
+    else:  # attrgetter of one name returns the bare value, and of none is an error
+        def values(obj):
+            return tuple(getattr(obj, name) for name in names)
+
+    def __reduce__(self):
+        return cls, values(self)
+
+    cls.__reduce__ = __reduce__
+    return cls
 
 
 class FinishReason(IntEnum):
@@ -25,14 +45,14 @@ class FinishReason(IntEnum):
 
 
 # ---- HTTP front -> router ------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class AddReq:
     """A request whose slot is fully written; the router may schedule it."""
     shm_index: int
     req_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class AbortReq:
     """Stop a request now (client disconnect, timeout, stop string seen by the detokenizer)."""
     shm_index: int
@@ -41,7 +61,7 @@ class AbortReq:
 
 
 # ---- router -> every worker rank -------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class BatchPlan:
     """One forward step. Identical bytes go to every tensor-parallel rank.
 
@@ -65,13 +85,13 @@ class BatchPlan:
     prompt_logit_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [E]
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Shutdown:
     """Router -> workers: leave the loop and exit cleanly."""
 
 
 # ---- worker rank 0 -> router -------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class StepDone:
     """Rank 0 finished `step`: tokens, logprobs and finish status of its requests are in shm."""
     step: int
@@ -79,14 +99,14 @@ class StepDone:
 
 
 # ---- worker rank 0 / router -> detokenizer ------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class TokensReady:
     """New output tokens are published in these slots (rank 0, after each step)."""
     shm_indices: np.ndarray      # [B] int32
     req_ids: np.ndarray          # [B] int64
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class ReqReleased:
     """Router -> detokenizer: the router ended this request without a finish status in shm
     (abort); the detokenizer sends the final delta and drops its state."""
@@ -96,7 +116,7 @@ class ReqReleased:
 
 
 # ---- detokenizer -> HTTP front -------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class ReqDelta:
     """Text produced for one request since its previous delta."""
     shm_index: int
@@ -117,7 +137,7 @@ class ReqDelta:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class DeltaBatch:
     deltas: list[ReqDelta]
 

@@ -3,11 +3,12 @@
 against it (a warm-up, then --runs measured runs), read /metrics after each, stop it.
 
 One JSON line per measured run goes to stdout (and --out): the server flags, the start time, the
-client's aggregates, the router's counters (pauses, resumes, prompt tokens computed/cached) and the
+client's aggregates, the router's counters (pauses, resumes, prompt tokens computed/cached), the
 CPU seconds each process spent in the run (the HTTP front, the router, the detokenizer, every worker
-rank, and the benchmark client). With --perf the model workers are sampled with `perf record` during
-each measured run, and the row carries their samples' shares by kind of work (GEMM, decode and prefill
-attention, the other C kernels, the OpenMP runtime's waiting, Python).
+rank, and the benchmark client) and the seconds each server process's threads waited for a CPU while
+runnable. With --perf the model workers are sampled with `perf record` during each measured run, and
+the row carries their samples' shares by kind of work (GEMM, decode and prefill attention, the other
+C kernels, the OpenMP runtime's waiting, Python).
 
     python scripts/bench_server.py --server="--max_total_token_num 4096" -- \\
         --dataset random --num-prompts 64 --input-len 256 --output-len 128 --max-concurrency 64
@@ -68,6 +69,19 @@ def cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def wait_seconds(pid: int) -> float:
+    """Seconds the threads of a process now alive have spent runnable but waiting for a CPU (the scheduler's
+    run-queue delay, /proc/PID/task/TID/schedstat's second field); 0 when it is gone. For the model worker this is
+    the time other processes held its cores: at a fork-join step's barrier the other thread waits as long."""
+    total = 0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended while listed
+    return total / 1e9
 
 
 def children_cpu_seconds() -> float:
@@ -151,6 +165,7 @@ def main() -> int:
         for i in range(args.warmup_runs + args.runs):
             before = metrics(url)
             cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+            wait_before = {role: wait_seconds(pid) for role, pid in pids.items()}
             client_before = children_cpu_seconds()
             perf = None
             if args.perf and i >= args.warmup_runs:
@@ -171,6 +186,7 @@ def main() -> int:
             after = metrics(url)
             cpu = {role: round(cpu_seconds(pid) - cpu_before[role], 2) for role, pid in pids.items()}
             cpu["benchmark client"] = round(children_cpu_seconds() - client_before, 2)
+            wait = {role: round(wait_seconds(pid) - wait_before[role], 2) for role, pid in pids.items()}
             if i < args.warmup_runs:
                 continue
             row = {"label": args.label, "server": args.server, "start_s": round(start_s, 2),
@@ -180,7 +196,7 @@ def main() -> int:
                    "tpot_p50_ms": agg.get("tpot_ms", {}).get("p50"), "completed": agg["completed"],
                    **{k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS if k.endswith("_total")},
                    "kv_tokens_free_after": after.get("kv_tokens_free"), "kv_tokens_total": after.get("kv_tokens_total"),
-                   "cpu_s": cpu}
+                   "cpu_s": cpu, "cpu_wait_s": wait}
             if perf is not None:
                 row["worker_perf_pct"] = perf_kinds(perf_data)
                 os.unlink(perf_data)

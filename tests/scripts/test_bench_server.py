@@ -1,6 +1,7 @@
-"""scripts/bench_server.py: a real server, one measured run, the CPU seconds of each of its processes, and the
-classification of a worker's perf samples."""
+"""scripts/bench_server.py: a real server, one measured run, the CPU seconds of each of its processes and the time
+they waited for a CPU, and the classification of a worker's perf samples."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
-from bench_server import report_kinds, server_pids  # noqa: E402  (scripts/ is not a package)
+from bench_server import report_kinds, server_pids, wait_seconds  # noqa: E402  (scripts/ is not a package)
 
 # Lines as `perf report --no-children --stdio --sort dso,sym -g none -t '|'` prints them for a float32 worker.
 REPORT = """# Overhead|Shared Object|Symbol
@@ -43,6 +44,25 @@ def test_server_pids_come_from_the_launcher_log():
                                      "router": 104}
 
 
+def test_wait_seconds_counts_the_time_a_process_waited_for_a_cpu():
+    """Two processes spinning for a second on the one CPU both may use wait for it about half of that each; a
+    process that is gone reads 0."""
+    spin = ("import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1.0: pass\n"
+            "print('spun', flush=True)\ninput()")
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    procs = [subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {cpu})) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == "spun\n"
+        waits = [wait_seconds(p.pid) for p in procs]  # both now wait on input(), off the CPU
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=30)
+    assert all(0.25 < w < 1.5 for w in waits), waits
+    assert wait_seconds(procs[0].pid) == 0.0  # reaped: gone
+
+
 def test_a_measured_run_reports_each_process_cpu_time(tmp_path):
     """A real server on the real model: the worker, which runs the forward, spends the most CPU time in the run,
     and every process the launcher started is accounted for. Where `perf` works, the worker's samples are
@@ -61,5 +81,7 @@ def test_a_measured_run_reports_each_process_cpu_time(tmp_path):
     cpu = row["cpu_s"]
     assert set(cpu) == {"http", "worker-tp0", "detokenizer", "router", "benchmark client"}, cpu
     assert cpu["worker-tp0"] > 0 and cpu["worker-tp0"] == max(cpu.values()), cpu
+    wait = row["cpu_wait_s"]  # the server's processes only: the client's threads are gone when the run ends
+    assert set(wait) == set(cpu) - {"benchmark client"} and all(w >= 0 for w in wait.values()), wait
     if perf:
         assert row["worker_perf_pct"].get("GEMM (linear.c)", 0) > 5, row["worker_perf_pct"]

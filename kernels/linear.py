@@ -155,11 +155,11 @@ def prepack_weight(weight: Tensor) -> PrepackedLinear:
     if pairs_ok and pairs_take_every_m(library()):
         return PrepackedLinear(None, n, k, pairs=pack_bf16_pairs(weight))
     if weight.dtype == torch.bfloat16 and not onednn_runs_bf16():
-        pairs = pack_bf16_pairs(weight) if pairs_ok and _pairs_fit(weight) else None
+        pairs = pack_bf16_pairs(weight) if pairs_ok and pairs_fit(weight.numel() * 2) else None
         return PrepackedLinear(None, n, k, pairs=pairs, widened=pack_linear_weight(weight.float()))
     with torch.no_grad():
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-    pairs = pack_bf16_pairs(weight) if pairs_ok and _pairs_fit(weight) else None
+    pairs = pack_bf16_pairs(weight) if pairs_ok and pairs_fit(weight.numel() * 2) else None
     return PrepackedLinear(onednn, n, k, pairs=pairs)
 
 
@@ -185,11 +185,11 @@ def unpack_bf16_pairs(pairs: Tensor, n: int) -> Tensor:
     return pairs.unsqueeze(-1).view(torch.bfloat16).transpose(1, 2).reshape(panels * width, 2 * half_k)[:n]
 
 
-def _pairs_fit(weight: Tensor) -> bool:
+def pairs_fit(nbytes: int) -> bool:
+    """Whether a further copy of `nbytes` leaves over PAIR_MIN_FREE_FRACTION of the machine's memory available."""
     from lightserve.kernels.cpu import memory_bytes
 
-    need = weight.numel() * weight.element_size()
-    return memory_bytes() - need > PAIR_MIN_FREE_FRACTION * memory_bytes("MemTotal")
+    return memory_bytes() - nbytes > PAIR_MIN_FREE_FRACTION * memory_bytes("MemTotal")
 
 
 def cpu_pack_for(weight: Tensor) -> Callable[[Tensor], PackedLinear | PrepackedLinear] | None:

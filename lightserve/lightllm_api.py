@@ -74,7 +74,7 @@ class GenerateRequest(StrictModel):
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     front = get_front(request)
-    prompt_ids, params, details, n, num_samples = await _parse(request, front)
+    prompt_ids, params, details, n, num_samples = await _parse(request, front, stream=False)
     if num_samples == 1:
         outs = [await until_disconnect(request, generate_one(front, prompt_ids, params))]
     else:
@@ -98,14 +98,14 @@ async def generate(request: Request) -> Response:
 @router.post("/generate_stream")
 async def generate_stream(request: Request) -> Response:
     front = get_front(request)
-    prompt_ids, params, _, _, num_samples = await _parse(request, front)
+    prompt_ids, params, _, _, num_samples = await _parse(request, front, stream=True)
     if num_samples > 1:
         raise ApiError(400, "n and best_of > 1 are not supported when streaming", "parameters.n")
     (timer,), items, (_, first) = await start_stream(request, front, [prompt_ids], [params])
     return EventStream(_events(front, first, items, len(prompt_ids), timer))
 
 
-async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingParams, bool, int, int]:
+async def _parse(request: Request, front: Front, stream: bool) -> tuple[list[int], SamplingParams, bool, int, int]:
     """Prompt ids, params, return_details, n, and the number of samples to run (best_of >= n)."""
     req = parse_model(GenerateRequest, await read_json(request))
     p = req.parameters or LightllmParams()
@@ -115,8 +115,11 @@ async def _parse(request: Request, front: Front) -> tuple[list[int], SamplingPar
     add_special = p.add_special_tokens if p.add_special_tokens is not None else True
     prompt_ids = await encode_text(front, req.inputs, "inputs", add_special)
     kind, grammar = grammar_of("parameters.guided_json", p.guided_json, p.regular_constraint, p.guided_grammar)
+    # /generate shows logprobs with return_details and ranks best_of samples by them; /generate_stream always
+    # shows them.
     params = request_params(p, front.sampling_defaults, stop=stop_list(p.stop_sequences, "parameters.stop_sequences"),
-                            grammar_kind=kind, grammar=grammar)
+                            grammar_kind=kind, grammar=grammar,
+                            report_logprobs=stream or bool(p.return_details) or num_samples > n)
     params = make_checked(front, prompt_ids, params, "inputs", _NAMES)
     if not p.do_sample:
         params.temperature = 0.0  # LightLLM: do_sample false (the default) is greedy; temperature still validated

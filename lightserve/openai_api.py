@@ -129,7 +129,9 @@ async def completions(request: Request) -> Response:
     prompt_k = req.prompt_logprobs
     if echo and want_logprobs:
         prompt_k = max(prompt_k or 0, req.logprobs)
-    base = dataclasses.replace(_params(front, req, 1 if score_only else max_tokens, req.logprobs or 0, grammar),
+    # best_of ranks its samples by their logprobs, so they count as reported.
+    base = dataclasses.replace(_params(front, req, 1 if score_only else max_tokens, req.logprobs or 0, grammar,
+                                       report_logprobs=want_logprobs or num_samples > n),
                                prompt_logprobs=prompt_k)
     one = [make_checked(front, ids, base, "prompt", _COMPLETION_NAMES) for ids in prompts]
     # Choice index = prompt index * n + sample index, as OpenAI orders them.
@@ -203,9 +205,9 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
-    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar),
-                          "messages",
-                          names)
+    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar,
+                                                     report_logprobs=bool(req.logprobs)),
+                          "messages", names)
     want_logprobs = bool(req.logprobs)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
@@ -357,11 +359,11 @@ def _chat_grammar(req: ChatCompletionRequest, plan: ToolPlan) -> tuple[GrammarKi
 
 
 def _params(front: Front, req: _SamplingRequest, max_tokens: int, top_logprobs: int,
-            grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, "")) -> SamplingParams:
+            grammar: tuple[GrammarKind, str] = (GrammarKind.NONE, ""), report_logprobs: bool = True) -> SamplingParams:
     return request_params(
         req, front.sampling_defaults, max_new_tokens=max_tokens,
         min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
-        stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs,
+        stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs, report_logprobs=report_logprobs,
         grammar_kind=grammar[0], grammar=grammar[1])
 
 

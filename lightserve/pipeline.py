@@ -274,6 +274,7 @@ class Pipeline:
             else:
                 ids = self.tokenizer.encode(render_chat(self.tokenizer, prompt, name), add_special_tokens=False)
             params = copy.deepcopy(gen_config) if gen_config is not None else GenerationConfig()
+            params.report_logprobs = _asks_logprobs(params)  # a Response carries logprobs only then
             items.append((ids, self._engine.check_prompt(ids, params, name)))
         return items, single
 

@@ -113,7 +113,8 @@ async def create_response(request: Request) -> Response:
     prompt_ids = await encode_text(front, prompt, "input", add_special_tokens=False)
     max_tokens = front.max_model_len if req.max_output_tokens is None else req.max_output_tokens
     params = make_checked(front, prompt_ids, request_params(req, front.sampling_defaults, max_new_tokens=max_tokens,
-                                                            grammar_kind=kind, grammar=grammar), "input", _NAMES)
+                                                            grammar_kind=kind, grammar=grammar,
+                                                            report_logprobs=False), "input", _NAMES)
     output = ChatOutput(plan, front.config.tool_call_parser, front.config.reasoning_parser, prompt)
     builder = _OutputBuilder(_skeleton(front, req, plan))
     keep = None if req.store is False else (store, messages)

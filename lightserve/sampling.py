@@ -44,6 +44,7 @@ PARAMS_DTYPE = np.dtype([
     ("ignore_eos", np.uint8),
     ("skip_special_tokens", np.uint8),
     ("top_logprobs", np.int32),   # alternatives to report per token
+    ("report_logprobs", np.uint8),  # 0: no output token's logprob is shown (the worker may approximate them)
     ("disable_prompt_cache", np.uint8),
     ("prompt_logprobs", np.int32),  # -1: none; k >= 0: each prompt token's logprob and k alternatives
     ("num_stop_token_ids", np.int32),
@@ -87,6 +88,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    # Whether the chosen tokens' logprobs are shown or used (returned, or ranking best_of samples). An API that
+    # shows none sets False: a float32 model's greedy steps may then pick the token from logits exact only near
+    # their maximum (kernels/argmax_head.py), whose logprob is approximate.
+    report_logprobs: bool = True
     # None: no prompt logprobs. k: the logprob of every prompt token after the first, with its k
     # best alternatives (OpenAI echo + logprobs, vLLM prompt_logprobs). Such a request never reads
     # its prompt from the prefix cache: the cache holds KV, not the logits the logprobs come from.

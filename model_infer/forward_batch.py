@@ -33,6 +33,9 @@ class ForwardBatch:
     max_seq_len: int             # max(seq_lens)
     max_extend_len: int          # max(extend_lens) over the extend requests (0 if none)
     req_to_token: torch.Tensor   # [num_rows, max_req_total_len] int32, KV row of every token
+    # Only each logits row's argmax is read (every sampled row greedy, unprocessed, reporting no logprob): the model
+    # may return logits exact only near each row's maximum (kernels/argmax_head.py).
+    argmax_only: bool = False
 
     @property
     def num_reqs(self) -> int:
@@ -43,7 +46,8 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
-def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: HostStaging) -> ForwardBatch:
+def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: HostStaging,
+                       argmax_only: bool = False) -> ForwardBatch:
     """The step's device tensors. Writes `req_to_token` first: the plan's prefix rows (fill_*) and the KV row
     of every new token, which attention then reads. Logits rows: the sampling requests' last tokens ([S]),
     then plan.prompt_logit_idx ([E])."""
@@ -79,4 +83,5 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
         max_seq_len=int(seq_lens.max()),
         max_extend_len=int(extend[nd:].max()) if extend.shape[0] > nd else 0,
         req_to_token=req_to_token,
+        argmax_only=argmax_only,
     )

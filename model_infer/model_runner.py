@@ -53,10 +53,11 @@ class ModelRunner:
                     device)
 
     @torch.inference_mode()
-    def forward(self, plan: BatchPlan) -> torch.Tensor:
+    def forward(self, plan: BatchPlan, argmax_only: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits [S + E, vocab]: the S requests with plan.sample, then
-        the E tokens of plan.prompt_logit_idx."""
-        batch = make_forward_batch(plan, self.kv_cache.req_to_token, self.staging)
+        the E tokens of plan.prompt_logit_idx. argmax_only: only each row's argmax will be read
+        (ForwardBatch.argmax_only)."""
+        batch = make_forward_batch(plan, self.kv_cache.req_to_token, self.staging, argmax_only)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         return self.model.forward(batch, self.kv_cache)

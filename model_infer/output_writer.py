@@ -12,7 +12,7 @@ from lightserve.messages import BatchPlan, FinishReason, StepDone, TokensReady, 
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.grammar import GrammarSet
 from lightserve.model_infer.logits_process import needs_processing, process_logits
-from lightserve.model_infer.sampler import SamplingTensors, greedy_host, sample
+from lightserve.model_infer.sampler import SamplingTensors, greedy_host, greedy_rows, sample
 from lightserve.model_infer.token_history import TokenHistory
 from lightserve.shm.req_pool import ReqPool
 
@@ -37,6 +37,22 @@ class OutputWriter:
     def close(self) -> None:
         self.to_router.close(linger=0)
         self.to_detok.close(linger=0)
+
+    def argmax_only(self, plan: BatchPlan) -> bool:
+        """Whether write() will read only each logits row's argmax: the step samples, every sampled row greedily,
+        with no processing (penalties, bias, bans, grammar), no prompt logprobs, no top logprobs and its chosen
+        logprob not reported (SamplingParams.report_logprobs). Asked before the forward (ModelRunner.forward)."""
+        idx = plan.shm_indices[plan.sample]                      # [S] slots that sample this step
+        if idx.size == 0 or plan.prompt_logit_idx.size:
+            return False
+        params = self.pool.params[idx]
+        if params["report_logprobs"].any() or params["top_logprobs"].any() or params["grammar_kind"].any() \
+                or not greedy_rows(params["temperature"], params["top_k"]).all():
+            return False
+        # A slot's first step after a new request took it has no outputs yet, whatever its counter still says.
+        fresh = self.slot_req[idx] != plan.req_ids[plan.sample]
+        num_out = np.where(fresh, 0, self.pool.num_output[idx]).astype(np.int64)
+        return not needs_processing(params, num_out)
 
     def write(self, plan: BatchPlan, logits: torch.Tensor, forward_s: float) -> None:
         pool = self.pool

@@ -76,7 +76,7 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                 match msg:
                     case BatchPlan():
                         t0 = time.perf_counter()
-                        logits = runner.forward(msg)
+                        logits = runner.forward(msg, argmax_only=writer is not None and writer.argmax_only(msg))
                         if writer is not None:
                             writer.write(msg, logits, time.perf_counter() - t0)
                     case Shutdown():

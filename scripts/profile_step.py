@@ -52,6 +52,7 @@ from lightserve.shm.req_pool import ReqPool
 TORCH_GEMM = "linear (GEMM, torch)"
 GROUPS = {  # op name or C kernel label fragment -> op group
     "linear_cpu": "linear (GEMM)", "linear_bf16_cpu": "linear (GEMM)", "linear_silu_cpu": "linear (GEMM)",
+    "argmax_head_cpu": "linear (GEMM)",  # the lm_head screened in bf16 (kernels/argmax_head.py)
     "mm": TORCH_GEMM, "addmm": TORCH_GEMM, "linear": TORCH_GEMM, "mkldnn_linear": TORCH_GEMM,
     "decode_attention_cpu": "attention", "prefill_attention_cpu": "attention",
     "rmsnorm_cpu": "norms",
@@ -117,10 +118,11 @@ def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype
     return max(mem_ms, flop_ms)
 
 
-def _profiled_forward(runner: ModelRunner, plan, op_time: dict, ungrouped: dict) -> torch.Tensor:
+def _profiled_forward(runner: ModelRunner, plan, op_time: dict, ungrouped: dict,
+                      argmax_only: bool = False) -> torch.Tensor:
     """runner.forward(plan) under torch.profiler; adds each op group's self CPU time to op_time."""
     with torch.profiler.profile() as prof:
-        logits = runner.forward(plan)
+        logits = runner.forward(plan, argmax_only)
     for evt in prof.key_averages():
         group = _group(evt.key)
         if group is None and evt.key.startswith("aten::"):
@@ -172,6 +174,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed; with --prefill, prefill runs")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--report-logprobs", action="store_true",
+                    help="requests that show their tokens' logprobs (default: none, as benchmark clients ask; a "
+                    "float32 model then screens its lm_head in bf16 where the CPU multiplies bf16 natively)")
     ap.add_argument("--model_dir", default=None, help="a checkpoint folder (default: SmolLM2, prepared as make does)")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill step (batch x context prompt tokens) and stop")
@@ -203,7 +208,9 @@ def main() -> None:
         def add(i: int) -> None:
             prompt = prefix + rng.integers(100, mc.vocab_size, ctx).tolist()
             pool.acquire(i, i + 1)
-            pool.write_request(i, prompt, SamplingParams(max_new_tokens=max_len - len(prompt), ignore_eos=True), 0)
+            params = SamplingParams(max_new_tokens=max_len - len(prompt), ignore_eos=True,
+                                    report_logprobs=args.report_logprobs)
+            pool.write_request(i, prompt, params, 0)
             sched.add_req(i, i + 1)
 
         if args.prefix:  # request `b` computes the prefix; its step puts it in the radix cache
@@ -254,11 +261,12 @@ def main() -> None:
             plan = decode(encode(record.plan))
             times["IPC: plan encode+decode"].append(time.perf_counter() - t)
             t = time.perf_counter()
+            argmax_only = writer.argmax_only(plan)  # as the worker asks
             if step == args.steps - 1:
-                logits = _profiled_forward(runner, plan, op_time, ungrouped)
+                logits = _profiled_forward(runner, plan, op_time, ungrouped, argmax_only)
             else:
                 with kernel_times() as ktimes:
-                    logits = runner.forward(plan)
+                    logits = runner.forward(plan, argmax_only)
                 step_kernels.append(ktimes)
             times["worker: forward"].append(time.perf_counter() - t)
             t = time.perf_counter()

@@ -238,6 +238,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.linear_packed.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
     lib.linear_bf16_pairs.restype = ctypes.c_int
     lib.linear_bf16_pairs.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
+    lib.linear_bf16_pairs_f32.restype = ctypes.c_int
+    lib.linear_bf16_pairs_f32.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
     lib.linear_bf16_pairs_dpbf16.restype = ctypes.c_int
     lib.linear_bf16_pairs_dpbf16.argtypes = []
     lib.linear_packed_silu.restype = ctypes.c_int
@@ -246,6 +248,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i32, i32]
     lib.argmax_logsumexp.restype = None
     lib.argmax_logsumexp.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
+    lib.exact_near_max.restype = None
+    lib.exact_near_max.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_float, i32, ptr, i32]
     lib.rotary.restype = None
     lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
     lib.rmsnorm.restype = None

@@ -28,6 +28,8 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
                   const float *bias, float *out, int64_t out_row, int num_threads);
 int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
                       const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads);
+int linear_bf16_pairs_f32(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                          const uint16_t *bias, float *out, int64_t out_row, int num_threads);
 int linear_bf16_pairs_dpbf16(void);
 int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float *wp, int inter, float *out,
                        int num_threads);
@@ -46,3 +48,5 @@ int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_
 // sampling.c
 void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vocab, int64_t *ids, float *lse,
                       int num_threads);
+void exact_near_max(float *approx, int64_t row, int64_t rows, int64_t vocab, const float *x, int64_t x_row, int64_t k,
+                    const float *w, const float *norm, float c, int cap, int32_t *count, int num_threads);

@@ -206,7 +206,8 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 // Panels come in pairs, so the GEMM's two-panel tile needs no one-panel variant (which cost 0-8% per shape at
 // M = 512).
 //   x    [M, K]  bf16, row stride x_row (K even; above PAIR_MAX_M also x_row even);  bias [N] bf16 or NULL;
-//   out  [M, N]  bf16, row stride out_row
+//   out  [M, N]  bf16, row stride out_row; or, from linear_bf16_pairs_f32, float32 sums left unrounded (what
+//        kernels/argmax_head.py bounds the error of)
 // The products are exact in float and summed in float; the output is rounded once (bias added first), as
 // oneDNN's bf16 GEMM rounds.
 #define PAIR_PW 16
@@ -308,9 +309,10 @@ static inline __attribute__((always_inline)) void gemm_tile(const uint16_t *x, i
         for (int p = 0; p < 2; p++) _mm512_storeu_ps(acc + (i * 2 + p) * PAIR_PW, c[i][p]);
 }
 
-// out rows 0 .. mr-1, columns n0 .. n0 + ncols - 1 (ncols <= 32) = acc + bias, rounded to bf16 (RNE).
-static void gemm_store(const float *acc, int mr, const uint16_t *bias, uint16_t *out, int64_t out_row, int64_t n0,
-                       int ncols) {
+// out rows 0 .. mr-1, columns n0 .. n0 + ncols - 1 (ncols <= 32) = acc + bias, rounded to bf16 (RNE); or into
+// outf as float32 where outf is not NULL.
+static void gemm_store(const float *acc, int mr, const uint16_t *bias, uint16_t *out, float *outf, int64_t out_row,
+                       int64_t n0, int ncols) {
     for (int p = 0; p * PAIR_PW < ncols; p++) {
         const int cols = ncols - p * PAIR_PW < PAIR_PW ? ncols - p * PAIR_PW : PAIR_PW;
         const __mmask16 mask = (__mmask16)((1u << cols) - 1);
@@ -320,6 +322,14 @@ static void gemm_store(const float *acc, int mr, const uint16_t *bias, uint16_t 
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0 + p * PAIR_PW)), 16));
         for (int i = 0; i < mr; i++) {
             const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + (i * 2 + p) * PAIR_PW), b);
+            if (outf) {
+                float *o = outf + i * out_row + n0 + p * PAIR_PW;
+                if (cols == PAIR_PW)
+                    _mm512_storeu_ps(o, v);
+                else
+                    _mm512_mask_storeu_ps(o, mask, v);
+                continue;
+            }
             const __m256i y = (__m256i)_mm512_cvtneps_pbh(v);
             uint16_t *o = out + i * out_row + n0 + p * PAIR_PW;
             if (cols == PAIR_PW)  // a full panel: a plain store (masked stores are slow on Zen 4)
@@ -334,7 +344,7 @@ static void gemm_store(const float *acc, int mr, const uint16_t *bias, uint16_t 
     case m: gemm_tile(xb, x_row, m, kp, w, pstride, next, tiles, acc); break;
 
 static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
-                             const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
+                             const uint16_t *bias, uint16_t *out, float *outf, int64_t out_row, int num_threads) {
     const int kp = K / 2;
     const int64_t pstride = (int64_t)kp * PAIR_PW;
     const int64_t pairs = ((int64_t)N + 2 * PAIR_PW - 1) / (2 * PAIR_PW);  // wp has 2 * pairs panels
@@ -358,22 +368,22 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
                     GEMM_CASE(8) GEMM_CASE(9) GEMM_CASE(10) GEMM_CASE(11)
                     default: gemm_tile(xb, x_row, GEMM_MR, kp, w, pstride, next, tiles, acc); break;
                 }
-                gemm_store(acc, mr, bias, out + (int64_t)(m0 + i0) * out_row, out_row, n0, ncols);
+                const int64_t at = (int64_t)(m0 + i0) * out_row;
+                gemm_store(acc, mr, bias, outf ? NULL : out + at, outf ? outf + at : NULL, out_row, n0, ncols);
             }
         }
     }
 }
 #endif
 
-// num_threads: torch's. Returns 0, or -1 for arguments it does not take (K odd or x_row odd, or M over PAIR_MAX_M
-// in a build without vdpbf16ps: the caller then runs oneDNN).
-int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
-                      const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
+// Either output: bf16 `out` or, where `outf` is not NULL, float32 `outf`.
+static int pairs_gemm(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                      const uint16_t *bias, uint16_t *out, float *outf, int64_t out_row, int num_threads) {
     if (M < 1 || K < 2 || K % 2 || N < 1) return -1;
 #if PAIR_DPBF16
     if (M > PAIR_MAX_M) {
         if (x_row % 2) return -1;
-        linear_bf16_gemm(x, x_row, M, K, wp, N, bias, out, out_row, num_threads);
+        linear_bf16_gemm(x, x_row, M, K, wp, N, bias, out, outf, out_row, num_threads);
         return 0;
     }
 #else
@@ -395,10 +405,28 @@ int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint
         const int64_t n0 = p * PAIR_PW;
         const int ncols = N - n0 < PAIR_PW ? (int)(N - n0) : PAIR_PW;
         for (int i = 0; i < M; i++)
-            for (int c = 0; c < ncols; c++)
-                out[i * out_row + n0 + c] = f32_to_bf16(acc[i][c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.0f));
+            for (int c = 0; c < ncols; c++) {
+                const float v = acc[i][c] + (bias ? bf16_to_f32(bias[n0 + c]) : 0.0f);
+                if (outf)
+                    outf[i * out_row + n0 + c] = v;
+                else
+                    out[i * out_row + n0 + c] = f32_to_bf16(v);
+            }
     }
     return 0;
+}
+
+// num_threads: torch's. Returns 0, or -1 for arguments it does not take (K odd or x_row odd, or M over PAIR_MAX_M
+// in a build without vdpbf16ps: the caller then runs oneDNN).
+int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                      const uint16_t *bias, uint16_t *out, int64_t out_row, int num_threads) {
+    return pairs_gemm(x, x_row, M, K, wp, N, bias, out, NULL, out_row, num_threads);
+}
+
+// The same with float32 output [M, N] (row stride out_row), the sums not rounded to bf16.
+int linear_bf16_pairs_f32(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                          const uint16_t *bias, float *out, int64_t out_row, int num_threads) {
+    return pairs_gemm(x, x_row, M, K, wp, N, bias, NULL, out, out_row, num_threads);
 }
 
 // Whether this build multiplies the pairs with vdpbf16ps, and so also takes every M (kernels/linear.py).

@@ -83,3 +83,59 @@ void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vo
         lse[r] = nan ? NAN : m + logf(sum);
     }
 }
+
+// Approximate logits made exact where they can hold a row's maximum (kernels/argmax_head.py). approx [rows, vocab]
+// float32 (row stride row): x [rows, k] . w[vocab, k]^T from bf16-rounded operands, each entry within
+// e(b, v) = c |x_b|_2 norm[v] of the float32 dot (the caller's bound: c, and norm[v] >= |w_v|_2). Row b's candidates
+// are the v with approx[b, v] + e(b, v) >= max over u of (approx[b, u] - e(b, u)): the exact maximum is among them,
+// since its exact logit is at least that lower bound. Each candidate's entry is overwritten with the float32 dot of
+// x_b and the row-major w_v, up to `cap` of them a row; count[b] gets their number, which may exceed cap (the caller
+// then computes that row whole). NaN entries are never candidates.
+void exact_near_max(float *approx, int64_t row, int64_t rows, int64_t vocab, const float *x, int64_t x_row, int64_t k,
+                    const float *w, const float *norm, float c, int cap, int32_t *count, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * vocab >= 65536)
+    for (int64_t b = 0; b < rows; b++) {
+        float *a = approx + b * row;
+        const float *xb = x + b * x_row;
+        double sq = 0.0;
+        for (int64_t i = 0; i < k; i++) sq += (double)xb[i] * xb[i];
+        // Rounded up, and the flushes of vdpbf16ps (denormal inputs and sums to zero) add under 1e-33 to any
+        // entry's error.
+        const float r = (float)(c * sqrt(sq) * (1.0 + 1e-6)), tiny = 1e-30f;
+        const vf rv = vbroadcast(r), tv = vbroadcast(tiny);
+        vf mx[2] = {vbroadcast(-INFINITY), vbroadcast(-INFINITY)};
+        int64_t v = 0;
+        for (; v + 2 * VL <= vocab; v += 2 * VL)
+            for (int i = 0; i < 2; i++)
+                mx[i] = vmax(vload(a + v + i * VL) - (rv * vload(norm + v + i * VL) + tv), mx[i]);
+        float m = vhmax(vmax(mx[0], mx[1]));
+        for (; v < vocab; v++) {
+            const float lo = a[v] - (r * norm[v] + tiny);
+            m = lo > m ? lo : m;
+        }
+        int32_t n = 0;
+        const vf mv = vbroadcast(m), one = vbroadcast(1.0f);
+        for (v = 0; v < vocab; v += VL) {
+            if (v + VL <= vocab) {
+                // 1.0 in the lanes at or above m (a comparison, so a NaN lane is 0, never hiding another lane).
+                const vf hit = (vf)((vu)(vload(a + v) + (rv * vload(norm + v) + tv) >= mv) & (vu)one);
+                if (vhmax(hit) == 0.0f) continue;  // the usual case: no candidate in this vector
+            }
+            const int64_t end = v + VL < vocab ? v + VL : vocab;
+            for (int64_t j = v; j < end; j++) {
+                if (!(a[j] + (r * norm[j] + tiny) >= m)) continue;
+                if (++n > cap) continue;
+                const float *wj = w + j * k;
+                float part[LANES] = {0};
+                int64_t i = 0;
+                for (; i + LANES <= k; i += LANES)
+                    for (int l = 0; l < LANES; l++) part[l] += xb[i + l] * wj[i + l];
+                float dot = 0.0f;
+                for (; i < k; i++) dot += xb[i] * wj[i];
+                for (int l = 0; l < LANES; l++) dot += part[l];
+                a[j] = dot;  // tested already: the test above read the approximation
+            }
+        }
+        count[b] = n;
+    }
+}

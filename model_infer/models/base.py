@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightserve import kernels
+from lightserve.kernels.argmax_head import argmax_logits, make_argmax_head
 from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.model_infer.kv_cache import KVCache
@@ -53,6 +54,11 @@ class DecoderLM:
         pack = cpu_pack_for(weights.embed)
         if pack is not None:
             self.lm_head = pack(weights.lm_head)
+        # A float32 model's greedy steps that report no logprob screen the vocabulary with a bf16 GEMM where the CPU
+        # multiplies bf16 natively, and compute in float32 only the entries that can be a row's maximum.
+        self.argmax_head = None
+        if pack is not None and self.dtype == torch.float32 and tp_size == 1 and config.final_softcap <= 0:
+            self.argmax_head = make_argmax_head(weights.lm_head, self.lm_head)
         self._init_layers(pack)
 
     def _init_layers(self, pack: Callable[[torch.Tensor], PackedLinear | PrepackedLinear] | None) -> None:
@@ -173,7 +179,11 @@ class DecoderLM:
         dist.all_reduce(out, group=self.tp_group)
         return out
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+        """x [B, hidden] after the final norm -> [B, V] float32 logits; with argmax_only, exact only near each row's
+        maximum where the model has an argmax head."""
+        if argmax_only and self.argmax_head is not None:
+            return argmax_logits(x, self.argmax_head)  # [B, V]
         logits = kernels.linear(x, self.lm_head)  # [B, V] (tp > 1: [B, Vp])
         if self.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]

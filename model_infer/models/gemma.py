@@ -121,7 +121,7 @@ class GemmaForCausalLM(DecoderLM):
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]
         x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, eps)
-        return self._logits(x)
+        return self._logits(x, batch.argmax_only)
 
 
 Model = GemmaForCausalLM

@@ -172,7 +172,7 @@ class LlamaForCausalLM(DecoderLM):
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]
         x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps)
-        return self._logits(x)
+        return self._logits(x, batch.argmax_only)
 
     def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         """Layer i's feed-forward block on the normed hidden states, all-reduced (models/moe.py: its experts)."""

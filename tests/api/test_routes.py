@@ -200,3 +200,25 @@ async def test_internal_error_hides_details(engine, tokenizer, caplog):
         assert "secret" not in r.text and "Traceback" not in r.text
         metrics = (await client.get("/metrics")).text
     assert 'lightserve_requests_total{status="500"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("path, body, shown", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}, False),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "logprobs": 0}, True),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 1, "best_of": 2}, True),  # ranks by logprob
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True},
+     True),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, False),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, "return_details": True}}, True),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2, "best_of": 2}}, True),
+    ("/generate_stream", {"inputs": "hi", "parameters": {"max_new_tokens": 2}}, True),  # every event shows one
+], ids=["completions", "completions_logprobs", "completions_best_of", "chat", "chat_logprobs", "generate",
+        "generate_details", "generate_best_of", "generate_stream"])
+async def test_requests_say_whether_their_logprobs_are_shown(engine, tokenizer, path, body, shown):
+    """SamplingParams.report_logprobs: False lets a float32 model's greedy steps pick from logits exact only near
+    their maximum, whose logprobs are approximate; only a route that shows or uses none may say so."""
+    async with asgi_client(make_app(engine, tokenizer)) as client:
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+    assert engine.calls and all(params.report_logprobs is shown for _, params in engine.calls)

@@ -27,10 +27,13 @@ class FakeWorker:
         self.kv_locs[dst_row] = list(locs)
         self.kv_cache.req_to_token[dst_row, :num_tokens] = torch.tensor(locs, dtype=torch.int32)
 
-    def step(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False) -> torch.Tensor:
+    def step(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False,
+             argmax_only: bool = False) -> torch.Tensor:
         """items: (req_row, new token ids), decodes (one token each) first. Returns [B, V] logits of each
-        request's last new token, or with all_logits [T, V] logits of every new token."""
+        request's last new token, or with all_logits [T, V] logits of every new token; argmax_only as the worker
+        asks when only their argmax is read (ForwardBatch.argmax_only)."""
         batch = self.make_batch(items, num_decode, all_logits)
+        batch.argmax_only = argmax_only
         return self.model.forward(batch, self.kv_cache)
 
     def make_plan(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False) -> BatchPlan:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightserve.kernels.cpu import kernel_times, library
 from lightserve.model_infer.models import load_model_dir
 from lightserve.model_prep import ensure_default_model
 from tests.greedy_check import greedy_mismatch
@@ -42,7 +43,10 @@ def smollm2():
     return tokenizer, hf, ours
 
 
-def test_greedy_generation_matches_transformers(smollm2):
+@pytest.mark.parametrize("argmax_only", [False, True], ids=["logits", "argmax_only"])
+def test_greedy_generation_matches_transformers(smollm2, argmax_only):
+    """Also with the steps' logits asked for their argmax only, as the worker asks when no sampled row reports a
+    logprob: where the CPU multiplies bf16 natively the lm_head is then screened in bf16 (kernels/argmax_head.py)."""
     tokenizer, hf, ours = smollm2
     prompts = []
     for text in PROMPTS:
@@ -51,12 +55,18 @@ def test_greedy_generation_matches_transformers(smollm2):
         prompts.append(tokenizer(chat, add_special_tokens=False).input_ids)
 
     worker = FakeWorker(ours, num_kv_rows=1024, num_req_rows=len(prompts), max_len=256)
-    logits = worker.step(list(enumerate(prompts)), num_decode=0)
-    generated = [[int(t)] for t in logits.argmax(-1)]
-    for _ in range(NUM_NEW_TOKENS - 1):
-        logits = worker.step([(row, [toks[-1]]) for row, toks in enumerate(generated)], num_decode=len(prompts))
-        for toks, t in zip(generated, logits.argmax(-1)):
-            toks.append(int(t))
+    with kernel_times() as times:
+        logits = worker.step(list(enumerate(prompts)), num_decode=0, argmax_only=argmax_only)
+        generated = [[int(t)] for t in logits.argmax(-1)]
+        for _ in range(NUM_NEW_TOKENS - 1):
+            logits = worker.step([(row, [toks[-1]]) for row, toks in enumerate(generated)], num_decode=len(prompts),
+                                 argmax_only=argmax_only)
+            for toks, t in zip(generated, logits.argmax(-1)):
+                toks.append(int(t))
+    lib = library()
+    screens = argmax_only and lib is not None and bool(lib.linear_bf16_pairs_dpbf16())
+    assert (ours.argmax_head is not None) == (lib is not None and bool(lib.linear_bf16_pairs_dpbf16()))
+    assert ("argmax_head_cpu" in times) == screens
 
     for row, ids in enumerate(prompts):  # teacher-forced against transformers (tests/greedy_check.py)
         problem = greedy_mismatch(hf, ids, generated[row])

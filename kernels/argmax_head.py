@@ -87,9 +87,9 @@ def argmax_logits(x: Tensor, head: ArgmaxHead) -> Tensor:
     count = np.empty(s, np.int32)
     with profiled("argmax_head_cpu"):
         threads = torch.get_num_threads()
-        if lib.linear_bf16_pairs_f32(xb.data_ptr(), k, s, k, head.pairs.data_ptr(), v, None, out.data_ptr(), v,
-                                     threads) != 0:
-            return _exact(x, head)
+        rc = lib.linear_bf16_pairs_f32(xb.data_ptr(), k, s, k, head.pairs.data_ptr(), v, None, out.data_ptr(), v,
+                                       threads)
+        assert rc == 0, rc  # it declines only an odd K or row stride, which make_argmax_head does not build for
         lib.exact_near_max(out.data_ptr(), v, s, v, x.data_ptr(), k, k, head.weight.data_ptr(), head.norms.data_ptr(),
                            head.bound, MAX_CANDIDATES, count.ctypes.data, threads)
         over = np.flatnonzero(count > MAX_CANDIDATES)

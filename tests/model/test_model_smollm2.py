@@ -63,10 +63,9 @@ def test_greedy_generation_matches_transformers(smollm2, argmax_only):
                                  argmax_only=argmax_only)
             for toks, t in zip(generated, logits.argmax(-1)):
                 toks.append(int(t))
-    lib = library()
-    screens = argmax_only and lib is not None and bool(lib.linear_bf16_pairs_dpbf16())
-    assert (ours.argmax_head is not None) == (lib is not None and bool(lib.linear_bf16_pairs_dpbf16()))
-    assert ("argmax_head_cpu" in times) == screens
+    dpbf16 = library() is not None and bool(library().linear_bf16_pairs_dpbf16())
+    assert (ours.argmax_head is not None) == dpbf16
+    assert ("argmax_head_cpu" in times) == (argmax_only and dpbf16)
 
     for row, ids in enumerate(prompts):  # teacher-forced against transformers (tests/greedy_check.py)
         problem = greedy_mismatch(hf, ids, generated[row])

@@ -176,7 +176,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--report-logprobs", action="store_true",
                     help="requests that show their tokens' logprobs (default: none, as benchmark clients ask; a "
-                    "float32 model then screens its lm_head in bf16 where the CPU multiplies bf16 natively)")
+                    "float32 model then screens its lm_head in bf16: any batch where the CPU multiplies bf16 "
+                    "natively, up to 4 rows elsewhere)")
     ap.add_argument("--model_dir", default=None, help="a checkpoint folder (default: SmolLM2, prepared as make does)")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill step (batch x context prompt tokens) and stop")

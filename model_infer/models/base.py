@@ -54,8 +54,9 @@ class DecoderLM:
         pack = cpu_pack_for(weights.embed)
         if pack is not None:
             self.lm_head = pack(weights.lm_head)
-        # A float32 model's greedy steps that report no logprob screen the vocabulary with a bf16 GEMM where the CPU
-        # multiplies bf16 natively, and compute in float32 only the entries that can be a row's maximum.
+        # A float32 model's greedy steps that report no logprob screen the vocabulary with a bf16 GEMM (of any batch
+        # where the CPU multiplies bf16 natively, of up to PAIR_MAX_M rows elsewhere), and compute in float32 only the
+        # entries that can be a row's maximum.
         self.argmax_head = None
         if pack is not None and self.dtype == torch.float32 and tp_size == 1 and config.final_softcap <= 0:
             self.argmax_head = make_argmax_head(weights.lm_head, self.lm_head)

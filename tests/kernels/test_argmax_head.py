@@ -1,5 +1,6 @@
 """kernels/argmax_head.py: the float32 lm_head for greedy rows, screened with a bf16 GEMM, against the float32
-logits. Runs where the kernel build has vdpbf16ps (AVX512-BF16); elsewhere the model never builds the head."""
+logits, in every kernel build this CPU runs: with vdpbf16ps the head screens any number of rows, in the other builds
+up to PAIR_MAX_M rows a call (more are computed in float32)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,11 +8,11 @@ import pytest
 import torch
 
 from lightserve.kernels.argmax_head import MAX_CANDIDATES, argmax_logits, argmax_logits_ref, make_argmax_head
-from lightserve.kernels.cpu import library
-from lightserve.kernels.linear import linear_cpu, pack_linear_weight
+from lightserve.kernels.cpu import kernel_times, library, variant_library
+from lightserve.kernels.linear import PAIR_MAX_M, linear_cpu, pack_linear_weight
+from tests.kernels.kernel_cases import c_library_variants
 
-pytestmark = pytest.mark.skipif(library() is None or not library().linear_bf16_pairs_dpbf16(),
-                                reason="the kernel build has no vdpbf16ps: float32 models keep the float32 lm_head")
+pytestmark = pytest.mark.skipif(library() is None, reason="no C kernels: float32 models keep the float32 lm_head")
 
 VOCAB, HIDDEN, ROWS = 4099, 576, 64  # a vocabulary that is no multiple of any panel or vector width
 
@@ -34,12 +35,29 @@ def _near_ties(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return w, x
 
 
-def test_the_argmax_is_the_float32_logits_where_bf16_alone_gets_it_wrong():
-    w, x = _near_ties()
-    head = make_argmax_head(w, pack_linear_weight(w))
+def _head(w: torch.Tensor, lib):
+    head = make_argmax_head(w, pack_linear_weight(w, lib), lib)
     assert head is not None
-    want = linear_cpu(x, head.exact)                                           # what the model computes otherwise
-    got = argmax_logits(x, head)
+    assert head.any_rows == bool(lib.linear_bf16_pairs_dpbf16())
+    return head
+
+
+def _screened(x: torch.Tensor, head, lib) -> torch.Tensor:
+    """argmax_logits over x in calls of as many rows as the head screens at once."""
+    step = ROWS if head.any_rows else PAIR_MAX_M
+    with kernel_times() as times:
+        out = torch.cat([argmax_logits(x[i: i + step], head, lib) for i in range(0, x.shape[0], step)])
+    assert "argmax_head_cpu" in times
+    return out
+
+
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_the_argmax_is_the_float32_logits_where_bf16_alone_gets_it_wrong(variant):
+    lib = variant_library(variant)
+    w, x = _near_ties()
+    head = _head(w, lib)
+    want = linear_cpu(x, head.exact, lib=lib)                                  # what the model computes otherwise
+    got = _screened(x, head, lib)
     assert torch.equal(got.argmax(dim=1), want.argmax(dim=1))
     assert torch.equal(got.argmax(dim=1), argmax_logits_ref(x, head).argmax(dim=1))
     rows = torch.arange(ROWS)
@@ -49,15 +67,36 @@ def test_the_argmax_is_the_float32_logits_where_bf16_alone_gets_it_wrong():
     assert not torch.equal(got, want)  # the other entries did come from the bf16 GEMM
 
 
-def test_every_bf16_entry_lies_within_the_bound():
-    """The screening's premise: |a - l| <= C |x_b| |w_v| for the pair GEMM's float32 sums a."""
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_rows_the_bf16_gemm_does_not_take_are_the_float32_logits(variant):
+    """Without vdpbf16ps the pair GEMM takes up to PAIR_MAX_M rows: a call with more gets the float32 GEMM's
+    logits, bit for bit, and no screening; with vdpbf16ps every row count is screened."""
+    lib = variant_library(variant)
+    w, x = _near_ties(seed=3)
+    head = _head(w, lib)
+    rows = PAIR_MAX_M + 1
+    assert head.takes(PAIR_MAX_M) and head.takes(rows) == head.any_rows
+    with kernel_times() as times:
+        got = argmax_logits(x[:rows], head, lib)
+    want = linear_cpu(x[:rows], head.exact, lib=lib)
+    assert torch.equal(got.argmax(dim=1), want.argmax(dim=1))
+    assert ("argmax_head_cpu" in times) == head.any_rows
+    assert torch.equal(got, want) != head.any_rows
+
+
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_every_bf16_entry_lies_within_the_bound(variant):
+    """The screening's premise: |a - l| <= C |x_b| |w_v| for the pair GEMM's float32 sums a (vdpbf16ps, or the
+    widened pairs' FMAs at up to PAIR_MAX_M rows)."""
+    lib = variant_library(variant)
     w, x = _near_ties(seed=1)
     x[:3] *= 40  # large activations too
-    head = make_argmax_head(w, pack_linear_weight(w))
-    lib = library()
-    approx = torch.empty(ROWS, VOCAB)
+    head = _head(w, lib)
+    rows = ROWS if head.any_rows else PAIR_MAX_M
+    x = x[:rows]
+    approx = torch.empty(rows, VOCAB)
     xb = x.bfloat16()
-    assert lib.linear_bf16_pairs_f32(xb.data_ptr(), HIDDEN, ROWS, HIDDEN, head.pairs.data_ptr(), VOCAB, None,
+    assert lib.linear_bf16_pairs_f32(xb.data_ptr(), HIDDEN, rows, HIDDEN, head.pairs.data_ptr(), VOCAB, None,
                                      approx.data_ptr(), VOCAB, 2) == 0
     exact = x.double() @ w.double().T
     bound = head.bound * x.double().norm(dim=1)[:, None] * head.norms.double()[None, :]
@@ -66,12 +105,14 @@ def test_every_bf16_entry_lies_within_the_bound():
     assert float((err / bound).max()) > 0.01  # and is not vacuous by orders of magnitude
 
 
-def test_a_row_with_too_many_candidates_is_computed_in_float32_whole():
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_a_row_with_too_many_candidates_is_computed_in_float32_whole(variant):
+    lib = variant_library(variant)
     w, x = _near_ties(seed=2)
     w[1000: 1000 + MAX_CANDIDATES + 10] = w[0]  # row 0's best token, many times over: all tie
-    head = make_argmax_head(w, pack_linear_weight(w))
-    got = argmax_logits(x, head)
-    want = linear_cpu(x, head.exact)
+    head = _head(w, lib)
+    got = _screened(x, head, lib)
+    want = linear_cpu(x, head.exact, lib=lib)
     assert torch.equal(got[0], want[0])
     assert torch.equal(got.argmax(dim=1), want.argmax(dim=1))
 
@@ -82,8 +123,9 @@ def _near_max_ref(a: np.ndarray, x: np.ndarray, w: np.ndarray, norm: np.ndarray,
     return [np.flatnonzero(a[b] + e[b] >= lo[b]).tolist() for b in range(a.shape[0])]
 
 
+@pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("vocab, cap", [(1, 64), (33, 64), (4099, 64), (4099, 3)])
-def test_exact_near_max_computes_the_entries_whose_upper_bound_reaches_the_best_lower_bound(vocab, cap):
+def test_exact_near_max_computes_the_entries_whose_upper_bound_reaches_the_best_lower_bound(vocab, cap, variant):
     """The kernel against a float64 reference: the candidates (and only they, the first `cap` of a row) hold their
     exact dot afterwards, every other entry its approximation, and count says how many there were."""
     rng = np.random.default_rng(vocab + cap)
@@ -96,7 +138,7 @@ def test_exact_near_max_computes_the_entries_whose_upper_bound_reaches_the_best_
     a[1, ::5] = np.nan
     out = a.copy()
     count = np.empty(rows, np.int32)
-    library().exact_near_max(out.ctypes.data, vocab, rows, vocab, x.ctypes.data, k, k, w.ctypes.data,
+    variant_library(variant).exact_near_max(out.ctypes.data, vocab, rows, vocab, x.ctypes.data, k, k, w.ctypes.data,
                              norm.ctypes.data, c, cap, count.ctypes.data, 2)
     exact = x.astype(np.float64) @ w.astype(np.float64).T
     for b, want in enumerate(_near_max_ref(a, x, w, norm, c)):

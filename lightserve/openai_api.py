@@ -205,10 +205,10 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
-    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar,
-                                                     report_logprobs=bool(req.logprobs)),
-                          "messages", names)
     want_logprobs = bool(req.logprobs)
+    params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar,
+                                                     report_logprobs=want_logprobs),
+                          "messages", names)
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
             "created": created, "model": front.model_name}

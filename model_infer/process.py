@@ -68,9 +68,9 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
             writer = OutputWriter(pool, model_config, model_dir, to_router, to_detok, device,
                                   config.reasoning_parser)
         # Only a model with an argmax head (a float32 model on CPU) gains from knowing that a step's logits are read
-        # for their argmax alone, and only for the row counts its head screens; elsewhere rank 0 does not look
-        # (about 50 us of a 64-row step).
-        head = runner.model.argmax_head if writer is not None else None
+        # for their argmax alone; elsewhere rank 0 does not look (about 50 us of a 64-row step). Which row counts the
+        # head screens, argmax_logits decides.
+        ask_argmax = writer is not None and runner.model.argmax_head is not None
         report_ready(ready, {"kv_size": runner.kv_size})
         try:
             while not stop.is_set():
@@ -80,8 +80,7 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                 match msg:
                     case BatchPlan():
                         t0 = time.perf_counter()
-                        ask = head is not None and head.takes(int(msg.sample.sum()))
-                        logits = runner.forward(msg, argmax_only=ask and writer.argmax_only(msg))
+                        logits = runner.forward(msg, argmax_only=ask_argmax and writer.argmax_only(msg))
                         if writer is not None:
                             writer.write(msg, logits, time.perf_counter() - t0)
                     case Shutdown():

@@ -17,16 +17,19 @@
 //
 // Register tile: 6 or 8 rows of x by the NR features of one panel, 12 or 16 vector accumulators (the
 // classic AVX2 6x16 shape; on AVX-512 also 8x32, see tile_rows).
-// Work split: OpenMP splits the panels (static, so each thread streams one contiguous part of wp),
-// and each panel meets every row of x before the next is read: the weights, hundreds of MB per step
-// and never cache-resident, stream from memory once per call. x stays in cache (L2, or L3 for prefill
-// chunks). Only an x over X_BLOCK_BYTES is cut into row blocks, each streaming the weights again.
+// Work split: the panels are shared out as a static schedule would (share.h: each thread streams one contiguous
+// part of wp, a thread that finishes first taking panels from the back of another's), and each panel meets every
+// row of x before the next is read: the weights, hundreds of MB per step and never cache-resident, stream from
+// memory once per call. x stays in cache (L2, or L3 for prefill chunks). Only an x over X_BLOCK_BYTES is cut into
+// row blocks, each streaming the weights again.
 // Measured over SmolLM2's 30 layers (424 MB of weights, far past the 32 MB L3): 48-row blocks, which
 // read the weights once per 48 rows, ran 95-114 GFLOP/s at M = 64..576; one block 120-142.
+#include <omp.h>
 #include <stdint.h>
 
 #include "fastmath.h"
 #include "kernels.h"
+#include "share.h"
 #include "silu.h"
 #include "vec.h"
 
@@ -134,8 +137,10 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
         const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + rows - 1) / rows;
         const float *xb = x + (int64_t)m0 * x_row;
         float *ob = out + (int64_t)m0 * out_row;
-        #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t p = 0; p < panels; p++) {
+        Shares shares;
+        shares_init(&shares, panels, num_threads);
+        #pragma omp parallel num_threads(num_threads)
+        for (int64_t p; (p = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
             int64_t n = p * NR;
             int ncols = N - n < NR ? (int)(N - n) : NR;
             const float *b = wp + p * (int64_t)K * NR;
@@ -171,8 +176,10 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
     const int MC = row_block(M, (int64_t)K * 4, X_BLOCK_BYTES, rows);
     for (int m0 = 0; m0 < M; m0 += MC) {
         const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + rows - 1) / rows;
-        #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t p = 0; p < half; p++) {
+        Shares shares;
+        shares_init(&shares, half, num_threads);
+        #pragma omp parallel num_threads(num_threads)
+        for (int64_t p; (p = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
             const float *bg = wp + p * (int64_t)K * NR, *bu = wp + (p + half) * (int64_t)K * NR;
             float g[MR_TALL * NR], u[MR_TALL * NR];  // [rows, NR]
             for (int i = 0; i < mc; i += rows) {
@@ -351,8 +358,10 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
     const int MC = row_block(M, (int64_t)K * 2, GEMM_X_BLOCK_BYTES, GEMM_MR);
     for (int m0 = 0; m0 < M; m0 += MC) {
         const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + GEMM_MR - 1) / GEMM_MR;
-        #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t g = 0; g < pairs; g++) {
+        Shares shares;
+        shares_init(&shares, pairs, num_threads);
+        #pragma omp parallel num_threads(num_threads)
+        for (int64_t g; (g = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
             const uint32_t *w = wp + 2 * g * pstride;
             const int64_t n0 = 2 * g * PAIR_PW;
             const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
@@ -391,9 +400,11 @@ static int pairs_gemm(const uint16_t *x, int64_t x_row, int M, int K, const uint
 #endif
     const int64_t panels = ((int64_t)N + PAIR_PW - 1) / PAIR_PW;
     const int kp = K / 2;
-    // Static: each thread streams one contiguous part of wp.
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < panels; p++) {
+    // Each thread streams one contiguous part of wp; one done early takes panels from the back of another's (share.h).
+    Shares shares;
+    shares_init(&shares, panels, num_threads);
+    #pragma omp parallel num_threads(num_threads)
+    for (int64_t p; (p = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
         const uint32_t *w = wp + p * kp * PAIR_PW;
         float acc[PAIR_MAX_M][PAIR_PW];
         switch (M) {

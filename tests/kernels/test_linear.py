@@ -114,12 +114,14 @@ def test_strided_rows_and_model_shapes():
 
 
 @pytest.mark.parametrize("variant", c_library_variants())
-@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+# 7 and 70 threads on a machine of a few cores: the OS runs some threads late, and the others take panels from the
+# back of their shares (share.h); 70 is more threads than there are shares (MAX_SHARES), so some own none.
+@pytest.mark.parametrize("threads", [1, 2, 3, 7, 70])
 # 1, 4 and 32 panels of 32 features (AVX-512): fewer panels than threads, an odd split, many panels a thread.
 @pytest.mark.parametrize("n", [20, 100, 1000])
 def test_every_panel_once_whatever_the_thread_count(n, threads, variant):
-    """OpenMP splits the panels among the threads asked for: each output column is written once and exactly (the
-    output starts as NaN, so a panel left out shows)."""
+    """The panels are shared among the threads asked for: each output column is written once and exactly (the
+    output starts as NaN, so a panel left out shows), the gate_up GEMM's SiLU epilogue too."""
     lib = variant_library(variant)
     x, w, b = _case(50, n, 64, seed=n + threads)
     packed = pack_linear_weight(w, lib=lib)
@@ -127,6 +129,14 @@ def test_every_panel_once_whatever_the_thread_count(n, threads, variant):
     assert lib.linear_packed(x.data_ptr(), 64, 50, 64, packed.panels.data_ptr(), n, b.data_ptr(), out.data_ptr(), n,
                              threads) == 0
     torch.testing.assert_close(out, F.linear(x, w, b), **TOL)
+    # The SiLU epilogue shares out gate panels: 1, 3 (AVX2: 6) and 31 (62) of them. Every panel's bits are the same
+    # whichever thread computes it, so the output equals the two kernels' at torch's thread count bit for bit.
+    inter = lib.linear_panel_width() * max(1, n // lib.linear_panel_width())
+    gate_up = pack_linear_weight(torch.randn(2 * inter, 64, generator=torch.Generator().manual_seed(n)), lib=lib)
+    act = torch.full((50, inter), float("nan"))
+    assert lib.linear_packed_silu(x.data_ptr(), 64, 50, 64, gate_up.panels.data_ptr(), inter, act.data_ptr(),
+                                  threads) == 0
+    assert torch.equal(act, silu_and_mul_cpu(linear_cpu(x, gate_up, lib=lib), lib=lib))
 
 
 def test_declines_what_it_does_not_take_and_dispatch_falls_back():
@@ -331,7 +341,40 @@ def test_onednn_bf16_follows_the_isa_it_is_held_to(held, build, flag, available)
     assert out.stdout.split() == [str(available), "True", "True"]
 
 
-@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_every_panel_once_when_the_team_is_smaller_than_asked():
+    """OpenMP may give a region fewer threads than asked (here OMP_THREAD_LIMIT=2 against 7): the shares past the team
+    have no owner, and the team computes every one of their panels, last ones included (float32 GEMM, SiLU epilogue,
+    bf16 stream and GEMM)."""
+    code = """
+import torch, torch.nn.functional as F
+from lightserve.kernels.cpu import library
+from lightserve.kernels.linear import pack_bf16_pairs, pack_linear_weight
+lib = library()
+x, w = torch.randn(50, 64), torch.randn(1000, 64)
+packed, out = pack_linear_weight(w), torch.full((50, 1000), float("nan"))
+assert lib.linear_packed(x.data_ptr(), 64, 50, 64, packed.panels.data_ptr(), 1000, None, out.data_ptr(), 1000, 7) == 0
+ok = [bool(torch.allclose(out, F.linear(x, w), rtol=1e-4, atol=1e-4))]
+inter = 8 * lib.linear_panel_width()
+gate_up, act = pack_linear_weight(w[:2 * inter]), torch.full((50, inter), float("nan"))
+assert lib.linear_packed_silu(x.data_ptr(), 64, 50, 64, gate_up.panels.data_ptr(), inter, act.data_ptr(), 7) == 0
+ok.append(not bool(act.isnan().any()))
+pairs = pack_bf16_pairs(w.bfloat16())
+for m in (2, 30):
+    xb = x[:m].bfloat16()
+    ob = torch.full((m, 1000), float("nan"), dtype=torch.bfloat16)
+    rc = lib.linear_bf16_pairs(xb.data_ptr(), 64, m, 64, pairs.data_ptr(), 1000, None, ob.data_ptr(), 1000, 7)
+    ok.append(rc == -1 or not bool(ob.isnan().any()))
+print(*ok)
+"""
+    if library() is None:
+        pytest.skip("needs the C kernels")
+    env = {**os.environ, "OMP_THREAD_LIMIT": "2"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True"] * 4
+
+
+@pytest.mark.parametrize("threads", [1, 3, 7, 70])
 @pytest.mark.parametrize("m", [2, 30])  # the small-M stream (every build); the GEMM (vdpbf16ps builds)
 def test_bf16_every_panel_once_whatever_the_thread_count(m, threads):
     """As test_every_panel_once_whatever_the_thread_count, for the bf16 kernels' panels (M <= PAIR_MAX_M) and panel

@@ -24,7 +24,6 @@
 // row blocks, each streaming the weights again.
 // Measured over SmolLM2's 30 layers (424 MB of weights, far past the 32 MB L3): 48-row blocks, which
 // read the weights once per 48 rows, ran 95-114 GFLOP/s at M = 64..576; one block 120-142.
-#include <omp.h>
 #include <stdint.h>
 
 #include "fastmath.h"
@@ -140,7 +139,7 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
         Shares shares;
         shares_init(&shares, panels, num_threads);
         #pragma omp parallel num_threads(num_threads)
-        for (int64_t p; (p = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
+        for (int64_t p; (p = shares_take(&shares)) >= 0;) {
             int64_t n = p * NR;
             int ncols = N - n < NR ? (int)(N - n) : NR;
             const float *b = wp + p * (int64_t)K * NR;
@@ -179,7 +178,7 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
         Shares shares;
         shares_init(&shares, half, num_threads);
         #pragma omp parallel num_threads(num_threads)
-        for (int64_t p; (p = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
+        for (int64_t p; (p = shares_take(&shares)) >= 0;) {
             const float *bg = wp + p * (int64_t)K * NR, *bu = wp + (p + half) * (int64_t)K * NR;
             float g[MR_TALL * NR], u[MR_TALL * NR];  // [rows, NR]
             for (int i = 0; i < mc; i += rows) {
@@ -361,7 +360,7 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
         Shares shares;
         shares_init(&shares, pairs, num_threads);
         #pragma omp parallel num_threads(num_threads)
-        for (int64_t g; (g = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
+        for (int64_t g; (g = shares_take(&shares)) >= 0;) {
             const uint32_t *w = wp + 2 * g * pstride;
             const int64_t n0 = 2 * g * PAIR_PW;
             const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
@@ -404,7 +403,7 @@ static int pairs_gemm(const uint16_t *x, int64_t x_row, int M, int K, const uint
     Shares shares;
     shares_init(&shares, panels, num_threads);
     #pragma omp parallel num_threads(num_threads)
-    for (int64_t p; (p = shares_take(&shares, omp_get_thread_num(), omp_get_num_threads())) >= 0;) {
+    for (int64_t p; (p = shares_take(&shares)) >= 0;) {
         const uint32_t *w = wp + p * kp * PAIR_PW;
         float acc[PAIR_MAX_M][PAIR_PW];
         switch (M) {

@@ -1,6 +1,7 @@
 """Start-up hygiene and the request timeout, on one server: shm segments and ipc files left by a
-crashed earlier launch are removed at start (a live process's are not), and --request_timeout_s
-ends a running request and one still queued for the (single) request slot."""
+crashed earlier launch are removed at start (a live process's are not), the CPU worker starts with
+OpenMP threads that sleep soon after a parallel region, and --request_timeout_s ends a running
+request and one still queued for the (single) request slot."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.helpers import RawRequest, assert_idle, gen_body, start_server, wait_metric
+from lightserve.engine_procs import OMP_SPIN_ROUNDS, bound_omp_spin
+from tests.reliability.helpers import RawRequest, assert_idle, child_pids, gen_body, start_server, wait_metric
 
 TIMEOUT_S = 8
 # A timeout never fires early; how late it may end a request is the longer of SLACK_S and the
@@ -55,6 +57,33 @@ def test_stale_files_of_dead_launchers_removed_live_ones_kept(server, leftovers)
     assert [p for p in stale if p.exists()] == []
     assert all(p.exists() and p.stat().st_size == 4096 for p in live)
     assert stale[0].name in server.log_tail(20000)  # the launcher says what it removed
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def test_cpu_worker_openmp_threads_sleep_soon_after_a_region(server):
+    """engine_procs.bound_omp_spin: the worker gets GOMP_SPINCOUNT, the launcher's other children and its own
+    environment do not (unless the caller set it)."""
+    pids = child_pids(server)
+    caller = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}
+    expected = caller.get("GOMP_SPINCOUNT", None if caller else OMP_SPIN_ROUNDS)
+    assert _environ(pids["worker-tp0"]).get("GOMP_SPINCOUNT") == expected
+    for name in ("router", "detokenizer"):
+        assert _environ(pids[name]).get("GOMP_SPINCOUNT") == caller.get("GOMP_SPINCOUNT"), name
+
+
+@pytest.mark.parametrize("user", [{}, {"GOMP_SPINCOUNT": "7"}, {"OMP_WAIT_POLICY": "active"}])
+def test_bound_omp_spin_leaves_a_users_own_choice(monkeypatch, user):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in user.items():
+        monkeypatch.setenv(name, value)
+    bound_omp_spin()
+    assert os.environ.get("GOMP_SPINCOUNT") == user.get("GOMP_SPINCOUNT", None if user else OMP_SPIN_ROUNDS)
+    assert os.environ.get("OMP_WAIT_POLICY") == user.get("OMP_WAIT_POLICY")
 
 
 def test_request_timeout_ends_running_and_queued_requests(server):

@@ -142,9 +142,11 @@ def preload_tcmalloc() -> str | None:
 # second thread spun through all of it; the router, detokenizer and HTTP front that the step's messages wake then
 # preempted the worker's main thread, not the spinner. Zen 5, 2 vCPUs, batch-1 float32 decode: the output writer
 # (sampling, shm writes, two zmq sends) took 1.0-1.2 ms a step with the default, 0.56 with this, and a step's time
-# outside the forward fell from 1.42-1.44 to 1.06-1.13 ms; the regions within a forward follow each other far sooner
-# than 0.3 ms, so they still find their threads awake (W1 throughput unchanged).
+# outside the forward fell from 1.42-1.44 to 1.06-1.13 ms. W1 throughput, alternated runs, did not move, so the
+# regions within a forward still find their threads awake.
 OMP_SPIN_ROUNDS = "10000"
+# What preload_tcmalloc and bound_omp_spin set for the worker ranks, restored once they are spawned.
+WORKER_ENV = ("LD_PRELOAD", "GOMP_SPINCOUNT")
 
 
 def bound_omp_spin() -> None:
@@ -194,7 +196,7 @@ class EngineProcs:
                                                   config.max_top_logprobs))
                 self.pool = ReqPool.create(config.shm_name, config.req_pool_size, config.max_req_total_len,
                                             config.max_top_logprobs)
-            saved_env = {name: os.environ.get(name) for name in ("LD_PRELOAD", "GOMP_SPINCOUNT")}
+            saved_env = {name: os.environ.get(name) for name in WORKER_ENV}
             try:
                 if config.device is Device.CPU:
                     preload_tcmalloc()

@@ -75,6 +75,8 @@ class ServerConfig:
     shutdown_grace_s: float = field(default=30.0, metadata={"help": "on SIGTERM/Ctrl-C, seconds in-flight requests may run on before they are aborted"})
     health_generate_timeout_s: float = field(default=10.0, metadata={"help": "/health_generate answers 503 when no token comes back within this many seconds"})
     disable_prompt_cache: bool = field(default=False, metadata={"help": "turn the radix prefix cache off"})
+    disable_overlap_schedule: bool = field(default=False, metadata={"help": "plan each step only after the one before has finished, never while it runs (tp > 1 always does)"})
+    overlap_max_step_ms: float = field(default=20.0, metadata={"help": "with tp 1 the router plans a step while the one before runs when the step before that took less than this (short steps, where the router's time between steps counts; after longer ones a request arriving meanwhile would join a step later)"})
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
     device: Device = field(default=Device.AUTO, metadata={"help": "auto picks cuda when available"})

@@ -83,6 +83,10 @@ class BatchPlan:
     # Extra logits rows for prompt logprobs: indices into [T] of prompt tokens whose next-token
     # distribution rank 0 needs (requests with prompt_logprobs). Logits come back [S + E, vocab].
     prompt_logit_idx: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))   # [E]
+    # Decode rows (indices into [0, num_decode)) planned while the step that samples their input token was still
+    # running (the router's overlap schedule): input_ids holds -1 there, and rank 0, which wrote that token,
+    # fills it in from shm token_ids[slot, prefix_len] before the forward. Only with tp 1.
+    pending_inputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))     # [P]
 
 
 @message
@@ -93,9 +97,15 @@ class Shutdown:
 # ---- worker rank 0 -> router -------------------------------------------------------------------
 @message
 class StepDone:
-    """Rank 0 finished `step`: tokens, logprobs and finish status of its requests are in shm."""
+    """Rank 0 finished `step`: tokens, logprobs and finish status of its requests are in shm. `finish` [B] uint8:
+    each plan row's FinishReason after the step (NONE for a row that did not sample), the router's copy, since
+    by the time it reads shm rank 0 may be writing the next step's. `done_at`: time.monotonic() as it was sent
+    (CLOCK_MONOTONIC, one clock for every process of the machine), so the router times each step from when the
+    worker could start it to when it ended, whether or not the next plan was already waiting."""
     step: int
     forward_s: float = 0.0
+    finish: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    done_at: float = 0.0
 
 
 # ---- worker rank 0 / router -> detokenizer ------------------------------------------------------

@@ -5,6 +5,8 @@ order), and tells the router (StepDone) and the detokenizer (TokensReady). Calle
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -38,6 +40,13 @@ class OutputWriter:
         self.to_router.close(linger=0)
         self.to_detok.close(linger=0)
 
+    def fill_pending_inputs(self, plan: BatchPlan) -> None:
+        """Before the forward: the decode rows planned while the step that sampled their input token ran
+        (BatchPlan.pending_inputs) take it from shm, where write() put it at the request's last position."""
+        rows = plan.pending_inputs
+        if rows.size:
+            plan.input_ids[rows] = self.pool.token_ids[plan.shm_indices[rows], plan.prefix_lens[rows]]
+
     def argmax_only(self, plan: BatchPlan) -> bool:
         """Whether write() will read only each logits row's argmax: the step samples, every sampled row greedily,
         with no processing (penalties, bias, bans, grammar), no prompt logprobs, no top logprobs and its chosen
@@ -64,16 +73,27 @@ class OutputWriter:
             self.slot_req[slots] = plan.req_ids[fresh]
             self.grammars.drop(slots)
             self.history.reset(slots)
-        idx = plan.shm_indices[plan.sample]                      # [S] slots that sample this step
+        rows = np.flatnonzero(plan.sample)                       # [S] plan rows that sample this step
+        idx = plan.shm_indices[rows]                             # [S] their slots
         if plan.prompt_logit_idx.size:
             # Before any new token's count is published: a reader that sees the first output token
             # then sees every prompt logprob too.
             self._publish_prompt_logprobs(plan, logits[idx.size:])
+        finish = np.zeros(plan.shm_indices.size, np.uint8)      # [B] reported to the router
+        # A request the step before finished (eos, a stop id) was planned before that was known (the router's
+        # overlap schedule): its row is dropped, and its status reported again.
+        ended = pool.finish[idx] != FinishReason.NONE
+        if ended.any():
+            finish[rows[ended]] = pool.finish[idx[ended]]
+            live = np.flatnonzero(~ended)
+            rows, idx, sampled = rows[live], idx[live], logits[: ended.size][torch.from_numpy(live)]
+        else:
+            sampled = logits[: idx.size]
         if idx.size:
-            self._sample_and_publish(idx, logits[: idx.size])
-        self.to_router.send(encode(StepDone(plan.step, forward_s)), copy=False)
+            finish[rows] = self._sample_and_publish(idx, sampled)
+        self.to_router.send(encode(StepDone(plan.step, forward_s, finish, time.monotonic())), copy=False)
         if idx.size:
-            self.to_detok.send(encode(TokensReady(idx, plan.req_ids[plan.sample])), copy=False)
+            self.to_detok.send(encode(TokensReady(idx, plan.req_ids[rows])), copy=False)
 
     def _publish_prompt_logprobs(self, plan: BatchPlan, logits: torch.Tensor) -> None:
         """logits [E, vocab]: the distribution after each token of plan.prompt_logit_idx. Token t at
@@ -96,7 +116,8 @@ class OutputWriter:
             pool.top_ids[slots, target_pos, :k] = ids.cpu().numpy().astype(np.int32)
             pool.top_logprobs[slots, target_pos, :k] = vals.cpu().numpy()
 
-    def _sample_and_publish(self, idx: np.ndarray, logits: torch.Tensor) -> None:
+    def _sample_and_publish(self, idx: np.ndarray, logits: torch.Tensor) -> np.ndarray:
+        """Returns each row's FinishReason [S] uint8."""
         pool = self.pool
         params = pool.params[idx]                                # [S] structured copy
         num_out = pool.num_output[idx].astype(np.int64)          # [S]
@@ -155,6 +176,7 @@ class OutputWriter:
         pool.finish[idx] = finish
         if grammar_rows.size:
             self.grammars.drop(idx[finish != FinishReason.NONE])
+        return finish
 
 
 def _host_arrays(next_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -80,6 +80,10 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                 match msg:
                     case BatchPlan():
                         t0 = time.perf_counter()
+                        if msg.pending_inputs.size:
+                            # The router plans one step ahead only with tp 1 (router/process.py), where rank 0
+                            # holds the tokens; another rank could not fill these rows.
+                            writer.fill_pending_inputs(msg)
                         logits = runner.forward(msg, argmax_only=ask_argmax and writer.argmax_only(msg))
                         if writer is not None:
                             writer.write(msg, logits, time.perf_counter() - t0)

@@ -1,5 +1,6 @@
 """build_plan: the BatchPlan of one step, from the requests the Scheduler chose and the KV rows it
-allocated. It reads the prompt/output ids from shm and records each decode's new row in its Req;
+allocated. It reads the prompt/output ids from shm (a decode whose input is the token a step in flight samples
+gets -1 there, and rank 0 fills it in: BatchPlan.pending_inputs) and records each decode's new row in its Req;
 it decides nothing.
 """
 from __future__ import annotations
@@ -24,7 +25,10 @@ def build_plan(pool: ReqPool, step: int, decodes: list[Req], decode_locs: np.nda
     seq = np.fromiter((r.seq_len for r in reqs), np.int32, len(reqs))
     sample = prefix + extend == seq
     # Decode input ids in one gather; prefill chunks as slices of the prompt (+ outputs on resume).
-    ids = [pool.token_ids[shm[: len(decodes)], prefix[: len(decodes)]]]
+    pending = np.flatnonzero(np.fromiter((r.pending > 0 for r in decodes), bool, len(decodes))).astype(np.int32)
+    decode_ids = pool.token_ids[shm[: len(decodes)], prefix[: len(decodes)]]
+    decode_ids[pending] = -1
+    ids = [decode_ids]
     locs = [decode_locs]
     for i, (req, n) in enumerate(chunks, start=len(decodes)):
         ids.append(pool.token_ids[req.shm_index, prefix[i]: prefix[i] + n])
@@ -42,7 +46,8 @@ def build_plan(pool: ReqPool, step: int, decodes: list[Req], decode_locs: np.nda
         input_ids=np.concatenate(ids).astype(np.int32, copy=False),
         kv_locs=np.concatenate(locs).astype(np.int32, copy=False), num_decode=len(decodes),
         **({} if not fills else dict(fill_rows=fill_rows, fill_pos=fill_pos, fill_locs=fill_locs)),
-        **({} if prompt_logit_idx is None else dict(prompt_logit_idx=prompt_logit_idx)))
+        **({} if prompt_logit_idx is None else dict(prompt_logit_idx=prompt_logit_idx)),
+        **({} if not pending.size else dict(pending_inputs=pending)))
 
 
 def _prompt_logit_indices(chunks: list[tuple[Req, int]], num_decode: int) -> np.ndarray | None:

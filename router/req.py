@@ -12,6 +12,7 @@ class ReqStatus(Enum):
     WAITING = auto()   # queued, never run
     RUNNING = auto()   # in the running batch; holds KV
     PAUSED = auto()    # was running, KV released under pressure; waits at the head of the queue
+    DONE = auto()      # retired (finished or aborted); a step still in flight may name it
 
 
 @dataclass(eq=False, slots=True)
@@ -22,7 +23,8 @@ class Req:
     max_new_tokens: int
     status: ReqStatus = ReqStatus.WAITING
     num_output: int = 0            # output tokens published by rank 0 (router's copy)
-    computed_len: int = 0          # tokens whose KV is in the cache (prefix hit + computed)
+    pending: int = 0               # tokens sampled by steps planned but not finished (0 or 1: the step in flight)
+    computed_len: int = 0          # tokens whose KV is in the cache or written by a planned step
     cached_len: int = 0            # prefix-cache hit at the latest admission
     kv_locs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # [capacity] int32
     prefix_node: Any = None        # radix node locked while running (None without the cache)
@@ -35,8 +37,9 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        """Tokens known: the prompt plus every published output token."""
-        return self.prompt_len + self.num_output
+        """Tokens known or being sampled: the prompt, every published output token and the one a step in flight
+        samples (its id is rank 0's until that step is done)."""
+        return self.prompt_len + self.num_output + self.pending
 
     @property
     def extend_len(self) -> int:

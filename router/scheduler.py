@@ -1,9 +1,20 @@
 """Scheduler: continuous batching over the KV allocator and the radix prefix cache.
 
 `plan_step` chooses the next step's requests (decodes first, then prefill chunks, then newly admitted
-requests, within --batch_max_tokens and --prefill_join_tokens) and their KV rows, and
-plan_builder.build_plan turns them into a BatchPlan; `finish_step` reads what rank 0 published in shm
-and retires finished requests. The n samples of one prompt are held by `Groups` (groups.py). Every
+requests, within --batch_max_tokens and --prefill_join_tokens) and their KV rows, plan_builder.build_plan
+turns them into a BatchPlan, and the planned rows count as computed from then on; `finish_step` takes the
+finish statuses rank 0 reported and retires finished requests.
+
+Steps may be planned one ahead (the router's overlap schedule): step N+1 is planned while step N runs, so it
+decodes N's requests without their new token, which rank 0 fills in (BatchPlan.pending_inputs), and a request
+that N finishes by eos or a stop id runs one row more, which rank 0 drops. This is sound because the workers run
+the steps in order: a KV row a plan names is written by an earlier step or by that one before any later step
+reads it, so the rows of a planned step can go into the radix cache, back to the allocator or to another request
+at once. Their token ids are known then too: the scheduler plans, finishes and aborts with at most one step in
+flight, and only that step's sampled tokens (past every request's computed_len) are not yet in shm. What has to
+wait is a request slot: the router releases it only once no step in flight names it.
+
+The n samples of one prompt are held by `Groups` (groups.py). Every
 state change of a Req happens in one named method here. No sockets: the router process (process.py)
 moves messages; tests drive this class directly.
 """
@@ -68,7 +79,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []          # in admission order: the newest are paused first
         self.by_slot: dict[int, Req] = {}
-        self.step = 0
+        self.step = 0             # the last step planned
+        self.finished_step = 0    # the last step finish_step took in
+        self._unreleased: deque[tuple[int, int]] = deque()  # (step, slot): released once that step is finished
         self.released: list[tuple[int, int, FinishReason]] = []  # aborts the detokenizer must hear of
         self.groups = Groups()
         self.counters = dict(pauses_total=0, resumes_total=0, prompt_tokens_total=0,
@@ -108,7 +121,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort_req(self, shm_index: int, req_id: int, reason: FinishReason) -> None:
-        """Between steps only (the router loop never overlaps this with a step in flight)."""
+        """Between plan_step and finish_step calls, possibly with a step in flight: its rows stay valid (see the
+        top), and the slot waits for it."""
         req = self.by_slot.get(shm_index)
         if req is None or req.req_id != req_id:
             return  # already finished: nothing to do
@@ -124,9 +138,9 @@ class Scheduler:
     def plan_step(self) -> StepRecord | None:
         """Pick this step's requests and KV rows. Returns None when there is nothing to run."""
         budget = self.limits.batch_max_tokens
-        decodes = [r for r in self.running if r.extend_len == 1]
+        decodes = self._decoding()
         if not self._reserve_decode_rows(decodes):
-            decodes = [r for r in self.running if r.extend_len == 1]  # some were paused
+            decodes = self._decoding()  # some were paused
         chunks: list[tuple[Req, int]] = []
         fills: list[Req] = []
         budget -= len(decodes)
@@ -151,13 +165,14 @@ class Scheduler:
         # the rows running prefills still need beyond this step's chunk too: without them, two
         # long prompts admitted together could each hold half the KV, neither able to grow, and
         # no step would ever run again.
-        unallocated = sum(r.extend_len for r in self.running) - len(decodes) - sum(n for _, n in chunks)
+        unallocated = sum(r.extend_len for r in self.running if r.extend_len > 1) - sum(n for _, n in chunks)
         reserved = self.admission.running_need(self.running) + unallocated
         held: list[Req] = []  # requests waiting for a prefix another one is computing, in queue order
         computing = [r for r in self.running if self._computes_cacheable_prompt(r)]  # usually 0-2 requests
         while self.waiting and budget > 0 and prompt_tokens < join and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
-            if self.groups.must_wait(req) or self._prefix_in_flight(req, computing):
+            # A request paused while the step in flight samples its next token resumes once that token is known.
+            if req.pending or self.groups.must_wait(req) or self._prefix_in_flight(req, computing):
                 held.append(self.waiting.popleft())
                 continue
             n = self._admit(req, budget, reserved)
@@ -180,7 +195,30 @@ class Scheduler:
         batch_size = len(plan.shm_indices)
         self.counters["last_batch_size"] = batch_size
         self.counters["max_batch_size"] = max(self.counters["max_batch_size"], batch_size)
-        return StepRecord(plan, decodes + [r for r, _ in chunks])
+        record = StepRecord(plan, decodes + [r for r, _ in chunks])
+        self._advance(record)
+        return record
+
+    def _advance(self, record: StepRecord) -> None:
+        """The step is planned: its rows count as computed and its samples as pending. A prompt it completes goes
+        into the radix cache now (requests planned after it read those rows after it has written them)."""
+        plan = record.plan
+        for i, req in enumerate(record.reqs):
+            req.computed_len += int(plan.extend_lens[i])
+            req.pending += int(plan.sample[i])
+            if req.use_cache and not req.prompt_cached and req.computed_len >= req.prompt_len - 1:
+                self._cache_prompt(req)
+                self.groups.on_prompt_cached(req)
+
+    def _decoding(self) -> list[Req]:
+        """The running requests whose next step is one token."""
+        return [r for r in self.running if r.extend_len == 1 and not self._ends_by_length(r)]
+
+    def _ends_by_length(self, req: Req) -> bool:
+        """The token a step in flight samples for `req` is its last by length (max_new_tokens or the slot's
+        length), so rank 0 finishes it: no further step needs to decode it."""
+        return bool(req.pending) and (req.num_output + req.pending >= req.max_new_tokens
+                                      or req.seq_len >= self.pool.max_len)
 
     @staticmethod
     def _computes_cacheable_prompt(req: Req) -> bool:
@@ -235,7 +273,7 @@ class Scheduler:
         need = len(decodes)
         if self._ensure_free(need):
             return True
-        while self.running and not self._ensure_free(sum(1 for r in self.running if r.extend_len == 1)):
+        while self.running and not self._ensure_free(len(self._decoding())):
             self._pause(self.running[-1])
         self.admission.on_pause()
         return False
@@ -294,23 +332,29 @@ class Scheduler:
         return n
 
     # ---- after the step -------------------------------------------------------------------------------
-    def finish_step(self, record: StepRecord) -> None:
-        """Rank 0 has published the step's tokens: advance every request, retire finished ones."""
+    def finish_step(self, record: StepRecord, finish: np.ndarray | None = None) -> None:
+        """Rank 0 has published the step's tokens: count them, retire finished requests. `finish` [B] uint8: each
+        plan row's FinishReason as rank 0 reported it (StepDone.finish); None reads it from shm, which only a
+        caller that plans no step ahead may do (rank 0 may already be writing the next step's)."""
         plan = record.plan
-        finish = self.pool.finish[plan.shm_indices]         # read finish before num_output (write order)
-        num_output = self.pool.num_output[plan.shm_indices]
-        self.counters["generation_tokens_total"] += int(plan.sample.sum())
+        self.finished_step = plan.step
+        if finish is None:
+            finish = self.pool.finish[plan.shm_indices]
         for i, req in enumerate(record.reqs):
-            req.computed_len += int(plan.extend_lens[i])
+            if req.status is ReqStatus.DONE:
+                continue  # retired while the step ran (aborted, or finished by the step before): rank 0 dropped it
             if plan.sample[i]:
-                req.num_output = int(num_output[i])
-            if finish[i] != FinishReason.NONE and req.status is ReqStatus.RUNNING:
-                self.running.remove(req)
+                req.pending -= 1
+                req.num_output += 1
+                self.counters["generation_tokens_total"] += 1
+            if finish[i] != FinishReason.NONE:
+                if req.status is ReqStatus.RUNNING:
+                    self.running.remove(req)
+                else:
+                    self.waiting.remove(req)  # paused while its last token was being sampled
                 self._retire(req)
-            elif (req.use_cache and not req.prompt_cached and req.computed_len >= req.prompt_len - 1
-                  and req.status is ReqStatus.RUNNING):
-                self._cache_prompt(req)
-                self.groups.on_prompt_cached(req)
+        while self._unreleased and self._unreleased[0][0] <= plan.step:
+            self.pool.release(Owner.ROUTER, self._unreleased.popleft()[1])
         self.admission.on_step()
 
     # ---- state changes ------------------------------------------------------------------------------
@@ -327,9 +371,15 @@ class Scheduler:
     def _retire(self, req: Req) -> None:
         if req.status is ReqStatus.RUNNING:
             self._give_back_kv(req)
+        req.status = ReqStatus.DONE
         self.groups.leave(req)
         del self.by_slot[req.shm_index]
-        self.pool.release(Owner.ROUTER, req.shm_index)
+        if self.step > self.finished_step:
+            # A step in flight may name the slot (rank 0 writes its outputs there): the front may reuse it only
+            # after that step.
+            self._unreleased.append((self.step, req.shm_index))
+        else:
+            self.pool.release(Owner.ROUTER, req.shm_index)
 
     def _give_back_kv(self, req: Req) -> None:
         """Hand the request's computed KV to the prefix cache (or the allocator) and unlock its prefix."""

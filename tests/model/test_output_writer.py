@@ -1,5 +1,6 @@
-"""OutputWriter.argmax_only: the worker asks the model for argmax-only logits exactly when nothing of a step's logits
-but each sampled row's argmax will be read."""
+"""OutputWriter: the worker asks the model for argmax-only logits exactly when nothing of a step's logits but each
+sampled row's argmax will be read; a step planned ahead of the one before gets its pending inputs, and drops a
+request that step ended."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
-from lightserve.messages import BatchPlan
+from lightserve.messages import BatchPlan, FinishReason, StepDone, TokensReady, decode
 from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.sampling import GrammarKind, SamplingParams
 from lightserve.shm.req_pool import ReqPool
@@ -24,6 +26,14 @@ class _NoSocket:
 
     def close(self, **_kw) -> None:
         pass
+
+
+class _Inbox(_NoSocket):
+    def __init__(self) -> None:
+        self.messages = []
+
+    def send(self, data, **_kw) -> None:
+        self.messages.append(decode(data))
 
 
 @pytest.fixture
@@ -71,3 +81,33 @@ def test_argmax_only_when_every_sampled_row_reads_nothing_but_its_argmax(pool, o
     # Nothing sampled, or prompt logprobs to compute: the logits as they are.
     assert writer.argmax_only(_plan([0, 1], [False, False])) is False
     assert writer.argmax_only(_plan([0], [True], prompt_logit_idx=[0, 1])) is False
+
+
+def _logits(*argmaxes: int) -> torch.Tensor:
+    out = torch.zeros(len(argmaxes), VOCAB)
+    for row, token in enumerate(argmaxes):
+        out[row, token] = 5.0
+    return out
+
+
+def test_a_step_planned_ahead_takes_its_inputs_and_drops_what_the_step_before_ended(pool):
+    to_router, to_detok = _Inbox(), _Inbox()
+    writer = OutputWriter(pool, SimpleNamespace(eos_token_ids=(2,), vocab_size=VOCAB), "", to_router, to_detok)
+    for slot in (0, 1):
+        pool.acquire(slot, req_id=10 + slot)
+        pool.write_request(slot, [1, 1, 1], GREEDY, seed=0)
+    writer.write(_plan([0, 1], [True, True]), _logits(2, 7), 0.0)   # slot 0 samples eos
+    assert to_router.messages[-1].finish.tolist() == [FinishReason.STOP, FinishReason.NONE]
+    # Step 2 was planned before step 1 ran: both decode, their inputs still unknown to the router.
+    i32 = lambda xs: np.array(xs, np.int32)  # noqa: E731
+    ahead = BatchPlan(step=2, shm_indices=i32([0, 1]), req_ids=np.array([10, 11], np.int64), prefix_lens=i32([3, 3]),
+                      extend_lens=i32([1, 1]), sample=np.array([True, True]), input_ids=i32([-1, -1]),
+                      kv_locs=i32([6, 7]), num_decode=2, pending_inputs=i32([0, 1]))
+    writer.fill_pending_inputs(ahead)
+    assert ahead.input_ids.tolist() == [2, 7]
+    writer.write(ahead, _logits(9, 9), 0.0)
+    done, ready = to_router.messages[-1], to_detok.messages[-1]
+    assert isinstance(done, StepDone) and done.step == 2 and done.finish.tolist() == [FinishReason.STOP, 0]
+    assert isinstance(ready, TokensReady) and ready.shm_indices.tolist() == [1]
+    assert pool.num_output[:2].tolist() == [1, 2] and pool.output_ids(1, 0, 2).tolist() == [7, 9]
+    assert pool.finish[0] == FinishReason.STOP and pool.token_ids[0, 4] == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections import deque
 
 import numpy as np
 import pytest
@@ -56,32 +57,52 @@ def expected_outputs(prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt):]
 
 
-def fake_rank0(pool, record):
+def fake_rank0(pool, record, stop_after=None):
     """Publish one token per sampling request, computed from what the plan fed it (next_token of the
-    request's last input token and position), in the pool's write order; finish at max_new_tokens."""
+    request's last input token and position), in the pool's write order; finish at max_new_tokens, or with
+    STOP once a slot has `stop_after[slot]` outputs (what eos or a stop id does, unknown to the router). As
+    rank 0's OutputWriter does for a step planned while the one before ran: the pending decode rows take the
+    token that step wrote, and a request that step finished is dropped. Returns each row's finish status,
+    as StepDone carries it."""
     plan = record.plan
+    rows = plan.pending_inputs
+    assert (plan.input_ids[rows] == -1).all(), "a pending input the router claimed to know"
+    plan.input_ids[rows] = pool.token_ids[plan.shm_indices[rows], plan.prefix_lens[rows]]
+    finish = np.zeros(len(plan.shm_indices), np.uint8)
     ends = np.cumsum(plan.extend_lens)
     for i in np.flatnonzero(plan.sample):
         slot = int(plan.shm_indices[i])
+        if pool.finish[slot] != FinishReason.NONE:
+            finish[i] = pool.finish[slot]
+            continue
         n = int(pool.num_output[slot])
         pos = int(plan.prefix_lens[i] + plan.extend_lens[i] - 1)
         assert pos == pool.prompt_len[slot] + n - 1, f"slot {slot} samples at position {pos} with {n} outputs"
         pool.token_ids[slot, pos + 1] = next_token(int(plan.input_ids[ends[i] - 1]), pos)
         pool.num_output[slot] = n + 1
-        if n + 1 >= pool.params[slot]["max_new_tokens"]:
+        if stop_after and n + 1 == stop_after.get(slot):
+            pool.finish[slot] = FinishReason.STOP
+        elif n + 1 >= pool.params[slot]["max_new_tokens"]:
             pool.finish[slot] = FinishReason.LENGTH
+        finish[i] = pool.finish[slot]
+    return finish
 
 
-def run_until_idle(sched, pool, max_steps=10_000, on_plan=None):
+def run_until_idle(sched, pool, max_steps=10_000, on_plan=None, stop_after=None):
+    """Each step planned after the one before has finished (tp > 1, or --disable_overlap_schedule)."""
     plans = []
     while sched.has_work():
         record = sched.plan_step()
         assert record is not None, "work left but nothing planned: a stall"
+        assert not record.plan.pending_inputs.size
         if on_plan:
             on_plan(record)
         plans.append(record.plan)
-        fake_rank0(pool, record)
-        sched.finish_step(record)
+        if stop_after is None:
+            fake_rank0(pool, record)
+            sched.finish_step(record)  # reads the statuses from shm
+        else:
+            sched.finish_step(record, fake_rank0(pool, record, stop_after))
         assert len(plans) < max_steps
     return plans
 
@@ -92,6 +113,24 @@ def assert_kv_accounted(sched):
     if not sched.running:
         assert sched.allocator.num_free + cached == sched.allocator.num_total
     assert sched.allocator.num_free + cached + held >= sched.allocator.num_total
+
+
+def run_overlapped(sched, pool, stop_after=None, max_steps=10_000):
+    """The router's overlap schedule (router/process.py, tp 1): each step is planned before the one before it
+    has run, and finished with the statuses rank 0 reported."""
+    inflight, plans = deque(), []
+    while sched.has_work() or inflight:
+        record = sched.plan_step() if len(inflight) < 2 else None
+        if record is not None:
+            inflight.append(record)
+            plans.append(record.plan)
+            if len(inflight) < 2:
+                continue
+        assert inflight, "work left but nothing planned: a stall"
+        oldest = inflight.popleft()
+        sched.finish_step(oldest, fake_rank0(pool, oldest, stop_after))
+        assert len(plans) < max_steps
+    return plans
 
 
 def reset_slots(pool, n):
@@ -346,4 +385,99 @@ def test_requests_wait_for_a_shared_prefix_being_computed(pool):
     run_until_idle(sched, pool)
     assert [int(pool.cached_len[s]) for s in range(6)] == [0, 100, 100, 100, 0, 0]
     assert all(pool.num_output[s] == 4 for s in range(6))
+    assert_kv_accounted(sched)
+
+
+def test_steps_planned_ahead_give_every_request_its_tokens(pool):
+    """The overlap schedule over chunked prompts, a shared prefix and requests that end early (STOP, which the
+    router learns only a step later): every request's tokens follow from its own prompt, exactly as when each
+    step is planned after the one before, each early end costs one dropped row, and every slot and KV row comes
+    back."""
+    def run(overlap, base):  # base: the first slot (the pool's other owners never release them here)
+        sched = make_scheduler(pool, batch_max=48, chunk=32)
+        shared = list(range(1, 41))
+        prompts = {base + k: shared + [100 + k] * (1 + k % 3) for k in range(6)}
+        prompts.update({base + 6: list(range(500, 570)), base + 7: [7, 8, 9]})
+        for slot, prompt in prompts.items():
+            add(sched, pool, slot, prompt, max_new=12)
+        stop_after = {base + 1: 1, base + 3: 5, base + 6: 9}
+        plans = run_overlapped(sched, pool, stop_after) if overlap else run_until_idle(sched, pool,
+                                                                                      stop_after=stop_after)
+        outputs = {slot: pool.output_ids(slot, 0, int(pool.num_output[slot])).tolist() for slot in prompts}
+        for slot, prompt in prompts.items():
+            assert outputs[slot] == expected_outputs(prompt, stop_after.get(slot, 12)), f"slot {slot}"
+            assert pool.is_released(Owner.ROUTER, slot)
+        assert sched.counters["generation_tokens_total"] == sum(len(o) for o in outputs.values())
+        assert not sched.running and not sched.waiting and not sched.by_slot
+        assert_kv_accounted(sched)
+        return plans
+
+    reset_slots(pool, 64)
+    ahead = run(True, 0)
+    assert any(p.pending_inputs.size for p in ahead), "no step was planned ahead"
+    rows = lambda plans: sum(int(p.sample.sum()) for p in plans)  # noqa: E731
+    # Each request that ended by STOP while decoding had one more row planned; those ending by length had none.
+    assert rows(ahead) == rows(run(False, 10)) + 3
+
+
+
+@pytest.mark.parametrize("stop_after", [{}, {4: 32}])
+def test_steps_planned_ahead_pause_and_resume_under_kv_pressure(pool, stop_after):
+    """Planned ahead, a pause comes while the paused request's next token is being sampled (here slot 4, with 31
+    outputs): it resumes only once that token is known, or, when that token ends it (STOP at 32), leaves the
+    queue without resuming."""
+    sched = make_scheduler(pool, kv=256)
+    reset_slots(pool, 64)
+    for slot in range(8):
+        add(sched, pool, slot, [slot + 1] * 20, max_new=40)
+    run_overlapped(sched, pool, stop_after=stop_after)
+    assert sched.counters["pauses_total"] == 1
+    assert sched.counters["resumes_total"] == (0 if stop_after else 1)
+    for s in range(8):
+        n = stop_after.get(s, 40)
+        assert pool.output_ids(s, 0, int(pool.num_output[s])).tolist() == expected_outputs([s + 1] * 20, n), s
+        assert pool.is_released(Owner.ROUTER, s)
+    assert not sched.waiting and not sched.by_slot
+    assert_kv_accounted(sched)
+
+
+def test_a_slot_is_released_only_after_the_steps_that_name_it(pool):
+    """Rank 0 writes a step's outputs into its requests' slots, so a request retired while a step that names it
+    is in flight (aborted, or ended by STOP in the step before) keeps its slot until that step is done."""
+    sched = make_scheduler(pool, cache=False)
+    reset_slots(pool, 64)
+    add(sched, pool, 0, [1, 2, 3], max_new=50)
+    add(sched, pool, 1, [4, 5, 6], max_new=50)
+    first, second = sched.plan_step(), sched.plan_step()  # the prompts, then their first decode planned ahead
+    assert second.plan.pending_inputs.tolist() == [0, 1]
+    sched.finish_step(first, fake_rank0(pool, first, stop_after={1: 1}))  # slot 1 ends with its first token
+    assert 1 not in sched.by_slot and not pool.is_released(Owner.ROUTER, 1)
+    sched.abort_req(0, 1000, FinishReason.ABORT)  # as the router drains its inbox, `second` in flight
+    assert 0 not in sched.by_slot and not pool.is_released(Owner.ROUTER, 0)
+    assert sched.plan_step() is None
+    finish = fake_rank0(pool, second)
+    assert pool.num_output[1] == 1 and finish[1] == FinishReason.STOP  # slot 1's row dropped, its status again
+    sched.finish_step(second, finish)
+    assert pool.is_released(Owner.ROUTER, 0) and pool.is_released(Owner.ROUTER, 1)
+    assert sched.allocator.num_free == sched.allocator.num_total
+
+
+def test_a_request_paused_while_its_token_is_sampled_resumes_after_it(pool):
+    """A pause can come while the step in flight samples the paused request's next token (the KV pressure that
+    causes it is found as the next step is planned). Resumed at once, its recompute would read that token's
+    slot in shm before rank 0 wrote it; it waits for the step instead."""
+    sched = make_scheduler(pool)
+    reset_slots(pool, 64)
+    prompt = list(range(1, 21))
+    add(sched, pool, 0, prompt, max_new=6)
+    first = sched.plan_step()                 # the prompt, sampling the first token
+    req = sched.by_slot[0]
+    sched._pause(req)                          # what _reserve_decode_rows does when rows run short
+    pool.token_ids[0, len(prompt)] = 77777     # what that slot held before: the token is not written yet
+    assert req.pending == 1 and sched.plan_step() is None
+    sched.finish_step(first, fake_rank0(pool, first))
+    plans = run_overlapped(sched, pool)
+    assert plans[0].num_decode == 0 and plans[0].input_ids[-1] == expected_outputs(prompt, 1)[0]
+    assert pool.output_ids(0, 0, 6).tolist() == expected_outputs(prompt, 6)
+    assert sched.counters["resumes_total"] == 1 and pool.is_released(Owner.ROUTER, 0)
     assert_kv_accounted(sched)

@@ -2,28 +2,17 @@
 switches between planning ahead and planning after, and never sits out its idle poll while it has work."""
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import time
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 import zmq
 
 from lightserve.messages import BatchPlan, StepDone, decode, encode
 from lightserve.router.process import IDLE_POLL_MS, Router
-from lightserve.shm.req_pool import ReqPool
 from tests.router.test_scheduler import add, expected_outputs, fake_rank0, make_scheduler, reset_slots
-
-
-@pytest.fixture
-def pool():
-    p = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-loop", num_slots=8, max_len=256)
-    yield p
-    p.close()
-    p.segment.unlink()
 
 
 def test_the_loop_plans_ahead_after_short_steps_and_never_idles_with_work(pool):
@@ -33,7 +22,7 @@ def test_the_loop_plans_ahead_after_short_steps_and_never_idles_with_work(pool):
     for sock, name in ((inbox, "inbox"), (step_done, "done"), (to_worker, "plan"), (to_detok, "detok")):
         sock.bind(names[name])
     sched = make_scheduler(pool)
-    reset_slots(pool, 8)
+    reset_slots(pool, 64)
     prompts = {slot: [slot + 1] * (5 + slot) for slot in range(4)}
     for slot, prompt in prompts.items():
         add(sched, pool, slot, prompt, max_new=30)

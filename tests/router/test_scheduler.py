@@ -5,8 +5,6 @@ exactly one running request.
 """
 from __future__ import annotations
 
-import os
-import secrets
 from collections import deque
 
 import numpy as np
@@ -20,15 +18,7 @@ from lightserve.router.radix_cache import RadixCache
 from lightserve.router.req import ReqStatus
 from lightserve.router.scheduler import Limits, Scheduler
 from lightserve.sampling import SamplingParams
-from lightserve.shm.req_pool import Owner, ReqPool
-
-
-@pytest.fixture
-def pool():
-    p = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-sched", num_slots=64, max_len=512)
-    yield p
-    p.close()
-    p.segment.unlink()
+from lightserve.shm.req_pool import Owner
 
 
 def make_scheduler(pool, kv=4096, cache=True, max_running=64, batch_max=1024, chunk=None,

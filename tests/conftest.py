@@ -5,6 +5,7 @@ Skips: a test that needs a GPU is marked `gpu` and skipped without one; nothing 
 a CPU machine. Every run ends with a line counting the skipped tests, and with `CI` set on a machine
 without CUDA any skip of an unmarked test fails the run (a skipped test proves nothing)."""
 import os
+import secrets
 
 import pytest
 import torch
@@ -14,6 +15,25 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 _skips: list = []  # TestReports and CollectReports
+
+
+@pytest.fixture
+def make_pool():
+    """make_pool(num_slots, max_len, max_top_logprobs=5): a request pool over a fresh shared-memory segment, as the
+    server creates it; each one made is closed and its segment unlinked after the test."""
+    from lightserve.shm.req_pool import ReqPool  # after TRITON_INTERPRET above, as every lightserve import
+
+    made = []
+
+    def make(num_slots: int, max_len: int, max_top_logprobs: int = 5) -> ReqPool:
+        made.append(ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(4)}-test", num_slots, max_len,
+                                   max_top_logprobs))
+        return made[-1]
+
+    yield make
+    for pool in made:
+        pool.close()
+        pool.segment.unlink()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

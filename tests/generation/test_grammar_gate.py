@@ -4,8 +4,6 @@ each step shows which token the model wanted and which one the constraint let th
 from __future__ import annotations
 
 import json
-import os
-import secrets
 
 import numpy as np
 import pytest
@@ -27,12 +25,8 @@ def tokenizer():
 
 
 @pytest.fixture
-def pool():
-    name = f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-gate"
-    p = ReqPool.create(name, num_slots=4, max_len=256)
-    yield p
-    p.close()
-    p.segment.unlink()
+def pool(make_pool):
+    return make_pool(num_slots=4, max_len=256)
 
 
 def _request(pool: ReqPool, tokenizer, prompt: str) -> None:

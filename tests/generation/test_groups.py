@@ -3,8 +3,6 @@ siblings wait, then match its KV in the radix cache and compute one token each; 
 Pure logic: the Scheduler on a local pool with rank 0 simulated."""
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 import pytest
 
@@ -21,11 +19,8 @@ PROMPT = list(range(100, 140))  # 40 tokens
 
 
 @pytest.fixture
-def pool():
-    pool = ReqPool.create(f"lightserve-test-{secrets.token_hex(4)}-reqs", 8, 256, 0)
-    yield pool
-    pool.segment.unlink()
-    pool.close()
+def pool(make_pool):
+    return make_pool(num_slots=8, max_len=256, max_top_logprobs=0)
 
 
 def _scheduler(pool: ReqPool, chunk: int) -> Scheduler:

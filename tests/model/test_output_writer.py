@@ -4,8 +4,6 @@ request that step ended."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import secrets
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +13,6 @@ import torch
 from lightserve.messages import BatchPlan, FinishReason, StepDone, TokensReady, decode
 from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.sampling import GrammarKind, SamplingParams
-from lightserve.shm.req_pool import ReqPool
 
 VOCAB = 500
 
@@ -37,11 +34,8 @@ class _Inbox(_NoSocket):
 
 
 @pytest.fixture
-def pool():
-    p = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-test", num_slots=4, max_len=64)
-    yield p
-    p.close()
-    p.segment.unlink()
+def pool(make_pool):
+    return make_pool(num_slots=4, max_len=64)
 
 
 def _plan(slots: list[int], sample: list[bool], prompt_logit_idx: list[int] = ()) -> BatchPlan:

@@ -3,8 +3,6 @@ every request finishes, however tight the KV cache. Pure logic: the router's Sch
 request pool, with rank 0 simulated (one token per sampled request, LENGTH at max_new_tokens)."""
 from __future__ import annotations
 
-import secrets
-
 import numpy as np
 import pytest
 
@@ -21,11 +19,8 @@ MAX_STEPS = 5000
 
 
 @pytest.fixture
-def pool():
-    pool = ReqPool.create(f"lightserve-test-{secrets.token_hex(4)}-reqs", 8, 256)
-    yield pool
-    pool.segment.unlink()
-    pool.close()
+def pool(make_pool):
+    return make_pool(num_slots=8, max_len=256)
 
 
 def _add(sched: Scheduler, pool: ReqPool, shm_index: int, req_id: int, prompt: list[int], max_new: int) -> None:

@@ -9,6 +9,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import runs_triton
+
 
 def silu_and_mul_ref(x: Tensor) -> Tensor:
     """x [T, 2I] -> [T, I]; HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) with gate first."""
@@ -56,17 +59,17 @@ def silu_and_mul_triton(x: Tensor, gelu: bool = False) -> Tensor:
     return out
 
 
-def silu_and_mul(x: Tensor) -> Tensor:
+def silu_and_mul(x: Tensor, backend: KernelBackend | None = None) -> Tensor:
     """x [T, 2I] -> silu(x[:, :I]) * x[:, I:], [T, I] in x.dtype."""
-    if x.is_cuda:
+    if runs_triton(x, backend):
         return silu_and_mul_triton(x)
     out = silu_and_mul_cpu(x)
     return silu_and_mul_ref(x) if out is None else out
 
 
-def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+def gelu_tanh_and_mul(x: Tensor, backend: KernelBackend | None = None) -> Tensor:
     """x [T, 2I] -> gelu_tanh(x[:, :I]) * x[:, I:], [T, I] in x.dtype."""
-    if x.is_cuda:
+    if runs_triton(x, backend):
         return silu_and_mul_triton(x, gelu=True)
     return gelu_tanh_and_mul_ref(x)
 

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import runs_triton
 from lightserve.kernels.prefill_attention import (
     _softcap_log2,
     c_kv_layout,
@@ -201,11 +203,11 @@ def decode_attention_triton(
 
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0,
+    max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0, backend: KernelBackend | None = None,
 ) -> Tensor:
     """q [B, Hq, D] -> [B, Hq, D]; request b attends to its tokens 0 .. seq_lens[b] - 1 (seq_lens >= 1), with a
     window only to the last `window` of them."""
-    if q.is_cuda:
+    if runs_triton(q, backend):
         return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale,
                                        window, softcap)
     out = decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, sm_scale, window=window,

@@ -8,6 +8,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import runs_triton
+
 
 def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor) -> None:
     """k_cache[kv_locs[i]] = k[i] and v_cache[kv_locs[i]] = v[i] (index_copy_ reads strided k/v directly)."""
@@ -53,9 +56,10 @@ def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_l
     )
 
 
-def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor) -> None:
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor,
+             backend: KernelBackend | None = None) -> None:
     """k, v [T, Hk, D] (may be strided views) -> k_cache/v_cache [num_kv_rows, Hk, D] at rows kv_locs [T]."""
-    if k.is_cuda:
+    if runs_triton(k, backend):
         store_kv_triton(k, v, k_cache, v_cache, kv_locs)
     elif not store_kv_cpu(k, v, k_cache, v_cache, kv_locs):
         store_kv_ref(k, v, k_cache, v_cache, kv_locs)

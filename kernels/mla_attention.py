@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import runs_triton
 from lightserve.kernels.decode_attention import (
     SPLIT_BUCKETS,
     _decode_merge_kernel,
@@ -37,13 +39,13 @@ def store_latent(c_kv: Tensor, k_pe: Tensor, latent_cache: Tensor, kv_locs: Tens
 
 def mla_decode(
     q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, w_kc: Tensor, w_vc: Tensor, req_to_token: Tensor,
-    req_rows: Tensor, seq_lens: Tensor, max_seq_len: int, sm_scale: float,
+    req_rows: Tensor, seq_lens: Tensor, max_seq_len: int, sm_scale: float, backend: KernelBackend | None = None,
 ) -> Tensor:
     """One query token per request, weights absorbed: q_nope [B, H, Dn], q_pe [B, H, Dr] (roped), w_kc [H, Dn, R]
     (W_UK), w_vc [H, Dv, R] (W_UV) -> [B, H, Dv]; request b attends to its tokens 0 .. seq_lens[b] - 1."""
     q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [B, H, R]
     o_latent = mla_decode_attention(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens, max_seq_len,
-                                    sm_scale)  # [B, H, R]
+                                    sm_scale, backend)  # [B, H, R]
     return torch.bmm(o_latent.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
 
@@ -169,10 +171,10 @@ def mla_decode_attention_triton(
 
 def mla_decode_attention(
     q_latent: Tensor, q_pe: Tensor, latent_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    max_seq_len: int, sm_scale: float,
+    max_seq_len: int, sm_scale: float, backend: KernelBackend | None = None,
 ) -> Tensor:
     """q_latent [B, H, R], q_pe [B, H, Dr], latent_cache [rows, 1, R + Dr] -> o_latent [B, H, R]."""
-    if q_latent.is_cuda:
+    if runs_triton(q_latent, backend):
         return mla_decode_attention_triton(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens,
                                            max_seq_len, sm_scale)
     return mla_decode_attention_ref(q_latent, q_pe, latent_cache, req_to_token, req_rows, seq_lens, max_seq_len,

@@ -17,11 +17,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
 from lightserve.kernels.activation import (
     silu_and_mul,
     silu_and_mul_ref,
     silu_and_mul_triton,
 )
+from lightserve.kernels.backend import runs_triton
 from lightserve.kernels.linear import PackedLinear, PrepackedLinear, linear
 from lightserve.kernels.prefill_attention import dot_precision
 
@@ -236,10 +238,11 @@ def fused_experts_triton(x: Tensor, weights: ExpertWeights, topk_weights: Tensor
     return y.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
-def fused_experts(x: Tensor, weights: ExpertWeights, topk_weights: Tensor, topk_ids: Tensor) -> Tensor:
+def fused_experts(x: Tensor, weights: ExpertWeights, topk_weights: Tensor, topk_ids: Tensor,
+                  backend: KernelBackend | None = None) -> Tensor:
     """x [T, H], topk_weights [T, k] (float32, or x.dtype for Qwen3-MoE), topk_ids [T, k] int64 -> [T, H]:
     sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])."""
-    if x.is_cuda:
+    if runs_triton(x, backend):
         return fused_experts_triton(x, weights, topk_weights, topk_ids)
     return fused_experts_cpu(x, weights, topk_weights, topk_ids)
 

@@ -14,6 +14,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import runs_triton
+
 _LOG2E = 1.4426950408889634
 
 
@@ -185,11 +188,11 @@ def prefill_attention_triton(
 def prefill_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
     prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, backend: KernelBackend | None = None,
 ) -> Tensor:
     """q [Tq, Hq, D] -> out [Tq, Hq, D]: new token i of request b attends to its tokens 0 .. prefix_lens[b] + i
     (with a window, only the last `window` of them)."""
-    if q.is_cuda:
+    if runs_triton(q, backend):
         return prefill_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
                                         extend_lens, max_extend_len, sm_scale, window, softcap)
     out = prefill_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,

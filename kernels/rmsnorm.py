@@ -9,6 +9,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import runs_triton
+
 
 def rmsnorm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """HF LlamaRMSNorm, bit for bit: normalise in float32, round to x.dtype, then scale by weight."""
@@ -58,17 +61,18 @@ def add_rmsnorm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float) 
     return _launch(x, residual, weight, eps)
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, backend: KernelBackend | None = None) -> Tensor:
     """x [T, H], weight [H] -> [T, H] in the promoted dtype of weight and x (as HF)."""
-    if x.is_cuda:
+    if runs_triton(x, backend):
         return rmsnorm_triton(x, weight, eps)
     out = rmsnorm_cpu(x, None, weight, eps)
     return rmsnorm_ref(x, weight, eps) if out is None else out
 
 
-def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> Tensor:
+def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
+                backend: KernelBackend | None = None) -> Tensor:
     """residual [T, H] becomes residual + x in place; returns rmsnorm(residual, weight, eps)."""
-    if x.is_cuda:
+    if runs_triton(x, backend):
         return add_rmsnorm_triton(x, residual, weight, eps)
     out = rmsnorm_cpu(x, residual, weight, eps)
     return add_rmsnorm_ref(x, residual, weight, eps) if out is None else out

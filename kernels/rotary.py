@@ -8,6 +8,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import runs_triton
+
 
 def rotary_emb_ref(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
     """HF apply_rotary_pos_emb, bit for bit, written into q and k.
@@ -76,9 +79,9 @@ def rotary_emb_triton(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) 
         )
 
 
-def rotary_emb(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> None:
+def rotary_emb(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, backend: KernelBackend | None = None) -> None:
     """q [T, Hq, D], k [T, Hk, D] rotated in place at positions [T]; cos_sin [max_pos, D] float32 (cos | sin)."""
-    if q.is_cuda:
+    if runs_triton(q, backend):
         rotary_emb_triton(q, k, positions, cos_sin)
     elif not rotary_emb_cpu(q, k, positions, cos_sin):
         rotary_emb_ref(q, k, positions, cos_sin)

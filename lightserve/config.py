@@ -41,6 +41,13 @@ class DType(str, Enum):
     FLOAT16 = "float16"
 
 
+class KernelBackend(str, Enum):
+    """--kernel_backend: which kernels a forward runs (kernels/backend.py)."""
+    AUTO = "auto"      # triton on CUDA, cpu on CPU
+    TRITON = "triton"  # the GPU code path; on CPU under Triton's interpreter
+    CPU = "cpu"        # the C kernels of kernels/cpu/
+
+
 class AdmissionPolicy(str, Enum):
     OPTIMISTIC = "optimistic"      # admit on estimated need; pause if the estimate proves wrong
     CONSERVATIVE = "conservative"  # reserve the full max_new_tokens; never pause
@@ -80,6 +87,7 @@ class ServerConfig:
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
     device: Device = field(default=Device.AUTO, metadata={"help": "auto picks cuda when available"})
+    kernel_backend: KernelBackend = field(default=KernelBackend.AUTO, metadata={"help": "auto = triton on CUDA, the C kernels on CPU; triton on CPU runs the GPU code path in Triton's interpreter (slow: for tests)"})
     disable_cudagraph: bool = field(default=False, metadata={"help": "run decode without CUDA graphs"})
     graph_max_batch_size: int = field(default=256, metadata={"help": "largest decode batch captured in a CUDA graph"})
     api_key: str | None = field(default=None, metadata={"help": "require 'Authorization: Bearer KEY' on every route but /health"})

@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from lightserve import envs
-from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, SHM_PREFIX, Device, DType, ServerConfig
+from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, SHM_PREFIX, Device, DType, KernelBackend, ServerConfig
 from lightserve.log import get_logger
 from lightserve.procutil import remove_instance_files
 from lightserve.shm.req_pool import ReqPool
@@ -83,6 +83,11 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         device = Device.CUDA if torch.cuda.is_available() else Device.CPU
     if device is Device.CUDA and not torch.cuda.is_available():
         raise StartError("--device cuda: no CUDA device is available")
+    backend = config.kernel_backend
+    if backend is KernelBackend.AUTO:
+        backend = KernelBackend.TRITON if device is Device.CUDA else KernelBackend.CPU
+    if backend is KernelBackend.CPU and device is Device.CUDA:
+        raise StartError("--kernel_backend cpu: the C kernels run on CPU only; use triton (or auto) with --device cuda")
     dtype = config.data_type
     if dtype is DType.AUTO:
         dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
@@ -98,7 +103,8 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         check_tp(model_config, config.tp)
     except ValueError as exc:
         raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
-    return replace(config, model_dir=model_dir, model=model_config, device=device, data_type=dtype,
+    return replace(config, model_dir=model_dir, model=model_config, device=device, kernel_backend=backend,
+                   data_type=dtype,
                    batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
                    prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,
@@ -145,8 +151,8 @@ def preload_tcmalloc() -> str | None:
 # outside the forward fell from 1.42-1.44 to 1.06-1.13 ms. W1 throughput, alternated runs, did not move, so the
 # regions within a forward still find their threads awake.
 OMP_SPIN_ROUNDS = "10000"
-# What preload_tcmalloc and bound_omp_spin set for the worker ranks, restored once they are spawned.
-WORKER_ENV = ("LD_PRELOAD", "GOMP_SPINCOUNT")
+# What preload_tcmalloc, bound_omp_spin and interpret_triton set for the worker ranks, restored once they are spawned.
+WORKER_ENV = ("LD_PRELOAD", "GOMP_SPINCOUNT", "TRITON_INTERPRET")
 
 
 def bound_omp_spin() -> None:
@@ -154,6 +160,12 @@ def bound_omp_spin() -> None:
     GOMP_SPINCOUNT when it loads. A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY stays in charge."""
     if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_ROUNDS
+
+
+def interpret_triton() -> None:
+    """Make spawned workers run Triton kernels in Triton's interpreter (--kernel_backend triton on CPU): triton.jit
+    reads TRITON_INTERPRET when a kernel is defined, at the worker's first import of lightserve.kernels."""
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def cpu_has_native_bf16() -> bool:
@@ -201,6 +213,8 @@ class EngineProcs:
                 if config.device is Device.CPU:
                     preload_tcmalloc()
                     bound_omp_spin()
+                    if config.kernel_backend is KernelBackend.TRITON:
+                        interpret_triton()
                 first = config.node_rank * config.ranks_per_node
                 workers = [self._spawn(f"worker-tp{rank}", run_worker, config, rank)
                            for rank in range(first, first + config.ranks_per_node)]

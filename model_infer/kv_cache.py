@@ -28,13 +28,16 @@ class KVCache:
         max_req_total_len: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        head_major: bool | None = None,
     ) -> None:
+        """`head_major`: the CPU C kernels' layout below (default: on CPU); False gives the token-major layout the
+        Triton kernels are tuned for, on any device."""
         self.num_kv_rows = num_kv_rows
         self.dtype = dtype
         self.device = torch.device(device)
         # NOTE: zeros, not empty: attention kernels may read (and mask) rows never written, and NaN
         # garbage times a zero weight is still NaN.
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" if head_major is None else head_major:
             # Head-major storage [L, Hk, rows, D] behind the same [L, rows, Hk, D] view: each head's rows of a
             # request lie back to back, so where decode attention walks a task's tokens one head after another
             # (kernels/cpu/decode_attention.c, HEAD_OUTER) it reads two contiguous streams; docs/benchmarks.md has

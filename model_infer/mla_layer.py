@@ -27,6 +27,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightserve import kernels
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import resolve_kernel_backend
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.kernels.mla_attention import (
     mla_decode,
@@ -122,13 +124,14 @@ class MLAAttention:
     """x [T, hidden] -> [T, hidden]; writes the step's latents into the layer's cache at batch.kv_locs."""
 
     def __init__(self, config: MLAConfig, weights: MLAWeights, cos_sin: Tensor, tp_size: int = 1,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
         self.config = config
         self.num_heads = weights.w_kc.shape[0]  # this rank's heads
         self.cos_sin = cos_sin  # [max_pos, Dr] float32, build_mla_cos_sin
         self.sm_scale = config.sm_scale
         self.tp_size, self.tp_group = tp_size, tp_group
-        pack = cpu_pack_for(weights.kv_a_norm)
+        self.backend = resolve_kernel_backend(backend, cos_sin.device)
+        pack = cpu_pack_for(weights.kv_a_norm) if self.backend is KernelBackend.CPU else None
         if pack is not None:  # CPU: the projections run on weights packed once here (w_kc, w_vc stay for bmm)
             names = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
             weights = replace(weights, **{n: pack(getattr(weights, n)) for n in names
@@ -142,14 +145,15 @@ class MLAAttention:
         if w.q_proj is not None:
             q = kernels.linear(x, w.q_proj)  # [T, H * (Dn + Dr)]
         else:
-            q_a = kernels.rmsnorm(kernels.linear(x, w.q_a_proj, w.q_a_bias), w.q_a_norm, cfg.rms_norm_eps)
+            q_a = kernels.linear(x, w.q_a_proj, w.q_a_bias)  # [T, q_lora_rank]
+            q_a = kernels.rmsnorm(q_a, w.q_a_norm, cfg.rms_norm_eps, self.backend)
             q = kernels.linear(q_a, w.q_b_proj)  # [T, H * (Dn + Dr)]
         q = q.view(num_tokens, heads, nope + rope)
         q_nope, q_pe = q[..., :nope], q[..., nope:]  # [T, H, Dn], [T, H, Dr] views
         kv_a = kernels.linear(x, w.kv_a_proj, w.kv_a_bias)  # [T, R + Dr]
-        c_kv = kernels.rmsnorm(kv_a[:, :rank], w.kv_a_norm, cfg.rms_norm_eps)  # [T, R]
+        c_kv = kernels.rmsnorm(kv_a[:, :rank], w.kv_a_norm, cfg.rms_norm_eps, self.backend)  # [T, R]
         k_pe = kv_a[:, rank:].unsqueeze(1)  # [T, 1, Dr] view
-        kernels.rotary_emb(q_pe, k_pe, batch.positions, self.cos_sin)  # in place, into q and kv_a
+        kernels.rotary_emb(q_pe, k_pe, batch.positions, self.cos_sin, self.backend)  # in place, into q and kv_a
         store_latent(c_kv, k_pe, latent_cache, batch.kv_locs)
 
         nd = batch.num_decode
@@ -157,7 +161,7 @@ class MLAAttention:
         if nd > 0:
             parts.append(mla_decode(
                 q_nope[:nd], q_pe[:nd], latent_cache, w.w_kc, w.w_vc, batch.req_to_token, batch.req_rows[:nd],
-                batch.seq_lens[:nd], batch.max_seq_len, self.sm_scale))  # [num_decode, H, Dv]
+                batch.seq_lens[:nd], batch.max_seq_len, self.sm_scale, self.backend))  # [num_decode, H, Dv]
         if batch.num_reqs > nd:
             parts.append(mla_prefill_attention(
                 q_nope[nd:], q_pe[nd:], latent_cache, w.kv_b_proj, cfg.v_head_dim, batch.req_to_token,

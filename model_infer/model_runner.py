@@ -17,6 +17,7 @@ from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.models import load_model
 
 if TYPE_CHECKING:
+    from lightserve.config import KernelBackend
     from lightserve.model_config import ModelConfig
 
 logger = get_logger(__name__)
@@ -29,12 +30,15 @@ GPU_KV_MEMORY_FRACTION = 0.85   # of free device memory, after the weights are l
 class ModelRunner:
     def __init__(self, model_dir: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  tp_rank: int, tp_size: int, tp_group, num_req_rows: int, max_req_total_len: int,
-                 kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0):
+                 kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0,
+                 kernel_backend: KernelBackend | None = None):
+        """`kernel_backend`: --kernel_backend as resolved (None = by device): TRITON on a CPU device runs the GPU
+        code path under Triton's interpreter, with no warm-up or graphs (nothing compiles there)."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.model = load_model(model_config, model_dir, dtype=dtype, device=device,
-                                tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group)
+                                tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, backend=kernel_backend)
         # The model says which cache its attention reads (K/V per head, or DeepSeek-V3's latent rows) and its size.
         per_token = self.model.kv_bytes_per_token()
         self.kv_size = kv_size or _auto_kv_size(per_token, device, ranks_per_node)
@@ -48,9 +52,9 @@ class ModelRunner:
             from lightserve.model_infer.cuda_graph import CudaGraphRunner
             self.graph_runner = CudaGraphRunner(self.model, self.kv_cache, min(cuda_graph_max_batch, num_req_rows),
                                                 max_req_total_len, pad_kv_loc=self.kv_size)
-        logger.info("KV cache: %s of %d tokens, %d bytes per token (%.1f MiB), %s on %s",
+        logger.info("KV cache: %s of %d tokens, %d bytes per token (%.1f MiB), %s on %s, %s kernels",
                     type(self.kv_cache).__name__, self.kv_size, per_token, self.kv_size * per_token / 2**20, dtype,
-                    device)
+                    device, self.model.backend.value)
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, argmax_only: bool = False) -> torch.Tensor:

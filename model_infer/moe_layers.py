@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightserve import kernels
+from lightserve.config import KernelBackend
+from lightserve.kernels.backend import resolve_kernel_backend
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.kernels.moe import (
     ExpertLinear,
@@ -98,10 +100,11 @@ class MoEBlock:
     """x [T, H] -> [T, H]: routed experts (+ shared experts), all-reduced over the TP group like a dense MLP."""
 
     def __init__(self, config: MoEConfig, weights: MoEWeights, tp_size: int = 1,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
+                 tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
         self.config = config
         self.tp_size, self.tp_group = tp_size, tp_group
-        pack = cpu_pack_for(weights.experts.down)
+        self.backend = resolve_kernel_backend(backend, weights.experts.down.device)
+        pack = cpu_pack_for(weights.experts.down) if self.backend is KernelBackend.CPU else None
         if pack is not None:  # CPU: the experts and shared MLP run on weights packed once here
             weights = replace(weights, experts=pack_expert_weights(weights.experts, pack))
             if weights.shared_gate_up is not None:
@@ -120,10 +123,11 @@ class MoEBlock:
             logits = F.linear(x.float(), w.gate)  # [T, E] float32
             topk_weights, topk_ids = grouped_topk_sigmoid(logits, w.correction_bias, cfg.top_k, cfg.n_group,
                                                           cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        out = fused_experts(x, w.experts, topk_weights, topk_ids)  # [T, H]
+        out = fused_experts(x, w.experts, topk_weights, topk_ids, self.backend)  # [T, H]
         if w.shared_gate_up is not None:
             # Both parts are partial sums over this rank's intermediate slices: one all-reduce covers them.
-            out += kernels.linear(kernels.silu_and_mul(kernels.linear(x, w.shared_gate_up)), w.shared_down)
+            act = kernels.silu_and_mul(kernels.linear(x, w.shared_gate_up), self.backend)  # [T, Is / tp]
+            out += kernels.linear(act, w.shared_down)
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
+    from lightserve.config import KernelBackend
     from lightserve.model_config import ModelConfig
     from lightserve.model_infer.models.base import DecoderLM
     from lightserve.model_infer.weights import ModelWeights
@@ -88,10 +89,12 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     tp_group: dist.ProcessGroup | None = None,
+    backend: KernelBackend | None = None,
 ) -> DecoderLM:
-    """This rank's model: its weight shard loaded, packed for the CPU GEMMs where they run."""
+    """This rank's model: its weight shard loaded, packed for the CPU GEMMs where `backend` (--kernel_backend, None =
+    by device) runs them."""
     weights = load_weights(model_dir, config, dtype, device, tp_rank, tp_size)
-    return family_of(config.architecture).Model(config, weights, tp_rank, tp_size, tp_group)
+    return family_of(config.architecture).Model(config, weights, tp_rank, tp_size, tp_group, backend)
 
 
 def load_model_dir(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", tp_rank: int = 0,

@@ -16,7 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightserve import kernels
+from lightserve.config import KernelBackend
 from lightserve.kernels.argmax_head import argmax_logits, make_argmax_head
+from lightserve.kernels.backend import resolve_kernel_backend
 from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.model_infer.kv_cache import KVCache
@@ -39,19 +41,23 @@ class DecoderLM:
         tp_rank: int = 0,
         tp_size: int = 1,
         tp_group: dist.ProcessGroup | None = None,
+        backend: KernelBackend | None = None,
     ) -> None:
+        """`backend`: --kernel_backend (None = by the weights' device): CPU packs the weights for the C kernels and
+        may run whole layers in C; TRITON keeps the GPU layout, also on CPU (under Triton's interpreter)."""
         assert weights.shards.tp_rank == tp_rank and weights.shards.tp_size == tp_size, "weights of another rank"
         self.config = config
         self.weights = weights
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
         self.dtype = weights.embed.dtype
         self.device = weights.embed.device
+        self.backend = resolve_kernel_backend(backend, self.device)
         self.act_and_mul = _ACTIVATIONS[config.hidden_act]
         self.lm_head = weights.lm_head  # [Vp, hidden]
         # On CPU every linear runs on weights packed once at load (the C kernel's panels in float32, oneDNN's
         # blocked layout in bfloat16: kernels/linear.py); the packed copies replace the row-major projections.
         # The lm_head gets its own copy: the embedding lookup needs the row-major table.
-        pack = cpu_pack_for(weights.embed)
+        pack = cpu_pack_for(weights.embed) if self.backend is KernelBackend.CPU else None
         if pack is not None:
             self.lm_head = pack(weights.lm_head)
         # A float32 model's greedy steps that report no logprob screen the vocabulary with a bf16 GEMM (of any batch
@@ -97,7 +103,7 @@ class DecoderLM:
     def make_kv_cache(self, num_kv_rows: int, num_req_rows: int, max_req_total_len: int) -> KVCache:
         """The KV cache this model's forward reads and writes: K and V of this rank's KV heads, every layer."""
         return KVCache(self.config.num_layers, num_kv_rows, self.num_kv_heads, self.head_dim, num_req_rows,
-                       max_req_total_len, self.dtype, self.device)
+                       max_req_total_len, self.dtype, self.device, head_major=self.backend is KernelBackend.CPU)
 
     def warm_up_attention(self, kv_cache: KVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Compile decode attention at every split count and for every (window, softcap) of the layers, with
@@ -133,10 +139,11 @@ class DecoderLM:
         k = k.view(num_tokens, hk, d)  # [T, Hk, D]
         v = v.view(num_tokens, hk, d)  # [T, Hk, D]
         if layer.q_norm is not None:  # Qwen3, Gemma 3: RMSNorm over head_dim of every head, before rope
-            q = kernels.rmsnorm(q.reshape(-1, d), layer.q_norm, self.config.rms_norm_eps).view(num_tokens, hq, d)
-            k = kernels.rmsnorm(k.reshape(-1, d), layer.k_norm, self.config.rms_norm_eps).view(num_tokens, hk, d)
-        kernels.rotary_emb(q, k, batch.positions, self.layer_rope[i])
-        kernels.store_kv(k, v, k_cache, v_cache, batch.kv_locs)
+            eps, be = self.config.rms_norm_eps, self.backend
+            q = kernels.rmsnorm(q.reshape(-1, d), layer.q_norm, eps, be).view(num_tokens, hq, d)
+            k = kernels.rmsnorm(k.reshape(-1, d), layer.k_norm, eps, be).view(num_tokens, hk, d)
+        kernels.rotary_emb(q, k, batch.positions, self.layer_rope[i], self.backend)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.kv_locs, self.backend)
 
         window, softcap = self.config.window(i), self.config.attn_softcap
         nd = batch.num_decode
@@ -144,12 +151,13 @@ class DecoderLM:
         if nd > 0:
             parts.append(kernels.decode_attention(
                 q[:nd], k_cache, v_cache, batch.req_to_token, attn.decode_req_rows, attn.decode_seq_lens,
-                batch.max_seq_len, self.sm_scale, window, softcap,
+                batch.max_seq_len, self.sm_scale, window, softcap, self.backend,
             ))  # [num_decode, Hq, D]
         if attn.has_extend:
             parts.append(kernels.prefill_attention(
                 q[nd:], k_cache, v_cache, batch.req_to_token, attn.extend_req_rows, attn.extend_q_start_locs,
                 attn.extend_prefix_lens, attn.extend_lens, batch.max_extend_len, self.sm_scale, window, softcap,
+                self.backend,
             ))  # [T - num_decode, Hq, D]
         o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
         o = o.reshape(num_tokens, hq * d)  # [T, Hq * D]
@@ -163,7 +171,7 @@ class DecoderLM:
 
     def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate_up = kernels.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
-        out = kernels.linear(self.act_and_mul(gate_up), layer.down_proj)  # [T, hidden]
+        out = kernels.linear(self.act_and_mul(gate_up, self.backend), layer.down_proj)  # [T, hidden]
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out

@@ -159,9 +159,9 @@ class DeepseekV3ForCausalLM(llama.LlamaForCausalLM):
         moe = moe_config(self.config)
         layers = self.weights.layers
         # Each MLAAttention and MoEBlock packs its own weights on CPU.
-        self.mla_layers = [MLAAttention(mla, layer.attn, self.cos_sin, self.tp_size, self.tp_group)
+        self.mla_layers = [MLAAttention(mla, layer.attn, self.cos_sin, self.tp_size, self.tp_group, self.backend)
                            for layer in layers]
-        self.moe_blocks = {i: MoEBlock(moe, layer.moe, self.tp_size, self.tp_group)
+        self.moe_blocks = {i: MoEBlock(moe, layer.moe, self.tp_size, self.tp_group, self.backend)
                            for i, layer in enumerate(layers) if layer.moe is not None}
         # The layers drop what the blocks hold (so the unpacked copies are freed) and pack the dense MLPs.
         slim = []

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightserve import kernels
+from lightserve.config import KernelBackend
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models import llama
 from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
@@ -95,8 +96,8 @@ class GemmaForCausalLM(DecoderLM):
     """Sandwich norms: x + post_norm(attn(norm(x))), then + post_norm(mlp(norm(.)))."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group=None) -> None:
-        super().__init__(config, weights, tp_rank, tp_size, tp_group)
+                 tp_group=None, backend: KernelBackend | None = None) -> None:
+        super().__init__(config, weights, tp_rank, tp_size, tp_group, backend)
         # HF keeps sqrt(hidden) as a float32 buffer and casts it to the weights' dtype before the multiply.
         scale = torch.tensor(config.hidden_size ** 0.5, dtype=torch.float32, device=self.device)
         self.embed_scale = scale.to(self.dtype)
@@ -104,23 +105,23 @@ class GemmaForCausalLM(DecoderLM):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         cfg, w = self.config, self.weights
-        eps = cfg.rms_norm_eps
+        eps, be = cfg.rms_norm_eps, self.backend
         attn = AttentionInputs.from_batch(batch)
         hidden = self._embed(batch.input_ids) * self.embed_scale  # [T, hidden], a fresh tensor
         residual = hidden
         for i, layer in enumerate(w.layers):
             if i == 0:
-                x = kernels.rmsnorm(hidden, layer.input_norm, eps)
+                x = kernels.rmsnorm(hidden, layer.input_norm, eps, be)
             else:
-                x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, eps)  # residual += mlp output
+                x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, eps, be)  # residual += mlp output
             a = self._attention(i, layer, x, batch, attn, kv_cache)  # [T, hidden]
-            a = kernels.rmsnorm(a, layer.attn_out_norm, eps)
-            x = kernels.add_rmsnorm(a, residual, layer.post_attn_norm, eps)  # residual += attention output
-            hidden = kernels.rmsnorm(self._mlp(layer, x), layer.mlp_out_norm, eps)  # [T, hidden]
+            a = kernels.rmsnorm(a, layer.attn_out_norm, eps, be)
+            x = kernels.add_rmsnorm(a, residual, layer.post_attn_norm, eps, be)  # residual += attention output
+            hidden = kernels.rmsnorm(self._mlp(layer, x), layer.mlp_out_norm, eps, be)  # [T, hidden]
         # Only the sampled positions need the final norm and lm_head.
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]
-        x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, eps)
+        x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, eps, be)
         return self._logits(x, batch.argmax_only)
 
 

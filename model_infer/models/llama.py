@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightserve import envs, kernels
+from lightserve.config import KernelBackend
 from lightserve.kernels.decoder_layers import CpuDecoderLayers, DecoderLayer, ModelShape
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
@@ -126,16 +127,16 @@ class LlamaForCausalLM(DecoderLM):
     above a few rows (AMX), that is the steps of up to PAIR_MAX_M tokens; the loop runs the others."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(config, weights, tp_rank, tp_size, tp_group)
+                 tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
+        super().__init__(config, weights, tp_rank, tp_size, tp_group, backend)
         self.cpu_layers = self._build_cpu_layers()
 
     def _build_cpu_layers(self) -> CpuDecoderLayers | None:
-        """The one-call CPU driver, or None: on GPU, with tensor parallelism (an all-reduce inside each layer),
-        for a family whose layers differ from Llama's (its own _ffn, a non-SiLU MLP), or where
+        """The one-call CPU driver, or None: under the triton backend, with tensor parallelism (an all-reduce inside
+        each layer), for a family whose layers differ from Llama's (its own _ffn, a non-SiLU MLP), or where
         LIGHTSERVE_PER_KERNEL_FORWARD asks for the loop."""
         cfg, w = self.config, self.weights
-        if self.device.type != "cpu" or self.tp_size > 1 or type(self)._ffn is not LlamaForCausalLM._ffn \
+        if self.backend is not KernelBackend.CPU or self.tp_size > 1 or type(self)._ffn is not LlamaForCausalLM._ffn \
                 or cfg.hidden_act != "silu" or envs.per_kernel_forward():
             return None
         if any(layer.gate_up_proj is None for layer in w.layers):
@@ -162,16 +163,16 @@ class LlamaForCausalLM(DecoderLM):
                 attn.extend_q_start_locs, attn.extend_prefix_lens, attn.extend_lens)  # [T, hidden]
         for i, layer in enumerate(() if one_call else w.layers):  # the loop the C call replaces
             if i == 0:
-                x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps)
+                x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, self.backend)
             else:
-                x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+                x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, cfg.rms_norm_eps, self.backend)
             x = self._attention(i, layer, x, batch, attn, kv_cache)
-            x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps)
+            x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps, self.backend)
             hidden = self._ffn(i, layer, x)  # [T, hidden]
         # Only the sampled positions need the final norm and lm_head.
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]
-        x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps)
+        x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps, self.backend)
         return self._logits(x, batch.argmax_only)
 
     def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:

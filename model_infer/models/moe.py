@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightserve.config import KernelBackend
 from lightserve.kernels.moe import ExpertWeights, intermediate_shard, shard_expert_weights
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models import llama
@@ -120,10 +121,10 @@ class MoEForCausalLM(llama.LlamaForCausalLM):
     """Llama's forward; the MoE layers' feed-forward is their MoEBlock (which packs its experts on CPU)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
-                 tp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(config, weights, tp_rank, tp_size, tp_group)
+                 tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
+        super().__init__(config, weights, tp_rank, tp_size, tp_group, backend)
         moe = moe_config(config)
-        self.moe_blocks = {i: MoEBlock(moe, layer.moe, tp_size, tp_group)
+        self.moe_blocks = {i: MoEBlock(moe, layer.moe, tp_size, tp_group, self.backend)
                            for i, layer in enumerate(self.weights.layers) if layer.moe is not None}
         # The blocks hold the (packed) experts; the layers drop the loaded copies.
         self.weights = dataclasses.replace(

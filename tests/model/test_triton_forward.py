@@ -1,0 +1,147 @@
+"""The whole forward through the Triton kernels, the GPU code path, on CPU: `--kernel_backend triton` builds the
+model's GPU layout (plain weights for F.linear, token-major KV, no C layers, no argmax head) and every dispatcher
+launches its Triton kernel, here in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1). Tiny Llama,
+Qwen3, Gemma 2, Mixtral and DeepSeek-V3 checkpoints in float32 (the interpreter's bf16 dot is wrong) against
+transformers: a prompt prefilled in chunks, decode steps, a prefix-cache hit extended in a step that also decodes and
+prefills (a mixed step), and a decode batch padded to a CUDA-graph size as the graph runner pads it."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightserve.config import KernelBackend
+from lightserve.kernels.linear import PackedLinear, PrepackedLinear
+from lightserve.model_infer.cuda_graph import GraphInputs
+from lightserve.model_infer.models import load_model, read_model_config
+
+from .fake_worker import FakeWorker
+from .tiny_models import make_tiny_model
+
+FAMILIES = ("llama3", "qwen3", "gemma2", "mixtral", "deepseek_v3")
+TOL = {"atol": 3e-5, "rtol": 1e-5}
+# What a step must not reach under the triton backend: the C kernels and the torch references the CPU path falls
+# back to. Each is patched to raise while the tests run.
+CPU_PATHS = {
+    "lightserve.kernels.cpu": ["library"],
+    "lightserve.kernels.rmsnorm": ["rmsnorm_ref", "add_rmsnorm_ref"],
+    "lightserve.kernels.activation": ["silu_and_mul_ref", "gelu_tanh_and_mul_ref"],
+    "lightserve.kernels.rotary": ["rotary_emb_ref"],
+    "lightserve.kernels.kv_store": ["store_kv_ref"],
+    "lightserve.kernels.decode_attention": ["decode_attention_ref"],
+    "lightserve.kernels.prefill_attention": ["prefill_attention_ref"],
+    "lightserve.kernels.mla_attention": ["mla_decode_attention_ref"],
+    "lightserve.kernels.moe": ["fused_experts_cpu"],
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    import transformers
+
+    model_dir = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ours = load_model(read_model_config(model_dir), model_dir, torch.float32, backend=KernelBackend.TRITON)
+    return hf, ours
+
+
+@pytest.fixture
+def no_cpu_paths(monkeypatch):
+    import importlib
+
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{name} reached under the triton backend")
+        return call
+
+    for module, names in CPU_PATHS.items():
+        mod = importlib.import_module(module)
+        for name in names:
+            monkeypatch.setattr(mod, name, refuse(f"{module}.{name}"))
+
+
+def _fields(obj) -> list:
+    """Every value held by a (nested) dataclass of weights, lists of layers included."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if isinstance(obj, (PackedLinear, PrepackedLinear)):
+            return [obj]
+        return [w for f in dataclasses.fields(obj) for w in _fields(getattr(obj, f.name))]
+    if isinstance(obj, (list, tuple)):
+        return [w for item in obj for w in _fields(item)]
+    return [obj]
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] logits of one unpadded sequence."""
+    with torch.no_grad():
+        return hf(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def test_triton_backend_builds_the_gpu_layout(tiny):
+    _, ours = tiny
+    assert ours.backend is KernelBackend.TRITON
+    assert getattr(ours, "cpu_layers", None) is None and ours.argmax_head is None
+    holders = [ours.weights, *(block.weights for block in getattr(ours, "moe_blocks", {}).values()),
+               *(layer.weights for layer in getattr(ours, "mla_layers", []))]
+    weights = [ours.lm_head, *(w for holder in holders for w in _fields(holder))]
+    assert any(isinstance(w, torch.Tensor) and w.dim() == 2 for w in weights)
+    assert not any(isinstance(w, (PackedLinear, PrepackedLinear)) for w in weights)
+    cache = ours.make_kv_cache(16, 2, 32)
+    if hasattr(cache, "k_caches"):  # token-major: a row's heads back to back, as the Triton kernels index them
+        k = cache.k_caches[0]
+        assert k.stride() == (k.shape[1] * k.shape[2], k.shape[2], 1)
+
+
+def test_chunked_prefill_prefix_hit_and_mixed_step_match_transformers(tiny, no_cpu_paths):
+    hf, ours = tiny
+    gen = torch.Generator().manual_seed(1)
+    vocab = ours.config.vocab_size
+    worker = FakeWorker(ours, num_kv_rows=256, num_req_rows=8, max_len=64)
+    a = torch.randint(3, vocab, (19,), generator=gen).tolist()
+    b = torch.randint(3, vocab, (6,), generator=gen).tolist()
+
+    # Row 0 in chunks of 8, 8 and 3 tokens (every position's logits); row 1 joins the last chunk's step.
+    for start in (0, 8):
+        logits = worker.step([(0, a[start:start + 8])], num_decode=0, all_logits=True)
+        torch.testing.assert_close(logits, hf_logits(hf, a)[start:start + 8], **TOL)
+    logits = worker.step([(0, a[16:]), (1, b)], num_decode=0)
+    torch.testing.assert_close(logits, torch.stack([hf_logits(hf, a)[-1], hf_logits(hf, b)[-1]]), **TOL)
+
+    # Two decode steps of both, on our own greedy tokens.
+    seqs = {0: a, 1: b}
+    for _ in range(2):
+        for row, ids in zip(seqs, logits.argmax(-1).tolist()):
+            seqs[row] = seqs[row] + [ids]
+        logits = worker.step([(row, seqs[row][-1:]) for row in seqs], num_decode=2)
+        torch.testing.assert_close(logits, torch.stack([hf_logits(hf, seqs[row])[-1] for row in seqs]), **TOL)
+
+    # A mixed step: rows 0 and 1 decode, row 3 extends 5 tokens after 12 cached ones of row 0 (a radix-cache hit),
+    # row 4 prefills 7 from scratch.
+    for row, ids in zip(seqs, logits.argmax(-1).tolist()):
+        seqs[row] = seqs[row] + [ids]
+    worker.share_prefix(3, 0, 12)
+    seqs[3] = a[:12] + torch.randint(3, vocab, (5,), generator=gen).tolist()
+    seqs[4] = torch.randint(3, vocab, (7,), generator=gen).tolist()
+    items = [(0, seqs[0][-1:]), (1, seqs[1][-1:]), (3, seqs[3][12:]), (4, seqs[4])]
+    logits = worker.step(items, num_decode=2)
+    torch.testing.assert_close(logits, torch.stack([hf_logits(hf, seqs[row])[-1] for row, _ in items]), **TOL)
+
+
+def test_decode_padded_to_a_graph_size_matches_transformers(tiny, no_cpu_paths):
+    """Three decoding requests in a size-4 graph batch, as CudaGraphRunner replays them: the padding row points at a
+    scratch KV row and request row 0 with length 1, and the three real rows come out as transformers has them."""
+    hf, ours = tiny
+    gen = torch.Generator().manual_seed(2)
+    vocab = ours.config.vocab_size
+    scratch = 255
+    worker = FakeWorker(ours, num_kv_rows=scratch + 1, num_req_rows=8, max_len=64)
+    seqs = {row: torch.randint(3, vocab, (n,), generator=gen).tolist() for row, n in ((1, 9), (2, 4), (5, 13))}
+    logits = worker.step([(row, ids) for row, ids in seqs.items()], num_decode=0)
+    for row, tok in zip(seqs, logits.argmax(-1).tolist()):
+        seqs[row] = seqs[row] + [tok]
+    batch = worker.make_batch([(row, seqs[row][-1:]) for row in seqs], num_decode=3)
+    inputs = GraphInputs(4, scratch, worker.kv_cache.req_to_token, max_seq_len=64)
+    inputs.load(batch, 4)
+    padded = ours.forward(inputs.batch(4), worker.kv_cache)  # [4, V]
+    torch.testing.assert_close(padded[:3], torch.stack([hf_logits(hf, seqs[row])[-1] for row in seqs]), **TOL)

@@ -234,7 +234,7 @@ def cli_fields() -> list:
 
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Device": Device, "DType": DType,
-          "AdmissionPolicy": AdmissionPolicy}
+          "AdmissionPolicy": AdmissionPolicy, "KernelBackend": KernelBackend}
 
 
 def _base_type(annotation: Any) -> type:

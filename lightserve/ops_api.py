@@ -78,5 +78,6 @@ async def server_info(request: Request) -> Response:
                           "max_running_requests": cfg.running_max_req_size,
                           "chunked_prefill_size": cfg.chunked_prefill_size,
                           "disable_radix_cache": cfg.disable_prompt_cache,
-                          "device": cfg.device.value, "dtype": cfg.data_type.value,
+                          "device": cfg.device.value, "kernel_backend": cfg.kernel_backend.value,
+                          "dtype": cfg.data_type.value,
                           "shutdown_grace_s": cfg.shutdown_grace_s, "version": VERSION})

@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import aiohttp
+import httpx
 import pytest
 import torch
 
@@ -90,6 +91,7 @@ def test_the_worker_alone_runs_triton_in_the_interpreter(served):
     srv, _, _ = served
     log = srv.log_path.read_text()
     assert re.search(r"KV cache: KVCache of 512 tokens, .* on cpu, triton kernels", log), srv.log_tail()
+    assert httpx.get(srv.url + "/get_server_info", timeout=10).json()["kernel_backend"] == "triton"
     pids = dict(re.findall(r"started (\S+) pid (\d+)", log))
     environ = {name: Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for name, pid in pids.items()}
     assert b"TRITON_INTERPRET=1" in environ["worker-tp0"]

@@ -22,6 +22,7 @@ from lightserve.kernels.prefill_attention import (
     _softcap_log2,
     c_kv_layout,
     dot_precision,
+    fits_in_smem,
     softcap_args,
     softcap_attention_ref,
 )
@@ -162,7 +163,7 @@ def _decode_merge_kernel(
 def decode_attention_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
     max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0, num_splits: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
 ) -> Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -179,6 +180,9 @@ def decode_attention_triton(
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
+    block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs at least 16 rows
+    default_n, num_stages = decode_blocks(head_dim, group, q.element_size())
+    block_n = block_n or default_n
     if num_splits is None:
         keys = min(max_seq_len, window) if window > 0 else max_seq_len
         num_splits = _default_num_splits(q.device, batch * num_kv_heads, triton.cdiv(keys, block_n))
@@ -190,9 +194,9 @@ def decode_attention_triton(
         q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E, window,
         *softcap_args(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), num_heads,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs at least 16 rows
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=dot_precision(q.dtype),
-        USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0, num_warps=4, num_stages=2,
+        GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PRECISION=dot_precision(q.dtype), USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0, num_warps=4,
+        num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads,
@@ -258,6 +262,17 @@ def decode_attention_c_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_
             seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0),
             v_cache.stride(0), k_cache.stride(1), v_cache.stride(1), req_to_token.stride(0), sm_scale, window, softcap,
             torch.get_num_threads())
+
+
+def decode_blocks(head_dim: int, group: int, elem_size: int) -> tuple[int, int]:
+    """(BLOCK_N, num_stages) of the split kernel: the longest key tile whose shared memory estimate fits next to
+    the group's query tile (prefill_attention.fits_in_smem). float32 at head_dim 256 gets 32 (64 would need about
+    276 KB)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_g = max(16, triton.next_power_of_2(group))
+    num_stages = 2
+    block_n = next((n for n in (64, 32) if fits_in_smem(block_g, n, block_d, num_stages, elem_size)), 16)
+    return block_n, num_stages
 
 
 def warm_up_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor,

@@ -10,6 +10,8 @@ block is long).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -24,7 +26,12 @@ from lightserve.kernels.decode_attention import (
     _default_num_splits,
 )
 from lightserve.kernels.linear import PackedLinear, PrepackedLinear, linear
-from lightserve.kernels.prefill_attention import dot_precision
+from lightserve.kernels.prefill_attention import dot_precision, fits_in_smem
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    HostInts = np.ndarray | Tensor  # [B] integers; numpy: read with no device sync
 
 _LOG2E = 1.4426950408889634
 
@@ -72,7 +79,9 @@ def mla_decode_attention_ref(
     return out[:, 0].to(q_latent.dtype)
 
 
-@triton.jit
+# q_latent is a transposed bmm output ([H, B, R] viewed as [B, H, R]): its head stride is B * R, which changes with
+# the batch; specialized on (% 16), it would make a new variant for some batch sizes when R is not a multiple of 16.
+@triton.jit(do_not_specialize=["ql_stride_h"])
 def _mla_decode_split_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, mid_o_ptr, mid_lse_ptr, req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
     qk_scale, ql_stride_b, ql_stride_h, qp_stride_b, qp_stride_h, cache_stride_row, r2t_stride, num_heads,
@@ -132,7 +141,8 @@ def _mla_decode_split_kernel(
 
 def mla_decode_attention_triton(
     q_latent: Tensor, q_pe: Tensor, latent_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    max_seq_len: int, sm_scale: float, num_splits: int | None = None, block_n: int = 32, block_h: int = 16,
+    max_seq_len: int, sm_scale: float, num_splits: int | None = None, block_n: int | None = None,
+    block_h: int = 16,
 ) -> Tensor:
     """Flash-decoding over the latent rows: stage 1 per (request, block of heads, split), then decode_attention's
     merge kernel with head_dim R."""
@@ -149,6 +159,9 @@ def mla_decode_attention_triton(
     if batch == 0:
         return out
     head_blocks = triton.cdiv(num_heads, block_h)
+    block_r, block_p = max(16, triton.next_power_of_2(rank)), max(16, triton.next_power_of_2(rope_dim))
+    default_n, num_stages = mla_decode_blocks(rank, rope_dim, block_h, q_latent.element_size())
+    block_n = block_n or default_n
     if num_splits is None:
         num_splits = _default_num_splits(q_latent.device, batch * head_blocks, triton.cdiv(max_seq_len, block_n))
     assert num_splits in SPLIT_BUCKETS, num_splits
@@ -158,15 +171,24 @@ def mla_decode_attention_triton(
         q_latent, q_pe, latent_cache, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
         req_to_token.stride(0), num_heads,
-        RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), ROPE_DIM=rope_dim,
-        BLOCK_P=max(16, triton.next_power_of_2(rope_dim)), BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(q_latent.dtype), num_warps=4, num_stages=2,
+        RANK=rank, BLOCK_R=block_r, ROPE_DIM=rope_dim, BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_N=block_n,
+        NUM_SPLITS=num_splits, PRECISION=dot_precision(q_latent.dtype), num_warps=4, num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads,
         HEAD_DIM=rank, BLOCK_D=triton.next_power_of_2(rank), NUM_SPLITS=num_splits, num_warps=4,
     )
     return out
+
+
+def mla_decode_blocks(rank: int, rope_dim: int, block_h: int, elem_size: int) -> tuple[int, int]:
+    """(BLOCK_N, num_stages) of the MLA split kernel: the longest latent tile (BLOCK_N rows of R + Dr, the value
+    being the key's own first R columns) whose shared memory estimate fits (prefill_attention.fits_in_smem).
+    DeepSeek-V3 (R 512, Dr 64) gets 32 in every dtype."""
+    block_d = max(16, triton.next_power_of_2(rank)) + max(16, triton.next_power_of_2(rope_dim))
+    num_stages = 2
+    block_n = next((n for n in (32, 16) if fits_in_smem(block_h, n, block_d, num_stages, elem_size, block_dv=0)), 16)
+    return block_n, num_stages
 
 
 def mla_decode_attention(
@@ -192,17 +214,21 @@ def warm_up_mla_decode_attention(q_latent: Tensor, q_pe: Tensor, latent_cache: T
 
 def mla_prefill_attention(
     q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, kv_b_proj: Tensor | PackedLinear | PrepackedLinear,
-    v_head_dim: int, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor, prefix_lens: Tensor,
-    extend_lens: Tensor, sm_scale: float,
+    v_head_dim: int, req_to_token: Tensor, req_rows: HostInts, q_start_locs: HostInts, prefix_lens: HostInts,
+    extend_lens: HostInts, sm_scale: float,
 ) -> Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves, K/V up-projected from the
     latents: q_nope [T, H, Dn], q_pe [T, H, Dr] (roped), kv_b_proj [H * (Dn + Dv), R] -> [T, H, Dv].
 
     HF DeepseekV3Attention's op order: k = cat(k_nope, k_pe), q = cat(q_nope, q_pe), one SDPA per request. Torch
-    on CPU and GPU alike: prefill is GEMM-bound (kv_b_proj), and the attention is one SDPA call per request."""
+    on CPU and GPU alike: prefill is GEMM-bound (kv_b_proj), and the attention is one SDPA call per request.
+    The loop runs on the host, so the per-request metadata is read there: pass host arrays (numpy, as
+    ForwardBatch.host_metadata gives them; MLAAttention does) and the call makes no device->host sync. Device
+    tensors work too, at the cost of one sync each."""
     num_tokens, num_heads, nope_dim = q_nope.shape
     rank = latent_cache.shape[2] - q_pe.shape[2]
     out = torch.empty(num_tokens, num_heads, v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+    # .tolist() of a numpy array is a host read; of a CUDA tensor, a sync.
     metadata = zip(req_rows.tolist(), q_start_locs.tolist(), prefix_lens.tolist(), extend_lens.tolist())
     for row, start, prefix_len, extend_len in metadata:
         if extend_len == 0:

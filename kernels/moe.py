@@ -175,7 +175,9 @@ def moe_align_block_size(topk_ids: Tensor, block_m: int, num_experts: int) -> tu
     return sorted_pairs, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
-@triton.jit
+# num_pairs (T*k) changes every step: specialized on like other ints (== 1, % 16 == 0), it would compile a new
+# variant mid-serving whenever the batch's pair count crossed a residue the warm-up did not launch.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
     N, K, num_pairs, a_stride, w_stride_e, w_stride_n, out_stride,
@@ -247,11 +249,13 @@ def fused_experts(x: Tensor, weights: ExpertWeights, topk_weights: Tensor, topk_
     return fused_experts_cpu(x, weights, topk_weights, topk_ids)
 
 
-def warm_up_fused_experts(x: Tensor, weights: ExpertWeights, top_k: int) -> None:
+def warm_up_fused_experts(x: Tensor, weights: ExpertWeights, top_k: int,
+                          route_dtype: torch.dtype = torch.float32) -> None:
     """Compile the grouped GEMM for both block sizes fused_experts_triton picks, with the model's dtype and shapes
-    (x [T, H], any T >= 1). The outputs are discarded."""
+    (x [T, H], any T >= 1) and the routing weights' dtype (float32; Qwen3-MoE's are x.dtype). The outputs are
+    discarded. Every other argument's key is the same at any T (num_pairs is not specialized on)."""
     ids = torch.arange(top_k, device=x.device).remainder(weights.num_experts).expand(x.shape[0], top_k)
-    route_w = torch.full(ids.shape, 1.0 / top_k, dtype=torch.float32, device=x.device)
+    route_w = torch.full(ids.shape, 1.0 / top_k, dtype=route_dtype, device=x.device)
     for block_m in (16, 64):
         fused_experts_triton(x, weights, route_w, ids.contiguous(), block_m=block_m)
 

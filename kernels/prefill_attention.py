@@ -170,8 +170,8 @@ def prefill_attention_triton(
     if batch == 0 or max_extend_len == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = block_m or (128 if block_d <= 64 else 64)
-    block_n = block_n or 64
+    default_m, default_n, num_warps, num_stages = prefill_blocks(head_dim, q.element_size())
+    block_m, block_n = block_m or default_m, block_n or default_n
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _prefill_attention_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
@@ -180,9 +180,38 @@ def prefill_attention_triton(
         out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION=dot_precision(q.dtype), USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0,
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def prefill_blocks(head_dim: int, elem_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for a head_dim and element size: the
+    largest tiles whose shared memory estimate fits (fits_in_smem). float32 at head_dim 192 or 256 (BLOCK_D 256)
+    gets 32 x 32 tiles; 64 x 64 would need about 336 KB."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_warps, num_stages = (4 if block_d <= 64 else 8), 2
+    tiles = ((128 if block_d <= 64 else 64, 64), (64, 32), (32, 32), (16, 16))
+    block_m, block_n = next((t for t in tiles if fits_in_smem(*t, block_d, num_stages, elem_size)), tiles[-1])
+    return block_m, block_n, num_warps, num_stages
+
+
+def attention_smem_bytes(block_m: int, block_n: int, block_d: int, num_stages: int, elem_size: int,
+                         block_dv: int | None = None) -> int:
+    """Estimated shared memory of one program of a flash-attention kernel (prefill, decode, MLA decode): the query
+    tile (block_m x block_d, loaded once), num_stages buffers of the key and value tiles the software pipeline keeps
+    in flight (block_n x (block_d + block_dv); block_dv defaults to block_d, 0 where V is the key's own tile, as in
+    MLA) and P (block_m x block_n) staged for the second dot, all of elem_size bytes."""
+    block_dv = block_d if block_dv is None else block_dv
+    return elem_size * (block_m * block_d + num_stages * block_n * (block_d + block_dv) + block_m * block_n)
+
+
+def fits_in_smem(block_m: int, block_n: int, block_d: int, num_stages: int, elem_size: int,
+                 block_dv: int | None = None) -> bool:
+    """Whether attention_smem_bytes leaves SMEM_SLACK_BYTES of SMEM_LIMIT_BYTES free (Triton's own scratch: layout
+    conversions, reductions). A kernel past the limit fails to launch ("out of resource: shared memory")."""
+    used = attention_smem_bytes(block_m, block_n, block_d, num_stages, elem_size, block_dv)
+    return used + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES
 
 
 def prefill_attention(
@@ -257,3 +286,6 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# H100 and H200: 228 KB of shared memory per SM, of which one block may use 227 KB.
+SMEM_LIMIT_BYTES = 227 * 1024
+SMEM_SLACK_BYTES = 32 * 1024  # kept free of the tiles (fits_in_smem)

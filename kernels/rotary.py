@@ -37,12 +37,15 @@ def rotary_emb_ref(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) -> 
 def _rotary_kernel(
     x_ptr, pos_ptr, cos_sin_ptr,
     x_stride_t, x_stride_h, cos_sin_stride,
-    num_heads,
+    num_heads, max_pos,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)  # int64: token * x_stride_t may pass 2**31 in a large step
     head_block = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
+    # The table has max_pos rows and nothing else bounds pos here (ModelRunner caps a request's length). Compiled
+    # out unless Triton runs with debug on (TRITON_DEBUG=1), so it costs nothing when serving.
+    tl.device_assert((pos >= 0) & (pos < max_pos), "rotary: position outside the cos/sin table")
     # BLOCK_HALF is head_dim / 2 rounded up to a power of two (head_dim 80, 96); padding lanes are masked.
     dims = tl.arange(0, BLOCK_HALF)
     d_mask = dims < HALF
@@ -74,7 +77,7 @@ def rotary_emb_triton(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor) 
         block_h = min(triton.next_power_of_2(x.shape[1]), 16)
         grid = (num_tokens, triton.cdiv(x.shape[1], block_h))
         _rotary_kernel[grid](
-            x, positions, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), x.shape[1],
+            x, positions, cos_sin, x.stride(0), x.stride(1), cos_sin.stride(0), x.shape[1], cos_sin.shape[0],
             HALF=head_dim // 2, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h,
         )
 

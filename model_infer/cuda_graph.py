@@ -4,12 +4,16 @@ A pure-decode batch of B requests is padded to the next captured size G and repl
 read static input buffers (`GraphInputs`, device-agnostic so its padding is tested on CPU); a
 replay copies the step's inputs into them (device to device, no allocation per step). Padding
 entries point at a scratch KV row (`pad_kv_loc`, one past the router's range) and at request row 0
-with length 1, so they compute garbage that is never read.
+with length 1, so they compute garbage that is never read. Every graph copies its logits into one
+shared [max_batch, vocab] float32 buffer (`CudaGraphRunner.output`), so the per-graph logits are
+temporaries of the shared memory pool. How a graph is captured (`CudaGraphs`) is an argument, so a
+test runs the runner's bookkeeping on CPU with a stand-in.
 """
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,14 +82,48 @@ class GraphInputs:
         self.prefix_lens[b:g].zero_()
 
 
+class CudaGraphs:
+    """How CudaGraphRunner captures: torch.cuda.CUDAGraph under torch.cuda.graph, after two warm-up runs on the
+    capture's side stream (Triton compiles and autotunes outside the capture). A stand-in for tests has the same
+    three methods; its graphs need only `replay()` and `pool()`."""
+
+    def __init__(self) -> None:
+        self.stream = torch.cuda.Stream()
+
+    def capture(self, fn: Callable[[], None], pool) -> torch.cuda.CUDAGraph:
+        """A graph of fn(); its memory comes from `pool` (None: a new one, which `graph.pool()` then shares)."""
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+            fn()
+        return graph
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def free_bytes(self) -> int:
+        return torch.cuda.mem_get_info()[0]
+
+
 class CudaGraphRunner:
-    def __init__(self, model, kv_cache: KVCache | LatentKVCache, max_batch: int, max_seq_len: int, pad_kv_loc: int):
+    def __init__(self, model, kv_cache: KVCache | LatentKVCache, max_batch: int, max_seq_len: int, pad_kv_loc: int,
+                 graphs: CudaGraphs | None = None, barrier: Callable[[], None] | None = None):
+        """`graphs`: how to capture (default CudaGraphs: real CUDA graphs); `barrier`: called before each capture
+        (ModelRunner passes a barrier of the TP group with tp > 1, so no rank captures its NCCL collectives while a
+        peer still runs a warm-up or an earlier capture)."""
         self.model = model
         self.kv_cache = kv_cache
         self.sizes = capture_sizes(max_batch)
         self.inputs = GraphInputs(self.sizes[-1], pad_kv_loc, kv_cache.req_to_token, max_seq_len)
+        # [max_batch, vocab] float32, allocated outside the graphs' pool: every graph's logits land here.
+        self.output = torch.empty(self.sizes[-1], model.config.vocab_size, dtype=torch.float32,
+                                  device=kv_cache.req_to_token.device)
+        self.capturer = graphs or CudaGraphs()
+        self.barrier = barrier
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
         self.capture_s = 0.0
         self.capture_bytes = 0
         self._capture_all()
@@ -98,34 +136,48 @@ class CudaGraphRunner:
         return (batch.num_decode == batch.num_reqs and 0 < batch.num_reqs <= self.sizes[-1]
                 and batch.logits_indices.shape[0] == batch.num_reqs and batch.max_seq_len <= self.max_seq_len)
 
+    def size_for(self, num_reqs: int) -> int:
+        """The captured size a batch of num_reqs requests replays: the smallest at least as large."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_reqs)]
+
     @torch.inference_mode()
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, vocab] float32 of a pure-decode batch (every request samples)."""
-        g = self.sizes[bisect.bisect_left(self.sizes, batch.num_reqs)]
+        """Logits [B, vocab] float32 of a pure-decode batch (every request samples): a view of the shared output
+        buffer, valid until the next replay."""
+        g = self.size_for(batch.num_reqs)
         self.inputs.load(batch, g)
         self.graphs[g].replay()
-        return self.outputs[g][:batch.num_reqs]
+        return self.output[:batch.num_reqs]
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
-        free_before, _ = torch.cuda.mem_get_info()
+        free_before = self.capturer.free_bytes()
         pool = None
-        stream = torch.cuda.Stream()
         # Largest first, so the smaller graphs reuse the largest one's memory pool.
         for g in reversed(self.sizes):
-            batch = self.inputs.batch(g)
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                    self.model.forward(batch, self.kv_cache)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[g] = self.model.forward(batch, self.kv_cache)
+            if self.barrier is not None:
+                self.barrier()
+            graph = self.capturer.capture(self._step_fn(g), pool)
             pool = graph.pool()
             self.graphs[g] = graph
-        torch.cuda.synchronize()
+        self.capturer.synchronize()
         self.capture_s = time.perf_counter() - t0
-        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s, %.0f MiB",
-                    len(self.graphs), self.sizes[-1], self.capture_s, self.capture_bytes / 2**20)
+        self.capture_bytes = max(0, free_before - self.capturer.free_bytes())
+        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s, %.0f MiB, writing one "
+                    "%.0f MiB logits buffer", len(self.graphs), self.sizes[-1], self.capture_s,
+                    self.capture_bytes / 2**20, self.output.nbytes / 2**20)
+
+    def _step_fn(self, g: int) -> Callable[[], None]:
+        """What graph g runs: the forward of the size-g static batch, its logits (a temporary of the pool, free
+        again for the next graph's capture) copied into the shared output."""
+        batch = self.inputs.batch(g)
+
+        def step() -> None:
+            self.output[:g].copy_(self.model.forward(batch, self.kv_cache))
+        return step
+
+
+def graph_output_bytes(max_batch: int, vocab_size: int) -> int:
+    """Bytes of CudaGraphRunner.output for graphs up to max_batch (ModelRunner reserves them before sizing KV)."""
+    return max_batch * vocab_size * 4

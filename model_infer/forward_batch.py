@@ -4,6 +4,11 @@
 The model reads everything it needs from this object; there is no module-level context.
 Batch order: the `num_decode` decode requests come first (one new token each), then the
 extend (prefill) requests, each with `extend_len` new tokens after `prefix_len` cached ones.
+
+Two things keep a step free of avoidable GPU work: every device array a Triton kernel takes starts 16-byte aligned
+whatever the batch shape (HostStaging pads; the extend requests' arrays are their own segments, not slices at
+offset num_decode), so no step meets a kernel variant the warm-up did not compile; and the per-request metadata
+is also kept on the host (`host`), so code that loops over requests in Python reads it without a device sync.
 """
 from __future__ import annotations
 
@@ -16,6 +21,25 @@ import torch
 if TYPE_CHECKING:
     from lightserve.messages import BatchPlan
     from lightserve.model_infer.host_staging import HostStaging
+
+
+@dataclass(frozen=True)
+class ExtendInputs:
+    """The extend requests' (num_decode .. B-1) metadata as the prefill attention kernels take it: int32 [num_extend]
+    device arrays, each 16-byte aligned (a slice [num_decode:] would start wherever num_decode puts it)."""
+    req_rows: torch.Tensor
+    q_start_locs: torch.Tensor   # rebased to token num_decode: offsets into q[num_decode:]
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """The step's per-request metadata on the host, int32 numpy [B] in batch order (the BatchPlan's)."""
+    req_rows: np.ndarray
+    prefix_lens: np.ndarray
+    extend_lens: np.ndarray
+    q_start_locs: np.ndarray
 
 
 @dataclass
@@ -36,6 +60,26 @@ class ForwardBatch:
     # Only each logits row's argmax is read (every sampled row greedy, unprocessed, reporting no logprob): the model
     # may return logits exact only near each row's maximum (kernels/argmax_head.py).
     argmax_only: bool = False
+    # make_forward_batch fills both; a batch built elsewhere (CUDA-graph buffers, tests) leaves them None and the
+    # accessors below derive them once.
+    extend: ExtendInputs | None = None
+    host: HostMetadata | None = None
+
+    def extend_inputs(self) -> ExtendInputs:
+        """The extend requests' metadata (ExtendInputs)."""
+        if self.extend is None:  # slices: aligned only by chance, but such batches are decode-only or tests
+            nd = self.num_decode
+            self.extend = ExtendInputs(self.req_rows[nd:], self.q_start_locs[nd:] - nd, self.prefix_lens[nd:],
+                                       self.extend_lens[nd:])
+        return self.extend
+
+    def host_metadata(self) -> HostMetadata:
+        """The per-request metadata on the host (HostMetadata): no device sync for a batch make_forward_batch
+        built, one read of the device arrays per batch otherwise."""
+        if self.host is None:
+            self.host = HostMetadata(*(t.cpu().numpy() for t in (self.req_rows, self.prefix_lens, self.extend_lens,
+                                                                   self.q_start_locs)))
+        return self.host
 
     @property
     def num_reqs(self) -> int:
@@ -59,16 +103,18 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
     rows = np.repeat(plan.shm_indices, extend)                                 # [T]
     seq_lens = plan.prefix_lens + extend                                       # [B]
     logits_idx = np.concatenate([(q_start + extend - 1)[plan.sample], plan.prompt_logit_idx]).astype(np.int32)
-    # Every integer array of the step in one host-to-device copy (pinned and asynchronous on CUDA).
+    nd = plan.num_decode
+    # Every integer array of the step in one host-to-device copy (pinned and asynchronous on CUDA), each 16-byte
+    # aligned; the extend requests' arrays are copied as their own segments (ExtendInputs).
     (input_ids, positions_t, kv_locs, rows_t, req_rows, prefix_lens, extend_t, seq_lens_t, q_start_t,
-     logits_idx_t, fill_rows, fill_pos, fill_locs) = staging.upload(
+     logits_idx_t, fill_rows, fill_pos, fill_locs, *extend_inputs) = staging.upload(
         [plan.input_ids, positions, plan.kv_locs, rows, plan.shm_indices, plan.prefix_lens, extend, seq_lens,
-         q_start, logits_idx, plan.fill_rows, plan.fill_pos, plan.fill_locs])
+         q_start, logits_idx, plan.fill_rows, plan.fill_pos, plan.fill_locs,
+         plan.shm_indices[nd:], q_start[nd:] - nd, plan.prefix_lens[nd:], extend[nd:]])
     if plan.fill_rows.size:
         req_to_token[fill_rows.long(), fill_pos.long()] = fill_locs
     positions_t = positions_t.long()
     req_to_token[rows_t.long(), positions_t] = kv_locs
-    nd = plan.num_decode
     return ForwardBatch(
         input_ids=input_ids.long(),
         positions=positions_t,
@@ -84,4 +130,6 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
         max_extend_len=int(extend[nd:].max()) if extend.shape[0] > nd else 0,
         req_to_token=req_to_token,
         argmax_only=argmax_only,
+        extend=ExtendInputs(*extend_inputs),
+        host=HostMetadata(*(np.asarray(a, np.int32) for a in (plan.shm_indices, plan.prefix_lens, extend, q_start))),
     )

@@ -18,6 +18,9 @@ from lightserve.model_infer.sampler import SamplingTensors, greedy_host, greedy_
 from lightserve.model_infer.token_history import TokenHistory
 from lightserve.shm.req_pool import ReqPool
 
+# Prompt-logprob rows per log_softmax: 1024 x a 128k vocabulary is 512 MiB of float32 (ModelRunner reserves it).
+PROMPT_LOGPROB_ROWS = 1024
+
 
 class OutputWriter:
     """Rank 0: sample, publish tokens in shm, notify the router and the detokenizer."""
@@ -107,14 +110,19 @@ class OutputWriter:
         slots = plan.shm_indices[b]
         target_pos = plan.prefix_lens[b] + (tok - q_start[b]) + 1                # [E]
         targets = torch.from_numpy(pool.token_ids[slots, target_pos].astype(np.int64)).to(logits.device)
-        logp = torch.log_softmax(logits, dim=-1)                                  # [E, vocab]
-        pool.logprobs[slots, target_pos] = logp.gather(1, targets[:, None])[:, 0].cpu().numpy()
         k_each = np.minimum(pool.params["prompt_logprobs"][slots], pool.max_top_logprobs)
         k = int(k_each.max())
-        if k > 0:
-            vals, ids = logp.topk(k, dim=-1)                                      # [E, k]
-            pool.top_ids[slots, target_pos, :k] = ids.cpu().numpy().astype(np.int32)
-            pool.top_logprobs[slots, target_pos, :k] = vals.cpu().numpy()
+        # PROMPT_LOGPROB_ROWS rows at a time, each chunk's results in shm before the next: a step's E rows (up to
+        # --batch_max_tokens) never hold a [E, vocab] log_softmax beside the logits. Row by row the same numbers.
+        for start in range(0, tok.size, PROMPT_LOGPROB_ROWS):
+            part = slice(start, start + PROMPT_LOGPROB_ROWS)
+            logp = torch.log_softmax(logits[part], dim=-1)                       # [n, vocab]
+            pool.logprobs[slots[part], target_pos[part]] = logp.gather(1, targets[part, None])[:, 0].cpu().numpy()
+            if k > 0:
+                vals, ids = logp.topk(k, dim=-1)                                  # [n, k]
+                pool.top_ids[slots[part], target_pos[part], :k] = ids.cpu().numpy().astype(np.int32)
+                pool.top_logprobs[slots[part], target_pos[part], :k] = vals.cpu().numpy()
+            del logp
 
     def _sample_and_publish(self, idx: np.ndarray, logits: torch.Tensor) -> np.ndarray:
         """Returns each row's FinishReason [S] uint8."""
@@ -137,8 +145,11 @@ class OutputWriter:
             next_ids = torch.from_numpy(host[0])
             ids, lps = host[0].astype(np.int32), host[1]
         else:
+            # A row that reports no logprob (SamplingParams.report_logprobs) needs no logsumexp: with none, sample()
+            # takes none and returns zeros (the rows with top logprobs get theirs below).
             next_ids, logprobs = sample(logits, SamplingTensors.from_params(params, num_out),
-                                        raw_logits=None if logits is raw else raw)
+                                        raw_logits=None if logits is raw else raw,
+                                        logprobs=bool(params["report_logprobs"].any()))
         pos = prompt_lens + num_out                              # where each new token goes
         self.history.append(idx, pos, next_ids)
         if host is None:

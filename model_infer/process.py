@@ -51,7 +51,7 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                              config.tp, tp_group, num_req_rows=config.req_pool_size,
                              max_req_total_len=config.max_req_total_len,
                              kv_size=config.max_total_token_num, ranks_per_node=config.ranks_per_node,
-                             kernel_backend=config.kernel_backend,
+                             kernel_backend=config.kernel_backend, max_step_tokens=config.batch_max_tokens,
                              cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.

@@ -49,8 +49,8 @@ class SamplingTensors:
                    **{name: torch.from_numpy(params[name].copy()) for name in names})
 
 
-def sample(logits: torch.Tensor, params: SamplingTensors,
-           raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, params: SamplingTensors, raw_logits: torch.Tensor | None = None,
+           logprobs: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     logits [B, V] float32; params: one row each (SamplingTensors). Every decision on the parameters
@@ -58,7 +58,8 @@ def sample(logits: torch.Tensor, params: SamplingTensors,
     non-blocking copies, so on a GPU the only waits are the caller's read of the result and a top_p
     row's full-sort check. min_p drops tokens whose probability is below min_p times the top token's
     (after temperature). raw_logits [B, V]: the model's logits before any processing (penalties,
-    bias), for logprobs; None means `logits`.
+    bias), for logprobs; None means `logits`. logprobs=False: no row's logprob is read, so no full-vocabulary
+    logsumexp is taken (the returned logprobs are zeros, or the C kernel's exact ones where it runs).
     Returns next_ids [B] int64 and logprobs [B] float32: log_softmax of the raw (untempered) logits
     at the chosen token. Does not modify its inputs.
     """
@@ -100,9 +101,10 @@ def sample(logits: torch.Tensor, params: SamplingTensors,
             to_dev(min_ps, logits.dtype), to_dev(seeds.to(torch.int64)),  # via int64: uint64 supports few ops
             to_dev(steps, torch.int64), greedy_dev, to_dev(filter_rows), to_dev(min_p_rows), k_needed, all_have_k)
         next_ids = torch.where(greedy_dev, greedy_ids, random_ids)
+    if not logprobs:
+        return next_ids, torch.zeros(next_ids.shape[0], dtype=torch.float32, device=dev)
     chosen = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
-    logprobs = chosen - torch.logsumexp(raw, dim=-1)  # [B]
-    return next_ids, logprobs
+    return next_ids, chosen - torch.logsumexp(raw, dim=-1)  # [B]
 
 
 def greedy_cpu(logits: torch.Tensor, lib=None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -141,11 +143,15 @@ def _greedy_fused(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _argmax_logsumexp(logits: torch.Tensor, lib=None) -> tuple[np.ndarray, np.ndarray] | None:
-    """greedy_cpu's kernel call with numpy outputs: (argmax [B] int64, logsumexp [B] float32) or None."""
+    """greedy_cpu's kernel call with numpy outputs: (argmax [B] int64, logsumexp [B] float32) or None.
+    Logits off the CPU return None before the library is asked for: library() may build it with gcc, which a GPU
+    worker's first greedy step must not wait for."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+        return None
     from lightserve.kernels.cpu import library, profiled
 
     lib = lib or library()
-    if lib is None or logits.is_cuda or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    if lib is None:
         return None
     rows, vocab = logits.shape
     ids = np.empty(rows, dtype=np.int64)

@@ -116,6 +116,12 @@ class DecoderLM:
         warm_up_decode_attention(q, kv_cache.k_caches[0], kv_cache.v_caches[0], kv_cache.req_to_token, req_rows,
                                  seq_lens, self.attention_variants())
 
+    def warm_up_kernels(self, kv_cache: KVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Compile the Triton kernel variants a warm-up step does not reach at every shape (ModelRunner.warm_up
+        calls it after its steps): decode attention at every split count (`warm_up_attention`, arguments as there).
+        Families extend it with their own (the MoE blocks' grouped GEMMs)."""
+        self.warm_up_attention(kv_cache, req_rows, seq_lens)
+
     def attention_variants(self) -> set[tuple[int, float]]:
         """The (window, softcap) pairs the layers pass to the attention kernels (for warm-up compiles)."""
         return {(self.config.window(i), self.config.attn_softcap) for i in range(self.config.num_layers)}
@@ -188,20 +194,38 @@ class DecoderLM:
         dist.all_reduce(out, group=self.tp_group)
         return out
 
-    def _logits(self, x: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, argmax_only: bool = False, chunk_rows: int = 1024) -> torch.Tensor:
         """x [B, hidden] after the final norm -> [B, V] float32 logits; with argmax_only, exact only near each row's
-        maximum where the model has an argmax head."""
+        maximum where the model has an argmax head. A float32 model's logits are the lm_head's output itself (the
+        softcap applied in place). Where B passes chunk_rows (prompt logprobs: up to a whole step's tokens) and the
+        head's output is not already the float32 logits (bfloat16, or tp > 1 with its all-gather buffers), the head
+        runs chunk_rows rows at a time into one float32 output, so no [B, V] model-dtype or gathered copy is held
+        beside it."""
         if argmax_only and self.argmax_head is not None:
             return argmax_logits(x, self.argmax_head)  # [B, V]
-        logits = kernels.linear(x, self.lm_head)  # [B, V] (tp > 1: [B, Vp])
-        if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits, group=self.tp_group)
-            logits = torch.cat(parts, dim=-1)[:, : self.config.vocab_size]  # [B, V], padding dropped
-        cap = self.config.final_softcap
-        if cap > 0:  # Gemma 2, in the model dtype as HF computes it
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+
+        def head(rows: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, V], model dtype, a fresh tensor
+            logits = kernels.linear(rows, self.lm_head)  # [n, V] (tp > 1: [n, Vp])
+            if self.tp_size > 1:
+                parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+                dist.all_gather(parts, logits, group=self.tp_group)
+                logits = torch.cat(parts, dim=-1)[:, : self.config.vocab_size]  # [n, V], padding dropped
+            cap = self.config.final_softcap
+            if cap > 0:  # Gemma 2, in the model dtype as HF computes it (/ cap, tanh, * cap), in place
+                logits.div_(cap).tanh_().mul_(cap)
+            return logits
+
+        num_rows = x.shape[0]
+        if num_rows <= chunk_rows or (self.dtype == torch.float32 and self.tp_size == 1):
+            logits = head(x)
+            return logits if logits.dtype == torch.float32 else logits.float()
+        first = head(x[:chunk_rows])
+        out = torch.empty(num_rows, first.shape[1], dtype=torch.float32, device=x.device)  # [B, V]
+        out[:chunk_rows] = first
+        del first
+        for start in range(chunk_rows, num_rows, chunk_rows):
+            out[start:start + chunk_rows] = head(x[start:start + chunk_rows])
+        return out
 
 
 def _pack_layer(layer: LayerWeights, pack) -> LayerWeights:
@@ -232,9 +256,12 @@ class AttentionInputs:
         self.decode_req_rows = batch.req_rows[:nd]  # [num_decode]
         self.decode_seq_lens = batch.seq_lens[:nd]  # [num_decode]
         self.has_extend = batch.num_reqs > nd
-        self.extend_req_rows = batch.req_rows[nd:]  # [num_extend]
+        # The extend requests' own 16-byte aligned arrays, not slices at offset num_decode: Triton compiles the
+        # prefill kernel once per pointer alignment, and a slice's would change with num_decode.
+        ext = batch.extend_inputs()
+        self.extend_req_rows = ext.req_rows  # [num_extend]
         # q[num_decode:] starts at token num_decode, so extend offsets are rebased to it.
-        self.extend_q_start_locs = batch.q_start_locs[nd:] - nd  # [num_extend]
-        self.extend_prefix_lens = batch.prefix_lens[nd:]  # [num_extend]
-        self.extend_lens = batch.extend_lens[nd:]  # [num_extend]
+        self.extend_q_start_locs = ext.q_start_locs  # [num_extend]
+        self.extend_prefix_lens = ext.prefix_lens  # [num_extend]
+        self.extend_lens = ext.extend_lens  # [num_extend]
         return self

@@ -35,6 +35,7 @@ from lightserve.model_infer.latent_kv_cache import LatentKVCache
 from lightserve.model_infer.mla_layer import MLAAttention, MLAConfig, build_mla_cos_sin, load_mla_weights
 from lightserve.model_infer.models import llama
 from lightserve.model_infer.models.hf_config import base_fields, refuse_keys
+from lightserve.model_infer.models.moe import warm_up_moe_blocks
 from lightserve.model_infer.moe_layers import MoEBlock, MoEConfig, load_moe_weights
 from lightserve.model_infer.weights import TPShards
 
@@ -200,6 +201,12 @@ class DeepseekV3ForCausalLM(llama.LlamaForCausalLM):
         q_pe = torch.zeros(1, heads, nope + rope, dtype=self.dtype, device=self.device)[..., nope:]
         warm_up_mla_decode_attention(q_latent, q_pe, kv_cache.latent_caches[0], kv_cache.req_to_token, req_rows,
                                      seq_lens)
+
+    def warm_up_kernels(self, kv_cache: LatentKVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """MLA decode at every split count (warm_up_attention), plus the MoE blocks' grouped GEMMs at both block
+        sizes."""
+        super().warm_up_kernels(kv_cache, req_rows, seq_lens)
+        warm_up_moe_blocks(self.moe_blocks.values(), self.dtype, self.device)
 
 
 Model = DeepseekV3ForCausalLM

@@ -17,15 +17,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightserve.config import KernelBackend
-from lightserve.kernels.moe import ExpertWeights, intermediate_shard, shard_expert_weights
+from lightserve.kernels.moe import ExpertWeights, intermediate_shard, shard_expert_weights, warm_up_fused_experts
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models import llama
 from lightserve.model_infer.moe_layers import MoEBlock, MoEConfig, MoEWeights
 from lightserve.model_infer.weights import TPShards
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch.distributed as dist
 
+    from lightserve.model_infer.kv_cache import KVCache
     from lightserve.model_infer.weights import CheckpointReader, LayerWeights, ModelWeights
 
 ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
@@ -133,6 +136,29 @@ class MoEForCausalLM(llama.LlamaForCausalLM):
     def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         block = self.moe_blocks.get(i)
         return self._mlp(layer, x) if block is None else block(x)
+
+    def warm_up_kernels(self, kv_cache: KVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Decode attention as every family, plus the MoE blocks' grouped GEMMs at both block sizes."""
+        super().warm_up_kernels(kv_cache, req_rows, seq_lens)
+        warm_up_moe_blocks(self.moe_blocks.values(), self.dtype, self.device)
+
+
+def warm_up_moe_blocks(blocks: Iterable[MoEBlock], dtype: torch.dtype, device: torch.device) -> None:
+    """Compile the fused-MoE grouped GEMM at both block sizes fused_experts picks (by the step's pair count), with
+    the blocks' expert shapes and routing-weight dtype; once per distinct block shape (a model's MoE blocks usually
+    share one). Nothing to compile under the CPU backend. Shared with models/deepseek.py."""
+    warmed = set()
+    for block in blocks:
+        cfg, experts = block.config, block.weights.experts
+        if block.backend is not KernelBackend.TRITON:
+            return
+        route_dtype = dtype if cfg.weights_in_model_dtype else torch.float32  # as MoEBlock.forward routes
+        shape = (tuple(experts.gate_up.shape), tuple(experts.down.shape), cfg.top_k, route_dtype)
+        if shape in warmed:
+            continue
+        warmed.add(shape)
+        x = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=device)  # [T, H], as the post-attention norm makes it
+        warm_up_fused_experts(x, experts, cfg.top_k, route_dtype)
 
 
 Model = MoEForCausalLM

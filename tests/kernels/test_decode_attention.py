@@ -94,6 +94,14 @@ def test_decode_triton_strided_q_and_default_splits():
                                **TOL[torch.float16])
 
 
+def test_decode_triton_head_dim_256_in_float32():
+    # The key tile decode_blocks picks to fit shared memory (32 here), default split counts.
+    batch, q, meta = _decode_case([1, 45], 2, 1, 256, torch.float32)
+    out = decode_attention_triton(q, batch.k_cache, batch.v_cache, **meta)
+    torch.testing.assert_close(out, decode_attention_ref(q, batch.k_cache, batch.v_cache, **meta),
+                               **TOL[torch.float32])
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (9, 3), (32, 8), (5, 1), (7, 1), (8, 1), (12, 1)])

@@ -3,6 +3,8 @@ Triton latent decode kernel against the reference, over ragged lengths, masked h
 import pytest
 import torch
 
+from lightserve.kernels.decode_attention import SPLIT_BUCKETS
+from lightserve.kernels.launch_keys import record_launches
 from lightserve.kernels.mla_attention import (
     mla_decode,
     mla_decode_attention_ref,
@@ -95,8 +97,35 @@ def test_store_latent_writes_rows_at_kv_locs():
     assert cache[[0, 1, 3, 4, 6, 8, 9]].abs().sum() == 0
 
 
+def _layer_queries(batch_size, num_heads, rank, g):
+    """q_latent and q_pe laid out as MLAAttention passes them: q_latent a [B, H, R] transposed view of the bmm's
+    [H, B, R] output (head stride B * R), q_pe the rope columns of the [B, H, Dn + Dr] query projection."""
+    q_latent = torch.randn(num_heads, batch_size, rank, generator=g).to(DEVICE).transpose(0, 1)
+    q_pe = torch.randn(batch_size, num_heads, NOPE + ROPE, generator=g).to(DEVICE)[..., NOPE:]
+    return q_latent, q_pe
+
+
 def test_warm_up_compiles_every_split_count():
-    batch, _, meta, g = _case([3], 2, 32, torch.float32)
-    q = torch.randn(1, 2, 32 + ROPE, generator=g).to(DEVICE)
-    warm_up_mla_decode_attention(q[..., :32], q[..., 32:], batch.k_cache, meta["req_to_token"], meta["req_rows"],
-                                 meta["seq_lens"])
+    # rank 40: the head stride B * 40 is a multiple of 16 for some batch sizes only (not specialized on).
+    num_heads, rank = 2, 40
+    batch, _, meta, g = _case(SEQ_LENS, num_heads, rank, torch.float32)
+    with record_launches() as warm:
+        q_latent, q_pe = _layer_queries(1, num_heads, rank, g)
+        warm_up_mla_decode_attention(q_latent, q_pe, batch.k_cache, meta["req_to_token"], meta["req_rows"][:1],
+                                     meta["seq_lens"][:1])
+    for kernel in ("_mla_decode_split_kernel", "_decode_merge_kernel"):
+        splits = {entry[2] for name, spec in warm.keys if name == kernel for entry in spec if entry[0] == "NUM_SPLITS"}
+        assert splits == set(SPLIT_BUCKETS), (kernel, splits)
+    # Decode steps of 1 to 4 requests (default split counts): nothing the warm-up did not compile.
+    with record_launches() as served:
+        for batch_size in range(1, len(SEQ_LENS) + 1):
+            q_latent, q_pe = _layer_queries(batch_size, num_heads, rank, g)
+            seq_lens = meta["seq_lens"][:batch_size]
+            out = mla_decode_attention_triton(q_latent, q_pe, batch.k_cache, meta["req_to_token"],
+                                              meta["req_rows"][:batch_size], seq_lens, max(SEQ_LENS[:batch_size]),
+                                              meta["sm_scale"])
+            expect = mla_decode_attention_ref(q_latent, q_pe, batch.k_cache, meta["req_to_token"],
+                                              meta["req_rows"][:batch_size], seq_lens, max(SEQ_LENS[:batch_size]),
+                                              meta["sm_scale"])
+            torch.testing.assert_close(out, expect, **TOL[torch.float32])
+    assert served.keys <= warm.keys, sorted(served.keys - warm.keys, key=str)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightserve.kernels.cpu import library
+from lightserve.kernels.launch_keys import record_launches
 from lightserve.kernels.linear import (
     onednn_available,
     pack_linear_weight,
@@ -148,6 +149,30 @@ def test_tp_shards_sum_to_the_full_experts(tp_size):
         shard_expert_weights(full.gate_up, full.down, 0, 5)
 
 
-def test_warm_up_runs_both_block_sizes():
-    weights = _experts(4, 32, 16, torch.float32)
-    warm_up_fused_experts(torch.randn(3, 32, device=DEVICE), weights, 2)
+def _gemm_keys(log) -> set:
+    return {spec for name, spec in log.keys if name == "_grouped_gemm_kernel"}
+
+
+def _entry(spec, name):
+    return next(entry[1:] for entry in spec if entry[0] == name)
+
+
+def test_warm_up_launches_every_key_of_serving():
+    # top_k 3 with T = 1 .. 16 tokens: T*k takes every residue mod 16, and both block sizes (16 up to 4 * E pairs).
+    num_experts, top_k = 4, 3
+    weights = _experts(num_experts, 32, 16, torch.float32)
+    with record_launches() as warm:
+        warm_up_fused_experts(torch.randn(3, 32, device=DEVICE), weights, top_k)
+    # Both block sizes for both GEMMs (gate_up: TOP_K k, unweighted; down: TOP_K 1, weighted).
+    assert {(_entry(s, "BLOCK_M"), _entry(s, "TOP_K"), _entry(s, "MUL_WEIGHT")) for s in _gemm_keys(warm)} == {
+        (("constexpr", m), ("constexpr", k), ("constexpr", k == 1)) for m in (16, 64) for k in (top_k, 1)}
+    assert len(_gemm_keys(warm)) == 4
+    with record_launches() as served:
+        for num_tokens in range(1, 17):
+            topk_w, topk_ids = _routing(num_tokens, num_experts, top_k, seed=num_tokens)
+            x = torch.randn(num_tokens, 32, device=DEVICE)
+            out = fused_experts_triton(x, weights, topk_w, topk_ids)
+            if num_tokens in (1, 16):  # both block sizes compute the right thing
+                torch.testing.assert_close(out, fused_experts_ref(x, weights, topk_w, topk_ids), **TOL[torch.float32])
+    assert {_entry(s, "BLOCK_M") for s in _gemm_keys(served)} == {("constexpr", 16), ("constexpr", 64)}
+    assert served.keys <= warm.keys, sorted(served.keys - warm.keys, key=str)

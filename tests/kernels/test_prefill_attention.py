@@ -92,6 +92,14 @@ def test_prefill_triton_strided_q_and_default_blocks():
                                **TOL[torch.float16])
 
 
+def test_prefill_triton_head_dim_256_in_float32():
+    # The tiles prefill_blocks picks to fit shared memory (32 x 32 here); the second request's keys span two tiles.
+    batch, q, meta = _prefill_case([(0, 5), (37, 3)], 2, 1, 256, torch.float32)
+    out = prefill_attention_triton(q, batch.k_cache, batch.v_cache, **meta)
+    torch.testing.assert_close(out, prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta),
+                               **TOL[torch.float32])
+
+
 # The C kernel's cases: every query-block and key-block edge (16-token query blocks at G=3, 96-key blocks),
 # a 1-token extend after a long prefix, and a prefix ending inside a key block.
 C_REQS = [(0, 130), (100, 40), (64, 1), (0, 1), (5, 17), (63, 66), (95, 98)]

@@ -64,6 +64,23 @@ def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dt
     torch.testing.assert_close(qkv, qkv_ref, **TOL[dtype])
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a device assert ends the CUDA context: checked in the interpreter")
+def test_rotary_triton_asserts_the_table_bound_in_debug_mode(monkeypatch):
+    # The kernel's guard on pos < max_pos is compiled in only with Triton's debug mode (TRITON_DEBUG=1 on a GPU), so
+    # serving pays nothing for it; the interpreter builds with its builder's options, switched to debug here.
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    cos_sin, _ = _cos_sin(64, 16)
+    _, q, k = _qkv_views(torch.float32, 3, 2, 1, 64)
+    builder = interpreter.interpreter_builder
+    monkeypatch.setattr(builder, "options", dataclasses.replace(builder.options, debug=True))
+    rotary_emb_triton(q, k, torch.tensor([0, 15, 3]), cos_sin)
+    with pytest.raises(Exception, match="position outside the cos/sin table"):
+        rotary_emb_triton(q, k, torch.tensor([0, 15, 16]), cos_sin)
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("variant", c_library_variants())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

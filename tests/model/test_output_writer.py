@@ -105,3 +105,77 @@ def test_a_step_planned_ahead_takes_its_inputs_and_drops_what_the_step_before_en
     assert isinstance(ready, TokensReady) and ready.shm_indices.tolist() == [1]
     assert pool.num_output[:2].tolist() == [1, 2] and pool.output_ids(1, 0, 2).tolist() == [7, 9]
     assert pool.finish[0] == FinishReason.STOP and pool.token_ids[0, 4] == 0
+
+
+def _prompt_logprob_step(pool, prompt_logprobs: int = 3) -> tuple[BatchPlan, torch.Tensor]:
+    """Two prompts of 9 and 7 tokens computed in one step, both asking for prompt logprobs: the plan and its logits
+    ([2 sampled + 14 prompt rows, VOCAB])."""
+    params = dataclasses.replace(GREEDY, prompt_logprobs=prompt_logprobs)
+    gen = torch.Generator().manual_seed(3)
+    for slot, n in ((0, 9), (1, 7)):
+        pool.acquire(slot, req_id=10 + slot)
+        pool.write_request(slot, torch.randint(3, VOCAB, (n,), generator=gen).tolist(), params, seed=0)
+    i32 = lambda xs: np.array(xs, np.int32)  # noqa: E731
+    plan = BatchPlan(step=1, shm_indices=i32([0, 1]), req_ids=np.array([10, 11], np.int64), prefix_lens=i32([0, 0]),
+                     extend_lens=i32([9, 7]), sample=np.array([True, True]), input_ids=i32([1] * 16),
+                     kv_locs=i32(range(16)), num_decode=0, prompt_logit_idx=i32([*range(8), *range(9, 15)]))
+    return plan, torch.randn(16, VOCAB, generator=gen)
+
+
+def test_prompt_logprobs_in_chunks_equal_one_pass(make_pool, monkeypatch):
+    from lightserve.model_infer import output_writer
+
+    results, rows_seen = [], []
+    log_softmax = torch.log_softmax
+
+    def recording_log_softmax(t: torch.Tensor, dim: int) -> torch.Tensor:
+        rows_seen.append(t.shape[0])
+        return log_softmax(t, dim)
+
+    for chunk in (None, 4):
+        pool = make_pool(num_slots=4, max_len=64)
+        plan, logits = _prompt_logprob_step(pool)
+        writer = OutputWriter(pool, SimpleNamespace(eos_token_ids=(2,), vocab_size=VOCAB), "", _NoSocket(),
+                              _NoSocket())
+        rows_seen.clear()
+        with monkeypatch.context() as patch:
+            if chunk is not None:
+                patch.setattr(output_writer, "PROMPT_LOGPROB_ROWS", chunk)
+            patch.setattr(torch, "log_softmax", recording_log_softmax)
+            writer.write(plan, logits, 0.0)
+        assert max(rows_seen) == (14 if chunk is None else chunk)   # never more rows than a chunk at once
+        results.append([pool.logprobs[:2, :10].copy(), pool.top_ids[:2, :10].copy(),
+                        pool.top_logprobs[:2, :10].copy()])
+        # Token p + 1 of each prompt scored by the logits after token p.
+        ref = torch.log_softmax(logits[2:], dim=-1)
+        targets = np.concatenate([pool.token_ids[0, 1:9], pool.token_ids[1, 1:7]])
+        got = np.concatenate([pool.logprobs[0, 1:9], pool.logprobs[1, 1:7]])
+        np.testing.assert_array_equal(got, ref[torch.arange(14), torch.from_numpy(targets.astype(np.int64))].numpy())
+    for one_pass, chunked in zip(*results):
+        np.testing.assert_array_equal(one_pass, chunked)
+
+
+def test_no_logsumexp_unless_a_sampled_row_reports_its_logprob(pool, monkeypatch):
+    writer = OutputWriter(pool, SimpleNamespace(eos_token_ids=(2,), vocab_size=VOCAB), "", _NoSocket(), _NoSocket())
+    sampled = dataclasses.replace(GREEDY, temperature=0.8)   # through sample(), not the greedy C kernel
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(5))
+    for slot in (0, 1):
+        pool.acquire(slot, req_id=10 + slot)
+        pool.write_request(slot, [1, 1, 1], sampled, seed=slot)
+    logsumexp = torch.logsumexp
+    calls = []
+    monkeypatch.setattr(torch, "logsumexp", lambda t, dim: calls.append(tuple(t.shape)) or logsumexp(t, dim))
+    writer.write(_plan([0, 1], [True, True]), logits, 0.0)
+    assert calls == []
+    quiet_ids = pool.token_ids[:2, 3].copy()
+    # The same step with slot 1 reporting its logprob: the ids do not change, and the logprobs are the batch's
+    # chosen logit minus its logsumexp, as before.
+    for slot, report in ((2, False), (3, True)):                       # the same seeds in slots 2 and 3
+        pool.acquire(slot, req_id=10 + slot)
+        pool.write_request(slot, [1, 1, 1], dataclasses.replace(sampled, report_logprobs=report), seed=slot - 2)
+    writer.write(_plan([2, 3], [True, True]), logits, 0.0)
+    assert calls == [(2, VOCAB)]
+    ids = pool.token_ids[2:4, 3]
+    np.testing.assert_array_equal(ids, quiet_ids)
+    want = logits.gather(1, torch.from_numpy(ids.astype(np.int64))[:, None])[:, 0] - logsumexp(logits, -1)
+    np.testing.assert_array_equal(pool.logprobs[2:4, 3], want.numpy())

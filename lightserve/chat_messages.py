@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lightserve.chat_output import template_takes_tools, with_tool_prompt
+from lightserve.chat_output import template_takes_tools, with_calls_in_text, with_tool_prompt
 from lightserve.sampling import ParamError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -23,15 +23,18 @@ def render_chat(tokenizer: Any, messages: Any, param: str = "messages", tools: l
                 tool_call_parser: str | None = None) -> str:
     """Messages through the model's chat template (transformers renders it in a sandboxed Jinja env),
     ending with the assistant's turn. `tools` go to the template's `tools` argument, or into the
-    system message for a template that takes none (chat_output.with_tool_prompt)."""
+    system message for a template that takes none (chat_output.with_tool_prompt), which then sees
+    past tool calls in the assistant's text (chat_output.with_calls_in_text)."""
     import jinja2  # only where chats are rendered
 
     norm = normalize_messages(messages, param)
     kwargs = {}
-    if tools:
-        if template_takes_tools(tokenizer.chat_template):
+    if template_takes_tools(tokenizer.chat_template):
+        if tools:
             kwargs["tools"] = tools
-        else:
+    else:
+        norm = with_calls_in_text(norm, tool_call_parser)
+        if tools:
             norm = with_tool_prompt(norm, tools, tool_call_parser)
     try:
         return tokenizer.apply_chat_template(norm, tokenize=False, add_generation_prompt=True, **kwargs)

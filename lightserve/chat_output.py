@@ -19,7 +19,7 @@ from lightserve.tool_parsers import TOOL_PARSERS, ForcedCallParser, Parsed, Tool
 
 class ToolMode(Enum):
     NONE = "none"          # no tools given, or tool_choice "none": the model answers in text
-    AUTO = "auto"          # the model may call; --tool_call_parser reads the calls out of its text
+    AUTO = "auto"          # the model may call; the tool parser reads the calls out of its text
     REQUIRED = "required"  # grammar: a JSON list of {"name", "parameters"}, at least one
     NAMED = "named"        # grammar: the arguments object of one function
 
@@ -76,7 +76,8 @@ def plan_tools(tools: Any, tool_choice: Any, parallel: Any, parser_name: str | N
         return ToolPlan(ToolMode.NONE, tools, None, parallel)
     if choice == "auto":
         if parser_name is None:
-            raise ParamError("tool_choice", '"auto" needs the server started with --tool_call_parser')
+            raise ParamError("tool_choice", '"auto" needs the server started with --tool_call_parser: this '
+                                            "model's chat template and family name no tool-call format")
         return ToolPlan(ToolMode.AUTO, tools, None, parallel)
     if choice == "required":
         return ToolPlan(ToolMode.REQUIRED, tools, None, parallel)
@@ -94,6 +95,21 @@ def template_takes_tools(template: Any) -> bool:
     if isinstance(template, dict):  # named templates: {"default": ..., "tool_use": ...}
         return "tool_use" in template or any(template_takes_tools(t) for t in template.values())
     return isinstance(template, str) and "tools" in template
+
+
+def with_calls_in_text(messages: list[dict], parser_name: str | None) -> list[dict]:
+    """For templates without tool support: past assistant tool_calls written into the message's
+    content in the parser's format (hermes' without a parser), so the model sees the calls that its
+    tool messages answer. Normalized messages in (arguments as objects), template-ready ones out."""
+    parser = TOOL_PARSERS[parser_name or "hermes"]
+    out = []
+    for msg in messages:
+        if msg.get("tool_calls"):
+            calls = parser.render([(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]])
+            msg = {k: v for k, v in msg.items() if k != "tool_calls"}
+            msg["content"] = f"{msg['content']}\n{calls}" if msg["content"] else calls
+        out.append(msg)
+    return out
 
 
 def with_tool_prompt(messages: list[dict], tools: list[dict], parser_name: str | None) -> list[dict]:

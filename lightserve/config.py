@@ -16,7 +16,7 @@ from typing import Any, Sequence, get_args, get_origin
 from lightserve.model_config import ModelConfig
 from lightserve.reasoning_parsers import REASONING_PARSERS
 from lightserve.sampling import MAX_TOP_LOGPROBS
-from lightserve.tool_parsers import TOOL_PARSERS
+from lightserve.tool_parsers import AUTO, TOOL_PARSERS
 
 SHM_PREFIX = "lightserve-"
 # Default longest request (prompt + output) when --max_req_total_len is not given, capped by the model's
@@ -97,7 +97,7 @@ class ServerConfig:
     served_model_name: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+", "help": "model name(s) in the OpenAI API, the first one reported, any one accepted; default: the folder name"})
     chat_template: str | None = field(default=None, metadata={"help": "a Jinja chat template file that overrides the model's"})
     generation_config: str = field(default="auto", metadata={"help": "default sampling params: 'auto' = the model's generation_config.json, 'vllm' = none (the server's defaults), or a folder holding a generation_config.json"})
-    tool_call_parser: str | None = field(default=None, metadata={"help": f"how tool calls are read from the output (tool_choice auto): {', '.join(TOOL_PARSERS)}"})
+    tool_call_parser: str = field(default=AUTO, metadata={"help": f"how tool calls are read from the output (tool_choice auto): {', '.join(TOOL_PARSERS)}, or auto (the format the chat template or model family speaks, logged at start)"})
     reasoning_parser: str | None = field(default=None, metadata={"help": f"split reasoning into reasoning_content: {', '.join(REASONING_PARSERS)}"})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     start_timeout_s: float = field(default=600.0, metadata={"help": "seconds each child may take to report ready"})
@@ -136,8 +136,8 @@ class ServerConfig:
              f"{self.chat_template!r} is not a file")
         need(self.generation_config in ("auto", "vllm") or os.path.isdir(self.generation_config), "generation_config",
              f"must be auto, vllm or a folder, got {self.generation_config!r}")
-        need(self.tool_call_parser is None or self.tool_call_parser in TOOL_PARSERS, "tool_call_parser",
-             f"must be one of {sorted(TOOL_PARSERS)}")
+        need(self.tool_call_parser == AUTO or self.tool_call_parser in TOOL_PARSERS, "tool_call_parser",
+             f"must be {AUTO} or one of {sorted(TOOL_PARSERS)}")
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
              f"must be one of {sorted(REASONING_PARSERS)}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", f"unknown level {self.log_level!r}")

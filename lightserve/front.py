@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
 from lightserve.chat_messages import render_chat
+from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
 from lightserve.generation import Generation
 from lightserve.sampling import GrammarKind, ParamError, SamplingParams
 
@@ -53,8 +54,21 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class ErrorStyle(Enum):
-    OPENAI = "openai"      # {"error": {"message", "type", "param", "code"}}
-    LIGHTLLM = "lightllm"  # {"error": message, "param": field}
+    OPENAI = "openai"        # {"error": {"message", "type", "param", "code"}}
+    LIGHTLLM = "lightllm"    # {"error": message, "param": field}
+    ANTHROPIC = "anthropic"  # {"type": "error", "error": {"type", "message"}}
+
+
+# Anthropic's error types by HTTP status (its overloaded_error comes with 529; here with 503).
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                     429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+
+
+def anthropic_error(status: int, message: str) -> dict:
+    """Anthropic's error body for an HTTP status (also the data of a stream's error event)."""
+    kind = _ANTHROPIC_ERRORS.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 class ApiRouter(APIRouter):
@@ -96,13 +110,26 @@ class Front:
     probe: asyncio.Future | None = None  # the /health_generate probe in progress, shared by concurrent calls
     model_names: tuple[str, ...] = ()  # every name a request may give (--served_model_name aliases)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from generation_config.json
+    tool_parser: str | None = None  # --tool_call_parser, resolved (tool_parsers.choose_tool_parser)
 
     @property
     def max_model_len(self) -> int:
         return self.engine.max_req_total_len
 
     def render_chat(self, messages: Any, param: str = "messages", tools: list[dict] | None = None) -> str:
-        return render_chat(self.tokenizer, messages, param, tools, self.config.tool_call_parser)
+        return render_chat(self.tokenizer, messages, param, tools, self.tool_parser)
+
+    def plan_tools(self, tools: Any, tool_choice: Any, parallel: Any) -> ToolPlan:
+        return plan_tools(tools, tool_choice, parallel, self.tool_parser)
+
+    def chat_output(self, plan: ToolPlan, prompt: str) -> ChatOutput:
+        """A reader of one choice's output: reasoning, content and the calls `plan` allows."""
+        return ChatOutput(plan, self.tool_parser, self.config.reasoning_parser, prompt)
+
+    async def chat_prompt(self, messages: Any, plan: ToolPlan, param: str) -> tuple[str, list[int]]:
+        """The chat rendered with the plan's tools, and its token ids (the template has the specials)."""
+        prompt = self.render_chat(messages, param, tools=plan.prompt_tools)
+        return prompt, await encode_text(self, prompt, param, add_special_tokens=False)
 
 
 def get_front(request: Request) -> Front:
@@ -214,6 +241,16 @@ def grammar_of(param: str, json_schema: Any = None, regex: Any = None, ebnf: Any
     if not isinstance(value, str):
         raise ApiError(400, "must be a string", param)
     return kind, value
+
+
+def chat_grammar(plan: ToolPlan, param: str, schema: Any = None, json_object: bool = False
+                 ) -> tuple[GrammarKind, str]:
+    """A chat request's one grammar: its forced tool call's (tool_choice required or named), else
+    the structured output that `param` gave (a JSON schema, or any JSON object)."""
+    forced = plan.grammar_schema()
+    if forced is not None and (schema is not None or json_object):
+        raise ApiError(400, f"a forced tool call (tool_choice) cannot be combined with {param}", "tool_choice")
+    return grammar_of(param, forced if forced is not None else schema, json_object=json_object)
 
 
 def stop_list(stop: Any, param: str) -> list[str]:

@@ -1,24 +1,29 @@
 """Running requests for the HTTP routes: to their end (`generate_one`, `run_all`), or as a stream of
 (request index, delta) whose first delta is awaited before the response starts (`start_stream`);
-`until_disconnect` ties either to the client's connection, and `EventStream` is the SSE response.
+`until_disconnect` ties either to the client's connection, `relay` turns one request's deltas into
+an API's stream events, and `EventStream` is the SSE response.
 """
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Send
 
-from lightserve.front import ClientGone, Front
+from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
+from lightserve.front import ClientGone, Front, dumps
 from lightserve.generation import Generation, gather_all
+from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from lightserve.metrics import ReqTimer
+
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 Item = tuple[int, ReqDelta]  # (index of the request in the call's list, its delta)
@@ -118,6 +123,52 @@ async def until_disconnect(request: Request, aw: Awaitable[T]) -> T:
     work.cancel()
     await asyncio.gather(work, return_exceptions=True)
     raise ClientGone()
+
+
+async def relay(start: list[bytes], first: ReqDelta, items: AsyncIterator[Item], timer: ReqTimer,
+                events: Callable[[ReqDelta], list[bytes]], error: Callable[[str, str], bytes]
+                ) -> AsyncIterator[bytes]:
+    """One request's SSE body in an API's event shape: `start`, then `events(delta)` for each delta
+    (the final one last: its finish is set), each delta's events sent together. A failure mid-stream
+    (timeout, engine dead, drain ended, a bug) ends it with `error(code, message)`. Records the
+    request's latency metrics on `timer`."""
+    delta: ReqDelta | None = first
+    ended = False
+    try:
+        yield b"".join(start)
+        while delta is not None:
+            if delta.token_ids:
+                timer.on_tokens(len(delta.token_ids))
+            out = events(delta)
+            if delta.finish != FinishReason.NONE:
+                ended = True
+                timer.on_finish(delta.finish.api_name())
+            if out:
+                yield b"".join(out)
+            item = None if ended else await anext(items, None)
+            delta = None if item is None else item[1]
+    except Exception as exc:  # noqa: BLE001 - the response has started: an error event is all we can send
+        ended = True
+        timer.on_finish("error")
+        yield error(*stream_error(exc))
+    finally:
+        if not ended:
+            timer.on_finish("disconnect")
+        await items.aclose()
+
+
+def sse_event(kind: str, body: dict) -> bytes:
+    """A named server-sent event, as the Responses and Anthropic streams send them."""
+    return b"event: " + kind.encode() + b"\ndata: " + dumps(body) + b"\n\n"
+
+
+def stream_error(exc: Exception) -> tuple[str, str]:
+    """(code, message) of a failure in a stream that already started; unexpected ones are logged."""
+    for kind, code in ((RequestTimeout, "timeout"), (EngineDead, "engine_dead"), (ShuttingDown, "shutting_down")):
+        if isinstance(exc, kind):
+            return code, str(exc)
+    logger.error("stream failed", exc_info=exc)
+    return "internal_error", "internal server error"
 
 
 class EventStream(StreamingResponse):

@@ -15,7 +15,7 @@ from fastapi import Request
 from starlette.responses import Response
 
 from lightserve.api_schema import SamplingFields, StrictModel
-from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
+from lightserve.chat_output import ToolPlan
 from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
 from lightserve.front import (
     ApiError,
@@ -191,14 +191,12 @@ async def chat_completions(request: Request) -> Response:
     req = parse_model(ChatCompletionRequest, await read_json(request))
     check_model(front, req.model)
     n = check_n(front, req.n, "n")
-    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, front.config.tool_call_parser)
+    plan = front.plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     grammar = _chat_grammar(req, plan)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-    prompt = front.render_chat(req.messages, tools=plan.prompt_tools)
-    prompt_ids = await encode_text(front, prompt, "messages", add_special_tokens=False)
-    outputs = [ChatOutput(plan, front.config.tool_call_parser, front.config.reasoning_parser, prompt)
-               for _ in range(n)]
+    prompt, prompt_ids = await front.chat_prompt(req.messages, plan, "messages")
+    outputs = [front.chat_output(plan, prompt) for _ in range(n)]
     names = dict(_CHAT_NAMES)
     max_tokens = req.max_tokens
     if req.max_completion_tokens is not None:

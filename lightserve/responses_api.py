@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -18,17 +17,14 @@ from starlette.responses import Response
 
 from lightserve.api_schema import StrictModel
 from lightserve.chat_messages import normalize_message
-from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
-from lightserve.engine_client import EngineDead, RequestTimeout
+from lightserve.chat_output import ChatOutput, ToolPlan
 from lightserve.front import (
     ApiError,
     ApiRouter,
     Front,
+    chat_grammar,
     check_model,
-    dumps,
-    encode_text,
     get_front,
-    grammar_of,
     json_response,
     make_checked,
     parse_model,
@@ -37,14 +33,13 @@ from lightserve.front import (
 )
 from lightserve.front_streams import (
     EventStream,
-    Item,
     generate_one,
+    relay,
+    sse_event,
     start_stream,
     until_disconnect,
 )
-from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
-from lightserve.metrics import ReqTimer
 from lightserve.responses_input import (
     ResponseStore,
     chat_tool_choice,
@@ -52,8 +47,6 @@ from lightserve.responses_input import (
     input_messages,
     text_format,
 )
-
-logger = get_logger(__name__)
 
 router = ApiRouter(generation=True)
 
@@ -100,28 +93,30 @@ async def create_response(request: Request) -> Response:
                                 "stored)", "previous_response_id")
         history = found
     messages = history + input_messages(req.input)
-    plan = plan_tools(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls,
-                      front.config.tool_call_parser)
-    schema, json_object = text_format(req.text)
-    forced = plan.grammar_schema()
-    if forced is not None and (schema is not None or json_object):
-        raise ApiError(400, 'tool_choice "required" or a named function cannot be combined with text.format',
-                       "tool_choice")
-    kind, grammar = grammar_of("text.format", forced if forced is not None else schema, json_object=json_object)
+    plan = front.plan_tools(chat_tools(req.tools), chat_tool_choice(req.tool_choice), req.parallel_tool_calls)
+    kind, grammar = chat_grammar(plan, "text.format", *text_format(req.text))
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    prompt = front.render_chat(system + messages, "input", tools=plan.prompt_tools)
-    prompt_ids = await encode_text(front, prompt, "input", add_special_tokens=False)
+    prompt, prompt_ids = await front.chat_prompt(system + messages, plan, "input")
     max_tokens = front.max_model_len if req.max_output_tokens is None else req.max_output_tokens
     params = make_checked(front, prompt_ids, request_params(req, front.sampling_defaults, max_new_tokens=max_tokens,
                                                             grammar_kind=kind, grammar=grammar,
                                                             report_logprobs=False), "input", _NAMES)
-    output = ChatOutput(plan, front.config.tool_call_parser, front.config.reasoning_parser, prompt)
+    output = front.chat_output(plan, prompt)
     builder = _OutputBuilder(_skeleton(front, req, plan))
     keep = None if req.store is False else (store, messages)
 
     if req.stream:
         (timer,), items, (_, first) = await start_stream(request, front, [prompt_ids], [params])
-        return EventStream(_events(front, builder, output, first, items, len(prompt_ids), timer, keep))
+
+        def events(delta: ReqDelta) -> list[bytes]:
+            out = builder.add(output.feed(delta.text, final=delta.finish != FinishReason.NONE))
+            if delta.finish != FinishReason.NONE:
+                out += builder.finish(delta.finish, _usage(front, len(prompt_ids), delta.num_output, delta.cached_len,
+                                                           output.reasoning))
+                _keep(keep, builder.head["id"], output)
+            return out
+
+        return EventStream(relay(builder.start(), first, items, timer, events, builder.error))
 
     g = await until_disconnect(request, generate_one(front, prompt_ids, params))
     builder.add(output.feed(g.text, final=True))
@@ -234,44 +229,7 @@ class _OutputBuilder:
         # Serialized at once: the items keep changing after their "added" event.
         body = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + dumps(body) + b"\n\n"
-
-
-async def _events(front: Front, builder: _OutputBuilder, output: ChatOutput, first: ReqDelta,
-                  items: AsyncIterator[Item], prompt_len: int, timer: ReqTimer,
-                  keep: tuple[ResponseStore, list[dict]] | None) -> AsyncIterator[bytes]:
-    delta: ReqDelta | None = first
-    ended = False
-    try:
-        yield b"".join(builder.start())
-        while delta is not None:
-            done = delta.finish != FinishReason.NONE
-            if delta.token_ids:
-                timer.on_tokens(len(delta.token_ids))
-            events = builder.add(output.feed(delta.text, final=done))
-            if done:
-                ended = True
-                timer.on_finish(delta.finish.api_name())
-                events += builder.finish(delta.finish, _usage(front, prompt_len, delta.num_output, delta.cached_len,
-                                                              output.reasoning))
-                _keep(keep, builder.head["id"], output)
-            if events:
-                yield b"".join(events)
-            item = None if done else await anext(items, None)
-            delta = None if item is None else item[1]
-    except (RequestTimeout, EngineDead) as exc:
-        ended = True
-        timer.on_finish("error")
-        yield builder.error("timeout" if isinstance(exc, RequestTimeout) else "engine_dead", str(exc))
-    except Exception:
-        logger.exception("stream failed")
-        ended = True
-        timer.on_finish("error")
-        yield builder.error("internal_error", "internal server error")
-    finally:
-        if not ended:
-            timer.on_finish("disconnect")
-        await items.aclose()
+        return sse_event(kind, body)
 
 
 def _skeleton(front: Front, req: ResponsesRequest, plan: ToolPlan) -> dict:

@@ -1,6 +1,7 @@
 """Tool-call parsers: the model's text -> plain content plus OpenAI-style tool calls.
 
-One small class per output format, chosen once by `--tool_call_parser` from `TOOL_PARSERS`. Each
+One small class per output format, chosen once by `--tool_call_parser` from `TOOL_PARSERS` (or, with
+`auto`, the default, by `choose_tool_parser` from the chat template and the model family). Each
 parser is incremental: `feed(delta)` returns what can be shown so far and `finish()` the rest, so a
 stream never shows half-parsed markup as content. `parse(text)` is defined as feed + finish, which
 makes the streamed pieces concatenate to exactly the non-streamed message.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -40,7 +42,7 @@ class ToolParser:
     (templates put newlines between calls), so trailing whitespace is held until it is followed by
     more content, and dropped at the end once a call was made."""
     name: ClassVar[str] = ""
-    # The text that starts a call; the fallback system prompt shows it (see tool_calls.py).
+    # The text that starts a call; the fallback system prompt shows it (chat_output.with_tool_prompt).
     example: ClassVar[str] = ""
 
     def __init__(self) -> None:
@@ -63,6 +65,12 @@ class ToolParser:
         out = self.feed(text)
         out.add(self.finish())
         return out
+
+    @classmethod
+    def render(cls, calls: list[tuple[str, dict]]) -> str:
+        """(name, arguments) calls written as the model writes them: a past assistant turn shown to
+        a template that takes no tool_calls. `parse` reads the text back."""
+        raise NotImplementedError
 
     def _step(self, final: bool) -> Parsed:
         raise NotImplementedError
@@ -95,6 +103,10 @@ class HermesParser(ToolParser):
     name = "hermes"
     example = '<tool_call>\n{"name": "<function name>", "arguments": {<arguments as JSON>}}\n</tool_call>'
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    @classmethod
+    def render(cls, calls: list[tuple[str, dict]]) -> str:
+        return "\n".join(f"{cls.OPEN}\n{_dumps({'name': n, 'arguments': a})}\n{cls.CLOSE}" for n, a in calls)
 
     def _step(self, final: bool) -> Parsed:
         out = Parsed()
@@ -131,6 +143,10 @@ class Llama3JsonParser(ToolParser):
     example = '{"name": "<function name>", "parameters": {<arguments as JSON>}}'
     TAG = "<|python_tag|>"
 
+    @classmethod
+    def render(cls, calls: list[tuple[str, dict]]) -> str:
+        return "; ".join(_dumps({"name": n, "parameters": a}) for n, a in calls)
+
     def __init__(self) -> None:
         super().__init__()
         self._mode: str | None = None  # None: undecided; "text"; "call"
@@ -161,6 +177,10 @@ class MistralParser(ToolParser):
     name = "mistral"
     example = '[TOOL_CALLS][{"name": "<function name>", "arguments": {<arguments as JSON>}}]'
     TAG = "[TOOL_CALLS]"
+
+    @classmethod
+    def render(cls, calls: list[tuple[str, dict]]) -> str:
+        return cls.TAG + _dumps([{"name": n, "arguments": a} for n, a in calls])
 
     def __init__(self) -> None:
         super().__init__()
@@ -210,6 +230,38 @@ class ForcedCallParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+AUTO = "auto"  # --tool_call_parser's default: choose_tool_parser reads the format off the model
+
+# What names a format, first match wins: text in the chat template, a token of the vocabulary, the
+# architecture. Qwen's and Hermes' templates write <tool_call>; Llama 3.1+ templates <|python_tag|>
+# (Llama 3.0's only the header tokens: its calls are read as 3.1's); Mistral's [TOOL_CALLS].
+_TEMPLATE_MARKS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+                   ("<|start_header_id|>", "llama3_json"))
+_VOCAB_MARKS = (("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"))
+_FAMILIES = {"Qwen2ForCausalLM": "hermes", "Qwen3ForCausalLM": "hermes", "Qwen3MoeForCausalLM": "hermes",
+             "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mistral"}
+
+
+def choose_tool_parser(setting: str | None, template: Any, vocab: Container[str],
+                       architecture: str | None) -> tuple[str | None, str]:
+    """(parser name, why) for `--tool_call_parser`: a named parser as given; for `auto`, the format
+    the chat template, the vocabulary or the model family speaks. A ChatML template with no tool
+    section (SmolLM2's) gets hermes, which the tool prompt of chat_output.with_tool_prompt then
+    describes. None when nothing matches: tool_choice "auto" is refused (400 naming the flag)."""
+    if setting != AUTO:
+        return setting, "--tool_call_parser"
+    source = "\n".join(template.values()) if isinstance(template, dict) else template or ""
+    for mark, name in _TEMPLATE_MARKS:
+        if mark in source:
+            return name, f"the chat template writes {mark}"
+    for token, name in _VOCAB_MARKS:
+        if token in vocab:
+            return name, f"the vocabulary has {token}"
+    if architecture in _FAMILIES:
+        return _FAMILIES[architecture], f"the model family {architecture}"
+    if "<|im_start|>" in source and "tools" not in source:
+        return "hermes", "the ChatML template has no tool section (lightserve's tool prompt asks for hermes calls)"
+    return None, "no known tool-call format in the chat template, vocabulary or model family"
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -219,6 +271,10 @@ def partial_suffix(text: str, tag: str) -> int:
         if tag.startswith(text[-k:]):
             return k
     return 0
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _loads(text: str) -> Any:

@@ -2,6 +2,8 @@
 error shape; afterwards a valid request still succeeds."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from .helpers import CONTEXT, VOCAB, asgi_client, make_app
@@ -122,7 +124,6 @@ CASES = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": 3}}]), 400,
      "tools.0.function.parameters"),
     (CHAT, chat(tool_choice="required"), 400, "tool_choice"),
-    (CHAT, chat(tools=[FN], tool_choice="auto"), 400, "tool_choice"),  # no --tool_call_parser here
     (CHAT, chat(tools=[FN], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice"),
     (CHAT, chat(tools=[FN], tool_choice="maybe"), 400, "tool_choice"),
     (CHAT, chat(tools=[FN], tool_choice="required", parallel_tool_calls="yes"), 400, "parallel_tool_calls"),
@@ -181,6 +182,19 @@ async def test_bad_input(engine, tokenizer, path, body, status, param):
               "/generate_stream": gen(max_new_tokens=2), "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [1]}}
         r = await client.post(path, json=ok[path])
         assert r.status_code == 200, r.text
+
+
+async def test_auto_tool_choice_needs_a_known_call_format(engine, tokenizer):
+    """--tool_call_parser auto (the default) finds no call format in a template that is neither ChatML
+    nor a known family's: tool_choice "auto" (also the default with tools) is refused, naming the flag."""
+    plain = copy.copy(tokenizer)  # the session's tokenizer keeps its own template
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    async with asgi_client(make_app(engine, plain)) as client:
+        for body in (chat(tools=[FN], tool_choice="auto"), chat(tools=[FN])):
+            r = await client.post(CHAT, json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "tool_choice" and "--tool_call_parser" in err["message"]
+        assert (await client.post(CHAT, json=chat(tools=[FN], tool_choice="required", max_tokens=2))).status_code == 200
 
 
 async def test_streamed_body_over_the_limit(engine, tokenizer):

@@ -7,9 +7,9 @@ import json
 import jsonschema
 import pytest
 
-from lightserve.chat_output import ChatOutput, ToolMode, plan_tools
+from lightserve.chat_output import ChatOutput, ToolMode, plan_tools, with_calls_in_text
 from lightserve.reasoning_parsers import REASONING_PARSERS
-from lightserve.tool_parsers import TOOL_PARSERS, ForcedCallParser, Parsed
+from lightserve.tool_parsers import TOOL_PARSERS, ForcedCallParser, Parsed, choose_tool_parser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -120,3 +120,38 @@ def test_required_and_named_grammars_accept_only_calls():
     assert _calls(parsed) == [("get_time", {})]
     assert ForcedCallParser(None).parse('[{"name": "get_ti').content == '[{"name": "get_ti'  # cut off: text
     assert plan_tools([WEATHER], "none", None, None).prompt_tools is None
+
+
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("setting, template, vocab, arch, parser", [
+    ("mistral", CHATML, {}, None, "mistral"),                                      # a named parser as given
+    ("auto", "{% if tools %}...<tool_call>{% endif %}<|im_start|>", {}, None, "hermes"),  # Qwen2.5/3, Hermes
+    ("auto", "{{ '<|start_header_id|>' }}{% if tools %}<|python_tag|>{% endif %}", {}, None, "llama3_json"),
+    ("auto", "[INST]{% if tools %}[TOOL_CALLS]{% endif %}", {}, None, "mistral"),
+    ("auto", {"default": "[INST]", "tool_use": "[TOOL_CALLS]"}, {}, None, "mistral"),  # named templates
+    ("auto", "[INST]", {"[TOOL_CALLS]": 5}, None, "mistral"),                      # from the vocabulary
+    ("auto", "<bos>{{ messages }}", {}, "Qwen3ForCausalLM", "hermes"),             # from the family
+    ("auto", CHATML, {}, "LlamaForCausalLM", "hermes"),                            # SmolLM2: lightserve's prompt
+    ("auto", CHATML.replace("{% for", "{% if tools %}{{ tools }}{% endif %}{% for"), {}, None, None),  # other tools
+    ("auto", "[INST]{{ messages }}", {}, "LlamaForCausalLM", None),                # nothing matches
+    ("auto", None, {}, None, None),
+])
+def test_choose_tool_parser(setting, template, vocab, arch, parser):
+    chosen, why = choose_tool_parser(setting, template, vocab, arch)
+    assert chosen == parser and why
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+def test_rendered_past_calls_parse_back(name):
+    calls = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    parsed = TOOL_PARSERS[name]().parse(TOOL_PARSERS[name].render(calls))
+    assert (parsed.content, _calls(parsed)) == ("", calls)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    shown = with_calls_in_text(messages, name)  # for a template that renders no tool_calls
+    assert shown[1] == {"role": "assistant", "content": "Checking.\n" + TOOL_PARSERS[name].render(calls[:1])}
+    assert shown[0] is messages[0] and shown[2] is messages[2]

@@ -3,9 +3,9 @@ anthropic client, unmodified: plain and streamed messages, a forced tool (whole 
 multi-turn exchange with tool_use / tool_result, stop sequences, usage with cache reads,
 count_tokens, and bad requests (Anthropic's error body, the server healthy after).
 
-One server for the module, started as `make serve` starts it (no tool flags: `--tool_call_parser
-auto` reads hermes off SmolLM2's ChatML template), so tool_choice "auto" also works out of the box
-for the openai client."""
+The e2e suite's shared server (tests/e2e/conftest.py), started with no tool flags as `make serve` starts it
+(`--tool_call_parser auto` reads hermes off SmolLM2's ChatML template), so tool_choice "auto" also works out of the
+box for the openai client."""
 from __future__ import annotations
 
 import json
@@ -16,22 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.server import ServerProc
-
 # Enums keep the grammar-bound input short, so a few tokens finish the call.
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
           "required": ["city"]}
 WEATHER = {"name": "get_weather", "description": "Current weather of a city", "input_schema": SCHEMA}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}  # the 2.x SDK has no temperature parameter: it travels in the body
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("anthropic") / "server.log"
-    srv = ServerProc("--data_type", "float32", "--max_total_token_num", "4096", log_path=log).wait_ready()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,13 @@ from torch import Tensor
 from lightserve.config import KernelBackend
 from lightserve.kernels.backend import runs_triton
 from lightserve.kernels.prefill_attention import (
-    _softcap_log2,
+    attention_scores,
     c_kv_layout,
     dot_precision,
     fits_in_smem,
+    load_kv_tile,
+    online_softmax_start,
+    online_softmax_step,
     softcap_args,
     softcap_attention_ref,
 )
@@ -108,36 +111,32 @@ def _decode_split_kernel(
     q_ptrs = q_ptr + req * q_stride_b + heads[:, None] * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_G, BLOCK_D)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
-        k = tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if USE_SOFTCAP:
-            qk = _softcap_log2(tl.dot(q, k, input_precision=PRECISION), softcap_scale, softcap_out)
-        else:
-            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head,
+                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask)
+        qk = attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION, USE_SOFTCAP)  # [BLOCK_G, BLOCK_N]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile in the loop has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # Every tile in the loop has a valid key, so the running max is finite.
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PRECISION, False)
 
-    # An empty chunk (short sequence) leaves l_i = 0: it writes lse = -inf and zeros, which stage 2 weighs 0.
+    mid = (req * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] row of mid_o [B, Hq, NUM_SPLITS, D]
+    store_split(m_i, l_i, acc, mid_o_ptr, mid_lse_ptr, mid, g_mask, offs_d, d_mask, HEAD_DIM)
+
+
+@triton.jit
+def store_split(m_i, l_i, acc, mid_o_ptr, mid_lse_ptr, mid, row_mask, offs_d, d_mask, WIDTH: tl.constexpr):
+    # A flash-decoding split's result, what the merge kernel reads: rows `mid` [M] of mid_o [.., WIDTH] get the output
+    # and of mid_lse its lse (log2 units), from the online softmax state (m_i, l_i, acc of online_softmax_step). Shared
+    # with the MLA split kernel. An empty split (a short sequence) leaves l_i = 0: it writes lse = -inf and zeros,
+    # which the merge weighs 0.
     has_keys = l_i > 0
     lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    mid = (req * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_G] row of mid_o [B, Hq, NUM_SPLITS, D]
-    tl.store(mid_o_ptr + mid[:, None] * HEAD_DIM + offs_d[None, :], out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + mid, lse, mask=g_mask)
+    tl.store(mid_o_ptr + mid[:, None] * WIDTH + offs_d[None, :], out, mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(mid_lse_ptr + mid, lse, mask=row_mask)
 
 
 @triton.jit

@@ -117,10 +117,10 @@ def onednn_bf16_dot() -> bool:
     float32 GEMM on widened rows: held to AVX512_CORE_VNNI (the Zen 5, 2 threads, SmolLM2's linears over 30 layers)
     it ran 134 GFLOP/s at M = 64 and 139 at M = 512, against 383 and 443 for the float32 GEMM."""
     from lightserve import envs
-    from lightserve.kernels.cpu import cpu_flags
+    from lightserve.kernels.cpu import cpu_has_native_bf16
 
-    native = {"avx512_bf16", "amx_bf16"} & set(cpu_flags().split())
-    return onednn_bf16_available() and bool(native) and envs.onednn_max_cpu_isa() not in ONEDNN_ISAS_WITHOUT_BF16_DOT
+    return onednn_bf16_available() and cpu_has_native_bf16() \
+        and envs.onednn_max_cpu_isa() not in ONEDNN_ISAS_WITHOUT_BF16_DOT
 
 
 def onednn_runs_bf16() -> bool:

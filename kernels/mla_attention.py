@@ -24,9 +24,15 @@ from lightserve.kernels.decode_attention import (
     SPLIT_BUCKETS,
     _decode_merge_kernel,
     _default_num_splits,
+    store_split,
 )
 from lightserve.kernels.linear import PackedLinear, PrepackedLinear, linear
-from lightserve.kernels.prefill_attention import dot_precision, fits_in_smem
+from lightserve.kernels.prefill_attention import (
+    dot_precision,
+    fits_in_smem,
+    online_softmax_start,
+    online_softmax_step,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -108,9 +114,7 @@ def _mla_decode_split_kernel(
     q_pe = tl.load(q_pe_ptr + req * qp_stride_b + heads[:, None] * qp_stride_h + offs_p[None, :],
                    mask=h_mask[:, None] & p_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_P]
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_H, BLOCK_R)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -123,20 +127,11 @@ def _mla_decode_split_kernel(
         qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
         qk = (qk + tl.dot(q_pe, k_pe, input_precision=PRECISION)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every tile in the loop has a valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
-        m_i = m_new
+        # The latent tile is the value too. Every tile in the loop has a valid key, so the running max is finite.
+        m_i, l_i, acc = online_softmax_step(qk, c, m_i, l_i, acc, PRECISION, False)
 
-    # An empty split (short sequence) writes lse = -inf and zeros, which the merge weighs 0.
-    has_keys = l_i > 0
-    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     mid = (req * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H] rows of mid_o [B, H, NUM_SPLITS, R]
-    tl.store(mid_o_ptr + mid[:, None] * RANK + offs_r[None, :], out, mask=h_mask[:, None] & r_mask[None, :])
-    tl.store(mid_lse_ptr + mid, lse, mask=h_mask)
+    store_split(m_i, l_i, acc, mid_o_ptr, mid_lse_ptr, mid, h_mask, offs_r, r_mask, RANK)
 
 
 def mla_decode_attention_triton(

@@ -79,6 +79,53 @@ def _softcap_log2(qk, softcap_scale, softcap_out):
 
 
 @triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head, kc_stride_row,
+                 kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask):
+    # One KV head's K (transposed, [BLOCK_D, BLOCK_N]) and V ([BLOCK_N, BLOCK_D]) at a request's positions offs_n, read
+    # through its req_to_token row; masked positions and padding lanes load 0. Shared with the decode kernel.
+    locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
+    k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
+    v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
+    return (tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0),
+            tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0))
+
+
+@triton.jit
+def attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    # q [M, D] . k [D, N] in log2 units (qk_scale is sm_scale * log2(e)), softcapped where USE_SOFTCAP (_softcap_log2).
+    qk = tl.dot(q, k, input_precision=PRECISION)
+    if USE_SOFTCAP:
+        qk = _softcap_log2(qk, softcap_scale, softcap_out)
+    else:
+        qk = qk * qk_scale
+    return qk
+
+
+@triton.jit
+def online_softmax_start(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The online softmax's state before the first key tile (online_softmax_step): max, sum, accumulator.
+    return (tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32),
+            tl.zeros([BLOCK_M, BLOCK_D], tl.float32))
+
+
+@triton.jit
+def online_softmax_step(qk, v, m_i, l_i, acc, PRECISION: tl.constexpr, EMPTY_ROWS: tl.constexpr):
+    # One key tile of flash attention's online softmax, the one copy the prefill, decode and MLA decode kernels call
+    # (Triton inlines it). qk [M, N]: the tile's scores in log2 units, -inf where a key is not visible; v [N, D]:
+    # its values; m_i, l_i [M]: the running max and sum of exp2; acc [M, D]: the running weighted sum of values.
+    # Returns (m_i, l_i, acc) after the tile. EMPTY_ROWS: a row may have seen no visible key yet (a sliding window
+    # that starts in a later tile); its max is kept finite so that alpha and p are exp2(-inf) = 0, not NaN.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if EMPTY_ROWS:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     req_to_token_ptr, req_rows_ptr, q_start_ptr, prefix_lens_ptr, extend_lens_ptr,
@@ -107,9 +154,7 @@ def _prefill_attention_kernel(
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_D)
     # The last query row of this block sees keys up to prefix_len + its index; nothing past that is loaded.
     kv_end = prefix_len + tl.minimum(extend_len, start_m + BLOCK_M)
     kv_start = 0
@@ -118,30 +163,16 @@ def _prefill_attention_kernel(
     for start_n in range(kv_start, kv_end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
-        k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
-        k = tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if USE_SOFTCAP:
-            qk = _softcap_log2(tl.dot(q, k, input_precision=PRECISION), softcap_scale, softcap_out)
-        else:
-            qk = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head,
+                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask)
+        qk = attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION, USE_SOFTCAP)  # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > prefix_len + offs_m[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if USE_WINDOW:
-            # A row may see no key of this tile yet (its window starts in a later one): keep its m finite
-            # so that alpha and p are exp2(-inf) = 0, not NaN.
-            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        # Without a window key 0 is visible to every row, so m_new is finite from the first tile on.
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # A windowed row may see no key of this tile yet (its window starts in a later one). Without a window
+        # key 0 is visible to every row, so its max is finite from the first tile on.
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PRECISION, USE_WINDOW)
 
     if USE_WINDOW:  # rows past extend_len may have seen no key at all; they are never stored
         l_i = tl.where(l_i > 0, l_i, 1.0)

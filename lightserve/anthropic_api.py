@@ -179,7 +179,7 @@ class _MessageBuilder:
         events = self._close()
         if finish == FinishReason.LENGTH:
             reason = "model_context_window_exceeded" if self._capped else "max_tokens"
-        elif output.made_calls:
+        elif output.calls:
             reason = "tool_use"
         else:
             reason = "end_turn" if stop_sequence is None else "stop_sequence"

@@ -139,10 +139,6 @@ class ChatOutput:
         self._parallel = plan.parallel
         self.reasoning, self.content, self.calls = "", "", []
 
-    @property
-    def made_calls(self) -> bool:
-        return bool(self.calls)
-
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """OpenAI's "tool_calls" when the model stopped after calling, else the engine's reason."""
         return "tool_calls" if self.calls and engine_reason == "stop" else engine_reason

@@ -12,7 +12,7 @@ import itertools
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import zmq
@@ -144,9 +144,13 @@ class EngineClient:
 
     # ---- requests ---------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams, field_name: str = "prompt") -> SamplingParams:
-        """Validate a tokenized prompt against the model and cap max_new_tokens by the context.
+        """Validate a tokenized prompt and its params against this server (the one validation of a request, for the
+        HTTP front and the pipeline alike): returns the params to run, max_new_tokens capped by the context left
+        after the prompt. `params` is not modified (a capped request gets a copy).
 
-        Raises ParamError naming `field_name` for an empty or too-long prompt or a bad token id.
+        Raises ParamError naming `field_name` for an empty or too-long prompt or a bad token id, and naming the
+        field for bad params (SamplingParams.validate, with this model's vocabulary and the pool's
+        --max_top_logprobs).
         """
         if len(prompt_ids) == 0:
             raise ParamError(field_name, "the prompt is empty")
@@ -155,11 +159,10 @@ class EngineClient:
                                          f"is {self.max_req_total_len} tokens (prompt + output)")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise ParamError(field_name, f"token ids must be in [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.pool.max_top_logprobs)
         room = self.max_req_total_len - len(prompt_ids)
         if params.max_new_tokens > room:
-            params.max_new_tokens = room
-            params.min_new_tokens = min(params.min_new_tokens, room)
+            return replace(params, max_new_tokens=room, min_new_tokens=min(params.min_new_tokens, room))
         return params
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[ReqDelta]:

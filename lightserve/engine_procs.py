@@ -41,11 +41,13 @@ CPU_PREFILL_JOIN_TOKENS = 128
 # The launcher's log line for each child it starts (EngineProcs._spawn): /proc/<pid>/cmdline shows only the
 # multiprocessing spawn command, so operators, the fault tests and scripts/bench_server.py map roles to pids by it.
 CHILD_LOG_LINE = "started %s pid %d"
+_CHILD_LOG_PATTERN = re.compile(re.escape(CHILD_LOG_LINE).replace("%s", r"(\S+)").replace("%d", r"(\d+)"))
 
 
 def child_pids_from_log(text: str) -> dict[str, int]:
-    """Child name ("worker-tp0", "router", "detokenizer") -> pid, from a launcher log's CHILD_LOG_LINE lines."""
-    return {name: int(pid) for name, pid in re.findall(r"started (\S+) pid (\d+)", text)}
+    """Child name ("worker-tp0", "router", "detokenizer") -> pid, from a launcher log's CHILD_LOG_LINE lines (the fault
+    tests and scripts/bench_server.py read them)."""
+    return {name: int(pid) for name, pid in _CHILD_LOG_PATTERN.findall(text)}
 
 
 class StartError(RuntimeError):
@@ -65,6 +67,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     cannot be served."""
     import torch
 
+    from lightserve.kernels.cpu import cpu_has_native_bf16
     from lightserve.model_infer.models import check_tp, read_model_config
 
     if config.model_dir is None:
@@ -166,14 +169,6 @@ def interpret_triton() -> None:
     """Make spawned workers run Triton kernels in Triton's interpreter (--kernel_backend triton on CPU): triton.jit
     reads TRITON_INTERPRET when a kernel is defined, at the worker's first import of lightserve.kernels."""
     os.environ["TRITON_INTERPRET"] = "1"
-
-
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class EngineProcs:

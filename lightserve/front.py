@@ -48,7 +48,6 @@ except ImportError:  # pragma: no cover - orjson is optional
         return json.loads(data.decode("utf-8"))
 
 INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized in a thread so the event loop keeps streaming
-_INT32 = (-(2**31), 2**31 - 1)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -204,19 +203,13 @@ def request_params(src: Any, defaults: dict[str, Any] | None = None, **given: An
 
 def make_checked(front: Front, prompt_ids: list[int], params: SamplingParams, prompt_param: str,
                  names: dict[str, str]) -> SamplingParams:
-    """engine.check_prompt plus the edge's own bounds; ParamError fields renamed to the API's names."""
+    """engine.check_prompt (the request's validation, shared with the pipeline), plus the one rule of the HTTP APIs
+    alone: a max_new_tokens over the context is refused, not capped. ParamError fields renamed to the API's names."""
     try:
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"):
-            value = getattr(params, name)
-            if isinstance(value, int) and not _INT32[0] <= value <= _INT32[1]:
-                raise ParamError(name, "is out of range")
-        for name in ("top_logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if isinstance(value, int) and value > front.config.max_top_logprobs:
-                raise ParamError(name, f"must be <= {front.config.max_top_logprobs} (--max_top_logprobs)")
-        if isinstance(params.max_new_tokens, int) and params.max_new_tokens > front.max_model_len:
+        checked = front.engine.check_prompt(prompt_ids, params, prompt_param)
+        if params.max_new_tokens > front.max_model_len:
             raise ParamError("max_new_tokens", f"must be <= {front.max_model_len}, this server's context length")
-        return front.engine.check_prompt(prompt_ids, params, prompt_param)
+        return checked
     except ParamError as exc:
         raise ApiError(400, exc.message, names.get(exc.param, exc.param)) from None
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import copy
 import multiprocessing
 import os
 import queue
@@ -22,7 +21,7 @@ import threading
 import typing
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -259,13 +258,16 @@ class Pipeline:
         NOTE: tokenizing here keeps the loop free to stream other requests' tokens. It is safe from
         many threads: a HF fast tokenizer's encode without truncation/padding never mutates the Rust
         tokenizer, and apply_chat_template only renders a compiled Jinja template. check_prompt is
-        safe here too: it reads only the client's constants and mutates only our params copy.
+        safe here too: it reads only the client's constants and modifies nothing.
         """
         if self._closed:
             raise RuntimeError("the pipeline is closed")
         batch, single = _split_prompts(prompts)
         if gen_config is not None and not isinstance(gen_config, SamplingParams):
             raise TypeError(f"gen_config must be a GenerationConfig, got {type(gen_config).__name__}")
+        # A Response carries logprobs only where the config asks for alternatives.
+        params = replace(gen_config if gen_config is not None else GenerationConfig(),
+                         report_logprobs=_asks_logprobs(gen_config))
         items = []
         for i, prompt in enumerate(batch):
             name = "prompt" if single else f"prompts[{i}]"
@@ -273,8 +275,6 @@ class Pipeline:
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = self.tokenizer.encode(render_chat(self.tokenizer, prompt, name), add_special_tokens=False)
-            params = copy.deepcopy(gen_config) if gen_config is not None else GenerationConfig()
-            params.report_logprobs = _asks_logprobs(params)  # a Response carries logprobs only then
             items.append((ids, self._engine.check_prompt(ids, params, name)))
         return items, single
 

@@ -103,23 +103,27 @@ class SamplingParams:
     grammar: str = ""
     group_id: int = 0  # set by the front for the n samples of one prompt; not a client field
 
-    def validate(self, vocab_size: int | None = None) -> SamplingParams:
-        """Raise ParamError naming the first bad field; return self so calls chain."""
+    def validate(self, vocab_size: int | None = None, max_top_logprobs: int = MAX_TOP_LOGPROBS) -> SamplingParams:
+        """Raise ParamError naming the first bad field; return self so calls chain. Every rule of a request's
+        parameters is here (EngineClient.check_prompt adds the prompt's and passes the server's limits: the vocabulary
+        and --max_top_logprobs, the alternatives a request slot holds)."""
         def check(ok: bool, name: str, msg: str) -> None:
             if not ok:
                 raise ParamError(name, msg)
 
+        assert 0 <= max_top_logprobs <= MAX_TOP_LOGPROBS, max_top_logprobs
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", "int | None") and value is not None:
                 check(isinstance(value, int) and not isinstance(value, bool), f.name, "must be an integer")
+                # Every integer field is a PARAMS_DTYPE field: the value must fit its type there.
+                bounds = np.iinfo(PARAMS_DTYPE[f.name])
+                check(bounds.min <= value <= bounds.max, f.name, "is out of range")
             if f.type == "float":
                 check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                       f.name, "must be a finite number")
             if f.type == "bool":
                 check(isinstance(value, bool), f.name, "must be a boolean")
-        for name in ("max_new_tokens", "min_new_tokens", "top_k", "top_logprobs"):
-            check(-2**31 < getattr(self, name) < 2**31, name, "is out of range")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         check(0 <= self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be in [0, max_new_tokens]")
         check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
@@ -130,9 +134,11 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)")
-        check(0 <= self.top_logprobs <= MAX_TOP_LOGPROBS, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
-        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS, "prompt_logprobs",
-              f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        top = f"must be in [0, {max_top_logprobs}]"
+        if max_top_logprobs < MAX_TOP_LOGPROBS:  # the server's own limit, below what a request slot could hold
+            top += " (--max_top_logprobs)"
+        check(0 <= self.top_logprobs <= max_top_logprobs, "top_logprobs", top)
+        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_top_logprobs, "prompt_logprobs", top)
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be a list of non-empty strings")
         check(len(json.dumps(self.stop).encode()) <= MAX_STOP_STR_BYTES, "stop", "too long")

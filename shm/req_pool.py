@@ -52,12 +52,19 @@ class Owner(IntEnum):
     DETOK = 2
 
 
+# Draft positions with an acceptance counter: config.MAX_SPECULATIVE_TOKENS (tests/router/test_speculation.py checks).
+SPEC_POSITIONS = 16
+
 STATS_FIELDS = (
     "kv_tokens_total", "kv_tokens_free", "kv_tokens_cached",
     "requests_running", "requests_waiting", "requests_paused",
     "pauses_total", "resumes_total",
     "prompt_tokens_total", "prompt_tokens_cached_total", "generation_tokens_total",
     "steps_total", "max_batch_size", "last_batch_size",
+    # Speculative decoding (router/speculation.py): requests' steps with drafts, their draft tokens, those
+    # accepted, and per draft position the drafts accepted there.
+    "spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
+    *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS)),
 )
 
 _HEADER = np.dtype([("num_slots", np.int64), ("max_len", np.int64), ("max_top_logprobs", np.int64)])
@@ -149,14 +156,14 @@ class ReqPool:
     def release(self, owner: Owner, shm_index: int) -> None:
         self.released_gen[owner, shm_index] = self.slot_gen[shm_index]
 
-    def is_released(self, owner: Owner, shm_index: int) -> bool:
-        return bool(self.released_gen[owner, shm_index] == self.slot_gen[shm_index])
-
     # ---- front: request fields ------------------------------------------------------------------
     def write_request(self, shm_index: int, prompt_ids: list[int] | np.ndarray, params, seed: int) -> None:
-        """Front: prompt tokens and sampling params. `params` is a SamplingParams; `seed` resolved."""
+        """Front: prompt tokens and sampling params. `params` is a SamplingParams that EngineClient.check_prompt passed
+        (so its alternatives fit the pool's max_top_logprobs: rank 0 and the readers take them as they are); `seed`
+        resolved."""
         n = len(prompt_ids)
         assert 0 < n < self.max_len, n
+        assert max(params.top_logprobs, params.prompt_logprobs or 0) <= self.max_top_logprobs, params
         self.token_ids[shm_index, :n] = prompt_ids
         self.prompt_len[shm_index] = n
         record = self.params[shm_index:shm_index + 1].reshape(())
@@ -194,7 +201,7 @@ class ReqPool:
 
     def output_top_logprobs(self, shm_index: int, start: int, end: int) -> list[list[tuple[int, float]]]:
         """Per output token in [start, end): its params.top_logprobs alternatives, best first."""
-        k = min(int(self.params[shm_index]["top_logprobs"]), self.max_top_logprobs)
+        k = int(self.params[shm_index]["top_logprobs"])
         if k == 0:
             return []
         base = int(self.prompt_len[shm_index])
@@ -209,7 +216,6 @@ class ReqPool:
         if k < 0:
             return None
         n = int(self.prompt_len[shm_index])
-        k = min(k, self.max_top_logprobs)
         lps = self.logprobs[shm_index, 1:n].tolist()
         if k == 0:
             return lps, [[] for _ in lps]

@@ -54,10 +54,6 @@ class Segment:
             pass
 
 
-def list_segments(prefix: str) -> list[str]:
-    return sorted(p.name for p in SHM_DIR.glob(f"{prefix}*"))
-
-
 def remove_stale_segments(prefix: str, directory: Path = SHM_DIR) -> list[str]:
     """Unlink files `<prefix><pid>-...` (shm segments, or zmq ipc socket files when `directory` is
     the temp dir) whose creating process is gone (a crashed launcher).

@@ -18,6 +18,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -209,6 +210,17 @@ def cpu_flags() -> str:
         return ""
 
 
+# The CPU flags of native bf16 products (vdpbf16ps, AMX tiles). Where neither is, a bf16 GEMM widens its operands to
+# float32 and runs slower than a float32 GEMM on float32 weights.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16): the one rule behind --data_type auto's
+    bfloat16 on CPU (lightserve/engine_procs.py) and oneDNN's bf16 GEMM (kernels/linear.py)."""
+    return bool(NATIVE_BF16_FLAGS & set(cpu_flags().split()))
+
+
 def memory_bytes(field: str = "MemAvailable") -> int:
     """A /proc/meminfo field ("MemAvailable", "MemTotal") in bytes; where there is none, half the physical
     memory for MemAvailable and all of it otherwise."""
@@ -223,42 +235,40 @@ def memory_bytes(field: str = "MemAvailable") -> int:
     return physical // 2 if field == "MemAvailable" else physical
 
 
+# C types of kernels.h's scalars; any pointer is a void pointer (a char pointer a string).
+_C_TYPES = {"void": None, "int": ctypes.c_int, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64,
+            "float": ctypes.c_float, "double": ctypes.c_double}
+
+
+@functools.cache
+def c_signatures() -> dict[str, tuple[type | None, list[type]]]:
+    """Name -> (restype, argtypes) of every function kernels.h declares: the library's one declaration of its entry
+    points, which the compiler checks each definition against and load() hands ctypes. KeyError for a type that
+    _C_TYPES does not map."""
+    text = (Path(__file__).parent / "kernels.h").read_text()
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+    text = re.sub(r"^\s*#[^\n]*", "", text, flags=re.M)
+    out = {}
+    for decl in text.split(";"):
+        match = re.fullmatch(r"\s*(.*?)\b(\w+)\s*\((.*)\)\s*", decl, flags=re.S)
+        if match is None:  # a struct's forward declaration
+            continue
+        ret, name, params = match.groups()
+        params = [] if params.strip() in ("", "void") else params.split(",")
+        out[name] = (_c_type(ret), [_c_type(param.rsplit(None, 1)[0] if "*" not in param else param)
+                                    for param in params])
+    return out
+
+
+def _c_type(decl: str) -> type | None:
+    if "*" in decl:
+        return ctypes.c_char_p if re.search(r"\bchar\b", decl) else ctypes.c_void_p
+    return _C_TYPES[decl.replace("const", "").strip()]
+
+
 def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
-    lib.decode_attention.restype = ctypes.c_int
-    lib.decode_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, ptr, ptr, ptr, i32, i32, i32, i32,
-                                     i64, i64, i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
-    lib.prefill_attention.restype = ctypes.c_int
-    lib.prefill_attention.argtypes = [ptr, i64, i64, i32, ptr, ptr, i32, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                                      i32, i32, i32, i32, i64, i64, i64, i64, ctypes.c_float, i32, ctypes.c_float, i32]
-    lib.linear_panel_width.restype = ctypes.c_int
-    lib.linear_panel_width.argtypes = []
-    lib.linear_packed.restype = ctypes.c_int
-    lib.linear_packed.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
-    lib.linear_bf16_pairs.restype = ctypes.c_int
-    lib.linear_bf16_pairs.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
-    lib.linear_bf16_pairs_f32.restype = ctypes.c_int
-    lib.linear_bf16_pairs_f32.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32]
-    lib.linear_bf16_pairs_dpbf16.restype = ctypes.c_int
-    lib.linear_bf16_pairs_dpbf16.argtypes = []
-    lib.linear_packed_silu.restype = ctypes.c_int
-    lib.linear_packed_silu.argtypes = [ptr, i64, i32, i32, ptr, i32, ptr, i32]
-    lib.silu_and_mul.restype = None
-    lib.silu_and_mul.argtypes = [ptr, i64, i64, i64, ptr, i32, i32]
-    lib.argmax_logsumexp.restype = None
-    lib.argmax_logsumexp.argtypes = [ptr, i64, i64, i64, ptr, ptr, i32]
-    lib.exact_near_max.restype = None
-    lib.exact_near_max.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_float, i32, ptr, i32]
-    lib.rotary.restype = None
-    lib.rotary.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, i64, i32, i32]
-    lib.rmsnorm.restype = None
-    lib.rmsnorm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ptr, i32, i32]
-    lib.decoder_layers_supported.restype = ctypes.c_int
-    lib.decoder_layers_supported.argtypes = [ptr]
-    lib.decoder_layers.restype = ctypes.c_int
-    lib.decoder_layers.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, i32]
-    lib.store_kv.restype = ctypes.c_int
-    lib.store_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, i32, i64, i64, i64,
-                             i32, i32]
+    for name, (restype, argtypes) in c_signatures().items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib

@@ -30,14 +30,16 @@
 // as kernels/linear.py's linear() runs `PrepackedLinear.widened`. The caller keeps a step's tokens within what its
 // weights' kernels take (kernels/decoder_layers.py), so on an AMX CPU, whose larger bf16 GEMMs run on oneDNN, the
 // decode of one to a few requests runs here and larger steps run the per-kernel forward.
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 #include "fastmath.h"
 #include "kernels.h"
 
 // One layer's tensors. Linear weights as packed at load; biases and the cos/sin table as noted.
-typedef struct {
+typedef struct LayerArgs {
     const void *input_norm, *post_attn_norm;  // [H]
     const void *q_norm, *k_norm;              // [D] each, or NULL: no q/k norm (then both NULL)
     const void *qkv, *qkv_bias;               // packed [(Hq + 2 Hk) D, H]; bias [(Hq + 2 Hk) D] or NULL
@@ -52,7 +54,7 @@ typedef struct {
 } LayerArgs;
 
 // The model's shapes, the same for every layer and step.
-typedef struct {
+typedef struct ModelDims {
     int32_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, bf16;
     int32_t widened;  // bf16: GEMMs over PAIR_MAX_M rows run the layers' float32 panels
     float eps, sm_scale, softcap;
@@ -60,7 +62,7 @@ typedef struct {
 } ModelDims;
 
 // One step's batch: token order is the decode tokens, then each prefill chunk's.
-typedef struct {
+typedef struct StepArgs {
     int32_t tokens, num_decode, num_extend, locs_i64;
     const int64_t *positions;                       // [T]
     const void *kv_locs;                            // [T] int32, or int64 with locs_i64
@@ -72,11 +74,46 @@ typedef struct {
 } StepArgs;
 
 // Scratch the caller allocates for the step, each [T, width] in the activation dtype.
-typedef struct {
+typedef struct Scratch {
     void *x, *qkv, *attn, *gate_up, *act;  // widths H, (Hq + 2 Hk) D, Hq D, 2 I, I
     void *q, *k;                           // widths Hq D, Hk D: the normed q and k (used with q/k norms only)
     float *xf, *yf;                        // with `widened`: a GEMM's x and output in float32, [T, max K], [T, max N]
 } Scratch;
+
+// The size of each struct above ("ModelDims") and the offset of each of its fields ("ModelDims.eps"), by name; -1 for
+// a name not listed. tests/model/test_decoder_layers.py holds kernels/decoder_layers.py's ctypes mirrors to them.
+#define SIZE_OF(S) {#S, sizeof(S)}
+#define FIELD_AT(S, f) {#S "." #f, offsetof(S, f)}
+static const struct {
+    const char *name;
+    size_t value;
+} LAYOUT[] = {
+    SIZE_OF(LayerArgs), FIELD_AT(LayerArgs, input_norm), FIELD_AT(LayerArgs, post_attn_norm),
+    FIELD_AT(LayerArgs, q_norm), FIELD_AT(LayerArgs, k_norm), FIELD_AT(LayerArgs, qkv), FIELD_AT(LayerArgs, qkv_bias),
+    FIELD_AT(LayerArgs, o_proj), FIELD_AT(LayerArgs, o_bias), FIELD_AT(LayerArgs, gate_up), FIELD_AT(LayerArgs, down),
+    FIELD_AT(LayerArgs, qkv_f), FIELD_AT(LayerArgs, qkv_bias_f), FIELD_AT(LayerArgs, o_proj_f),
+    FIELD_AT(LayerArgs, o_bias_f), FIELD_AT(LayerArgs, gate_up_f), FIELD_AT(LayerArgs, down_f),
+    FIELD_AT(LayerArgs, k_cache), FIELD_AT(LayerArgs, v_cache), FIELD_AT(LayerArgs, cos_sin),
+    FIELD_AT(LayerArgs, cos_sin_row), FIELD_AT(LayerArgs, window),
+    SIZE_OF(ModelDims), FIELD_AT(ModelDims, num_layers), FIELD_AT(ModelDims, hidden), FIELD_AT(ModelDims, num_heads),
+    FIELD_AT(ModelDims, num_kv_heads), FIELD_AT(ModelDims, head_dim), FIELD_AT(ModelDims, inter),
+    FIELD_AT(ModelDims, bf16), FIELD_AT(ModelDims, widened), FIELD_AT(ModelDims, eps), FIELD_AT(ModelDims, sm_scale),
+    FIELD_AT(ModelDims, softcap), FIELD_AT(ModelDims, kv_rows), FIELD_AT(ModelDims, kc_row),
+    FIELD_AT(ModelDims, vc_row), FIELD_AT(ModelDims, kc_head), FIELD_AT(ModelDims, vc_head),
+    SIZE_OF(StepArgs), FIELD_AT(StepArgs, tokens), FIELD_AT(StepArgs, num_decode), FIELD_AT(StepArgs, num_extend),
+    FIELD_AT(StepArgs, locs_i64), FIELD_AT(StepArgs, positions), FIELD_AT(StepArgs, kv_locs),
+    FIELD_AT(StepArgs, req_to_token), FIELD_AT(StepArgs, r2t_row), FIELD_AT(StepArgs, decode_rows),
+    FIELD_AT(StepArgs, decode_lens), FIELD_AT(StepArgs, extend_rows), FIELD_AT(StepArgs, extend_q_start),
+    FIELD_AT(StepArgs, extend_prefix_lens), FIELD_AT(StepArgs, extend_lens),
+    SIZE_OF(Scratch), FIELD_AT(Scratch, x), FIELD_AT(Scratch, qkv), FIELD_AT(Scratch, attn), FIELD_AT(Scratch, gate_up),
+    FIELD_AT(Scratch, act), FIELD_AT(Scratch, q), FIELD_AT(Scratch, k), FIELD_AT(Scratch, xf), FIELD_AT(Scratch, yf),
+};
+
+int64_t struct_layout(const char *name) {
+    for (size_t i = 0; i < sizeof LAYOUT / sizeof LAYOUT[0]; i++)
+        if (strcmp(LAYOUT[i].name, name) == 0) return (int64_t)LAYOUT[i].value;
+    return -1;
+}
 
 // Per-kernel wall times, in seconds, added into times[] when the caller passes it (Python's kernel_times()
 // labels in kernels/decoder_layers.py, in this order).

@@ -1,6 +1,8 @@
 // The entry points of the CPU kernel library, as Python's ctypes (kernels/cpu/__init__.py, load) and the
-// decoder-layer driver (decoder_layers.c) call them. Each source includes this header, so the compiler checks
-// every definition against its declaration here. Shapes and dtypes: the comment at the top of each source.
+// decoder-layer driver (decoder_layers.c) call them: their one declaration. Each source includes this header, so the
+// compiler checks every definition against its declaration here, and load() reads the ctypes signatures from it
+// (c_signatures: a pointer of any type is a void pointer there, so keep to the types it maps). Shapes and dtypes:
+// the comment at the top of each source.
 #pragma once
 #include <stdint.h>
 
@@ -50,3 +52,13 @@ void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vo
                       int num_threads);
 void exact_near_max(float *approx, int64_t row, int64_t rows, int64_t vocab, const float *x, int64_t x_row, int64_t k,
                     const float *w, const float *norm, float c, int cap, int32_t *count, int num_threads);
+
+// decoder_layers.c; kernels/decoder_layers.py mirrors its structs with ctypes
+struct ModelDims;
+struct LayerArgs;
+struct StepArgs;
+struct Scratch;
+int decoder_layers_supported(const struct ModelDims *d);
+int decoder_layers(const struct ModelDims *d, const struct LayerArgs *layers, const struct StepArgs *s,
+                   const struct Scratch *buf, void *residual, void *hidden, double *times, int threads);
+int64_t struct_layout(const char *name);

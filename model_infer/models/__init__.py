@@ -97,12 +97,6 @@ def load_model(
     return family_of(config.architecture).Model(config, weights, tp_rank, tp_size, tp_group, backend)
 
 
-def load_model_dir(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", tp_rank: int = 0,
-                   tp_size: int = 1, tp_group: dist.ProcessGroup | None = None) -> DecoderLM:
-    """read_model_config + load_model, for tests and scripts (the worker gets its ModelConfig from the launcher)."""
-    return load_model(read_model_config(model_dir), model_dir, dtype, device, tp_rank, tp_size, tp_group)
-
-
 def load_weights(
     model_dir: str | Path,
     config: ModelConfig,

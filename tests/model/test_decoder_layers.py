@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from lightserve.kernels.cpu import kernel_times, library, variant_library
-from lightserve.kernels.decoder_layers import CpuDecoderLayers, timed_labels
+from lightserve.kernels.decoder_layers import (
+    CpuDecoderLayers,
+    LayerArgs,
+    ModelDims,
+    Scratch,
+    StepArgs,
+    timed_labels,
+)
 from lightserve.kernels.linear import (
     PAIR_MAX_M,
     onednn_runs_bf16,
@@ -21,11 +28,10 @@ from lightserve.kernels.linear import (
     pairs_take_every_m,
     unpack_linear_weight,
 )
-from lightserve.model_infer.models import load_model_dir
 from tests.kernels.kernel_cases import c_library_variants
 
 from .fake_worker import FakeWorker
-from .tiny_models import make_tiny_model
+from .tiny_models import load_model_dir, make_tiny_model
 
 # head_dim 64 (what the C decode attention is built for); GQA groups 2, 3 and 1.
 SHAPES = {"llama3": (256, 4, 2), "qwen2": (192, 3, 1), "llama_bias": (128, 2, 2), "mistral_window": (256, 4, 2),
@@ -260,14 +266,14 @@ def test_a_kv_loc_out_of_range_raises_and_leaves_the_cache(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, worker.kv_cache.k_caches))
 
 
-def test_structs_match_the_c_side():
-    """decoder_layers_supported reads ModelDims through a pointer: a layout mismatch would misread head_dim."""
-    from lightserve.kernels.decoder_layers import ModelDims
-
+@pytest.mark.parametrize("struct", [LayerArgs, ModelDims, StepArgs, Scratch], ids=lambda s: s.__name__)
+def test_structs_match_the_c_side(struct):
+    """The C driver reads each struct through a pointer: every ctypes mirror has its C struct's size and every field
+    its C offset (decoder_layers.c's struct_layout: sizeof and offsetof by name, -1 for a field C does not have)."""
     lib = library()
     if lib is None:
         pytest.skip("no C compiler here")
-    ok = ModelDims(2, 256, 4, 2, 64, 128, 0, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
-    bad = ModelDims(2, 256, 4, 2, 48, 128, 0, 0, 1e-5, 0.125, 0.0, 100, 128, 128)
-    assert lib.decoder_layers_supported(ctypes.byref(ok)) == 1
-    assert lib.decoder_layers_supported(ctypes.byref(bad)) == 0
+    name = struct.__name__
+    assert lib.struct_layout(name.encode()) == ctypes.sizeof(struct)
+    offsets = {field: lib.struct_layout(f"{name}.{field}".encode()) for field, _ in struct._fields_}
+    assert offsets == {field: getattr(struct, field).offset for field, _ in struct._fields_}

@@ -13,10 +13,10 @@ from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.latent_kv_cache import LatentKVCache
 from lightserve.model_infer.model_runner import ModelRunner
-from lightserve.model_infer.models import load_model_dir, read_model_config
+from lightserve.model_infer.models import read_model_config
 
 from .fake_worker import FakeWorker
-from .tiny_models import make_tiny_model
+from .tiny_models import load_model_dir, make_tiny_model
 
 
 @pytest.fixture(scope="module")

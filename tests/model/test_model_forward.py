@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightserve.model_infer.models import check_tp, config_from_dict, deepseek, load_model_dir
+from lightserve.model_infer.models import check_tp, config_from_dict, deepseek
 
 from .fake_worker import FakeWorker
-from .tiny_models import ARCHS, make_tiny_model
+from .tiny_models import ARCHS, load_model_dir, make_tiny_model
 
 TOL = {"atol": 2e-5, "rtol": 1e-5}
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from lightserve.kernels.cpu import kernel_times, library
-from lightserve.model_infer.models import load_model_dir
 from lightserve.model_prep import ensure_default_model
 from tests.greedy_check import greedy_mismatch
 
 from .fake_worker import FakeWorker
+from .tiny_models import load_model_dir
 
 PROMPTS = [
     "What is the capital of France?",

@@ -13,11 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightserve.model_infer.models import load_model_dir
 from lightserve.model_infer.models.base import DecoderLM
 
 from .fake_worker import FakeWorker
-from .tiny_models import make_tiny_model
+from .tiny_models import load_model_dir, make_tiny_model
 
 TP = 2
 VOCAB = 131

@@ -11,9 +11,8 @@ import torch
 import torch.distributed as dist
 
 from lightserve.kernels import linear  # plain or packed (CPU float32) weights
-from lightserve.model_infer.models import load_model_dir
 
-from .tiny_models import make_tiny_model
+from .tiny_models import load_model_dir, make_tiny_model
 
 TP = 2
 VOCAB = 131  # odd: rank 1's vocab shard has one zero padding row

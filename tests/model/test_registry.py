@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from lightserve.config import Device, ServerConfig
+from lightserve.config import Device, DType, ServerConfig
 from lightserve.engine_procs import StartError, resolve_config
+from lightserve.kernels import cpu as kernels_cpu
 from lightserve.model_infer.models import ARCHITECTURES, config_from_dict, family_of, gemma, llama, phi3
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -55,6 +56,21 @@ def test_resolved_config_carries_the_model_facts(tmp_path):
     assert config.eos_token_ids == (2, 7) and config.model_dir == str(tmp_path)
     # a window no longer caps the context: it is a real window on every layer
     assert config.max_req_total_len == 256 and config.model.layer_windows == (16,) * 4
+
+
+@pytest.mark.parametrize("flags, dtype", [
+    ("avx2 fma", DType.FLOAT32),                                  # AVX2 only
+    ("avx2 avx512f avx512bw avx512_vnni", DType.FLOAT32),         # AVX-512 without AVX512-BF16
+    ("avx2 avx512f avx512_bf16", DType.BFLOAT16),
+    ("avx2 avx512f amx_bf16 amx_tile", DType.BFLOAT16),
+])
+def test_auto_dtype_on_cpu_is_bf16_where_the_cpu_multiplies_bf16(tmp_path, monkeypatch, flags, dtype):
+    """--data_type auto reads the CPU's flag words through kernels/cpu.cpu_has_native_bf16, the rule the linears'
+    choice of oneDNN follows too."""
+    monkeypatch.setattr(kernels_cpu, "cpu_flags", lambda: flags)
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["LlamaForCausalLM"]}))
+    config = resolve_config(ServerConfig(model_dir=str(tmp_path), device=Device.CPU, data_type=DType.AUTO))
+    assert config.data_type is dtype
 
 
 def test_window_layouts_follow_transformers_defaults():

@@ -28,6 +28,15 @@ PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_posit
              "short_factor": [1.0 + 0.05 * i for i in range(32)], "long_factor": [1.0 + 0.4 * i for i in range(32)]}
 
 
+def load_model_dir(model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", tp_rank: int = 0,
+                   tp_size: int = 1, tp_group=None):
+    """A model folder's model in one call: read_model_config + load_model (the worker gets its ModelConfig from the
+    launcher)."""
+    from lightserve.model_infer.models import load_model, read_model_config
+
+    return load_model(read_model_config(model_dir), model_dir, dtype, device, tp_rank, tp_size, tp_group)
+
+
 def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
     """Save a 2-layer model (hidden 64, 4 heads, 2 kv heads unless overridden) to out_dir; return it.
     All weights, including norms and biases, are random so every term of the forward matters."""

@@ -6,6 +6,7 @@ truth. LightLLM's flag spellings (`--max_total_token_num`) are accepted along wi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import tempfile
@@ -48,6 +49,21 @@ class KernelBackend(str, Enum):
     CPU = "cpu"        # the C kernels of kernels/cpu/
 
 
+class SpeculativeAlgorithm(str, Enum):
+    """--speculative_algorithm: who proposes the draft tokens the target model verifies (router/speculation.py)."""
+    NONE = "none"
+    NGRAM = "ngram"   # prompt lookup over the request's own prompt and output
+    DRAFT = "draft"   # a smaller draft model (not served yet)
+    MTP = "mtp"       # the model's multi-token-prediction layers (not served yet)
+
+
+# Draft tokens a request may carry per step: every one is a KV row and a logits row [vocab] float32 on rank 0.
+MAX_SPECULATIVE_TOKENS = 16
+# vLLM's --speculative-config keys and the flags they set.
+_SPECULATIVE_CONFIG_KEYS = {"method": "speculative_algorithm", "num_speculative_tokens": "num_speculative_tokens",
+                            "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+
+
 class AdmissionPolicy(str, Enum):
     OPTIMISTIC = "optimistic"      # admit on estimated need; pause if the estimate proves wrong
     CONSERVATIVE = "conservative"  # reserve the full max_new_tokens; never pause
@@ -84,6 +100,11 @@ class ServerConfig:
     disable_prompt_cache: bool = field(default=False, metadata={"help": "turn the radix prefix cache off"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "plan each step only after the one before has finished, never while it runs (tp > 1 always does)"})
     overlap_max_step_ms: float = field(default=20.0, metadata={"help": "with tp 1 the router plans a step while the one before runs when the step before that took less than this (short steps, where the router's time between steps counts; after longer ones a request arriving meanwhile would join a step later)"})
+    speculative_algorithm: SpeculativeAlgorithm = field(default=SpeculativeAlgorithm.NONE, metadata={"help": "speculative decoding: ngram = prompt lookup over each request's prompt and output, verified by the model (greedy requests only; output unchanged); draft and mtp are not served yet"})
+    num_speculative_tokens: int = field(default=4, metadata={"help": f"draft tokens per request and step, 1..{MAX_SPECULATIVE_TOKENS}"})
+    prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest n-gram looked up"})
+    prompt_lookup_min: int = field(default=2, metadata={"help": "ngram: shortest n-gram looked up"})
+    speculative_config: str | None = field(default=None, metadata={"help": "vLLM's spelling, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; sets the four flags above"})
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
     device: Device = field(default=Device.AUTO, metadata={"help": "auto picks cuda when available"})
@@ -140,7 +161,42 @@ class ServerConfig:
              f"must be {AUTO} or one of {sorted(TOOL_PARSERS)}")
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
              f"must be one of {sorted(REASONING_PARSERS)}")
+        self._apply_speculative_config()
+        need(self.speculative_algorithm not in (SpeculativeAlgorithm.DRAFT, SpeculativeAlgorithm.MTP),
+             "speculative_algorithm", f"{self.speculative_algorithm.value} is not served yet (ngram is)")
+        need(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "num_speculative_tokens",
+             f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
+        need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+             f"must be in [1, --prompt_lookup_max ({self.prompt_lookup_max})], got {self.prompt_lookup_min}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", f"unknown level {self.log_level!r}")
+
+    def _apply_speculative_config(self) -> None:
+        """--speculative_config (vLLM's JSON) onto the speculative flags; ValueError naming the flag and the key."""
+        if self.speculative_config is None:
+            return
+        try:
+            spec = json.loads(self.speculative_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative_config is not JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise ValueError("--speculative_config must be a JSON object")
+        for key, value in spec.items():
+            name = _SPECULATIVE_CONFIG_KEYS.get(key)
+            if name is None:
+                raise ValueError(f"--speculative_config: unknown key {key!r} (known: {sorted(_SPECULATIVE_CONFIG_KEYS)})")
+            if name == "speculative_algorithm":
+                try:
+                    value = SpeculativeAlgorithm(value)
+                except ValueError:
+                    raise ValueError(f"--speculative_config: unknown method {value!r} (known: "
+                                     f"{[a.value for a in SpeculativeAlgorithm if a is not SpeculativeAlgorithm.NONE]})") from None
+            elif not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"--speculative_config: {key} must be an integer, got {value!r}")
+            object.__setattr__(self, name, value)
+
+    @property
+    def speculates(self) -> bool:
+        return self.speculative_algorithm is not SpeculativeAlgorithm.NONE
 
     # ---- the model's facts, once resolved ----
     @property
@@ -234,7 +290,8 @@ def cli_fields() -> list:
 
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Device": Device, "DType": DType,
-          "AdmissionPolicy": AdmissionPolicy, "KernelBackend": KernelBackend}
+          "AdmissionPolicy": AdmissionPolicy, "KernelBackend": KernelBackend,
+          "SpeculativeAlgorithm": SpeculativeAlgorithm}
 
 
 def _base_type(annotation: Any) -> type:

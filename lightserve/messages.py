@@ -87,6 +87,11 @@ class BatchPlan:
     # running (the router's overlap schedule): input_ids holds -1 there, and rank 0, which wrote that token,
     # fills it in from shm token_ids[slot, prefix_len] before the forward. Only with tp 1.
     pending_inputs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))     # [P]
+    # Speculative decoding: draft tokens each request carries (0: none; empty: no request speculates). A
+    # speculating request is an extend row of 1 + k tokens (its last sampled token, then the k draft tokens), and
+    # it gets logits at every one of them: logits come back [sum over sampled rows of (1 + k), vocab], each row's
+    # block in plan order, then the E prompt-logprob rows. Rank 0 verifies the drafts (StepDone.num_accepted).
+    spec_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))          # [B]
 
 
 @message
@@ -101,11 +106,15 @@ class StepDone:
     each plan row's FinishReason after the step (NONE for a row that did not sample), the router's copy, since
     by the time it reads shm rank 0 may be writing the next step's. `done_at`: time.monotonic() as it was sent
     (CLOCK_MONOTONIC, one clock for every process of the machine), so the router times each step from when the
-    worker could start it to when it ended, whether or not the next plan was already waiting."""
+    worker could start it to when it ended, whether or not the next plan was already waiting. `num_accepted` [B]
+    int32, only for a plan with spec_lens: each row published 1 + num_accepted tokens this step, the draft tokens
+    rank 0 accepted and the model's token after them (a burst that eos, a stop id or the length ends is cut there,
+    so fewer); every accepted draft token before the last published one has its KV row written."""
     step: int
     forward_s: float = 0.0
     finish: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
     done_at: float = 0.0
+    num_accepted: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
 
 # ---- worker rank 0 / router -> detokenizer ------------------------------------------------------

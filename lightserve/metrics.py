@@ -15,6 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lightserve.shm.req_pool import SPEC_POSITIONS
+
 if TYPE_CHECKING:
     from lightserve.engine_client import EngineClient
 
@@ -24,7 +26,9 @@ VLLM = "vllm:"
 # Router stats (shm STATS_FIELDS) that only ever grow. Every other field is a gauge, including
 # kv_tokens_total, which is the KV capacity despite its suffix.
 COUNTER_STATS = frozenset({"pauses_total", "resumes_total", "prompt_tokens_total",
-                           "prompt_tokens_cached_total", "generation_tokens_total", "steps_total"})
+                           "prompt_tokens_cached_total", "generation_tokens_total", "steps_total",
+                           "spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total",
+                           *(f"spec_accepted_pos_{i}" for i in range(SPEC_POSITIONS))})
 
 def idle_problems(samples: dict[str, float]) -> list[str]:
     """Why a server whose clients are all done is not back to its idle state: requests still held,
@@ -158,10 +162,21 @@ class _EngineCollector(Collector):
                  stats["prompt_tokens_total"]),
                 (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache",
                  stats["prompt_tokens_cached_total"]),
-                (CounterMetricFamily, "num_preemptions", "Requests preempted (paused for KV)", stats["pauses_total"])):
+                (CounterMetricFamily, "num_preemptions", "Requests preempted (paused for KV)", stats["pauses_total"]),
+                (CounterMetricFamily, "spec_decode_num_drafts", "Draft proposals verified (a request's step "
+                 "with drafts)", stats["spec_drafts_total"]),
+                (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified",
+                 stats["spec_draft_tokens_total"]),
+                (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                 stats["spec_accepted_tokens_total"])):
             family = kind(VLLM + name, doc, labels=["model_name"])
             family.add_metric([self._model_name], value)
             yield family
+        per_pos = CounterMetricFamily(VLLM + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position", labels=["model_name", "position"])
+        for i in range(SPEC_POSITIONS):
+            per_pos.add_metric([self._model_name, str(i)], stats[f"spec_accepted_pos_{i}"])
+        yield per_pos
 
     def describe(self) -> Iterator[Metric]:
         return iter(())  # names depend on STATS_FIELDS; skip the registration-time duplicate check

@@ -93,8 +93,9 @@ class ForwardBatch:
 def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: HostStaging,
                        argmax_only: bool = False) -> ForwardBatch:
     """The step's device tensors. Writes `req_to_token` first: the plan's prefix rows (fill_*) and the KV row
-    of every new token, which attention then reads. Logits rows: the sampling requests' last tokens ([S]),
-    then plan.prompt_logit_idx ([E])."""
+    of every new token, which attention then reads. Logits rows: the sampling requests' last tokens ([S]; a
+    speculating request's last 1 + spec_len tokens, its draft positions included), then plan.prompt_logit_idx
+    ([E])."""
     extend = plan.extend_lens
     num_tokens = int(plan.input_ids.shape[0])
     q_start = np.cumsum(extend, dtype=np.int32) - extend                        # [B]
@@ -102,7 +103,7 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
     positions = np.repeat(plan.prefix_lens - q_start, extend) + np.arange(num_tokens, dtype=np.int32)
     rows = np.repeat(plan.shm_indices, extend)                                 # [T]
     seq_lens = plan.prefix_lens + extend                                       # [B]
-    logits_idx = np.concatenate([(q_start + extend - 1)[plan.sample], plan.prompt_logit_idx]).astype(np.int32)
+    logits_idx = np.concatenate([_sample_logit_rows(plan, q_start), plan.prompt_logit_idx]).astype(np.int32)
     nd = plan.num_decode
     # Every integer array of the step in one host-to-device copy (pinned and asynchronous on CUDA), each 16-byte
     # aligned; the extend requests' arrays are copied as their own segments (ExtendInputs).
@@ -133,3 +134,14 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
         extend=ExtendInputs(*extend_inputs),
         host=HostMetadata(*(np.asarray(a, np.int32) for a in (plan.shm_indices, plan.prefix_lens, extend, q_start))),
     )
+
+
+def _sample_logit_rows(plan: BatchPlan, q_start: np.ndarray) -> np.ndarray:
+    """[S'] indices in [T] of the sampled logits rows: each sampling request's last token, or for a speculating one
+    its last 1 + spec_len tokens in order (the positions after its last sampled token and after each draft)."""
+    last = (q_start + plan.extend_lens - 1)[plan.sample]                         # [S]
+    if not plan.spec_lens.size:
+        return last
+    counts = 1 + plan.spec_lens[plan.sample]                                    # [S]
+    first = np.cumsum(counts) - counts                                          # [S] each block's start in [S']
+    return np.repeat(last - counts + 1, counts) + np.arange(int(counts.sum())) - np.repeat(first, counts)

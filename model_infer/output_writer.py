@@ -15,6 +15,7 @@ from lightserve.model_config import ModelConfig
 from lightserve.model_infer.grammar import GrammarSet
 from lightserve.model_infer.logits_process import needs_processing, process_logits
 from lightserve.model_infer.sampler import SamplingTensors, greedy_host, greedy_rows, sample
+from lightserve.model_infer.spec_verify import accept_greedy
 from lightserve.model_infer.token_history import TokenHistory
 from lightserve.shm.req_pool import ReqPool
 
@@ -78,11 +79,23 @@ class OutputWriter:
             self.history.reset(slots)
         rows = np.flatnonzero(plan.sample)                       # [S] plan rows that sample this step
         idx = plan.shm_indices[rows]                             # [S] their slots
+        counts = 1 + plan.spec_lens[rows] if plan.spec_lens.size else None  # [S] logits rows of each, with drafts
         if plan.prompt_logit_idx.size:
             # Before any new token's count is published: a reader that sees the first output token
             # then sees every prompt logprob too.
-            self._publish_prompt_logprobs(plan, logits[idx.size:])
+            self._publish_prompt_logprobs(plan, logits[idx.size if counts is None else int(counts.sum()):])
         finish = np.zeros(plan.shm_indices.size, np.uint8)      # [B] reported to the router
+        accepted = np.zeros(0, np.int32)
+        spec_rows = rows[:0]                                     # plan rows that carried drafts
+        if counts is not None:
+            # Rows with drafts publish their bursts here; the others sample their one logits row below.
+            accepted = np.zeros(plan.shm_indices.size, np.int32)
+            first = np.cumsum(counts) - counts                   # [S] each row's first logits row
+            drafting = counts > 1
+            spec_rows = rows[drafting]
+            finish[spec_rows], accepted[spec_rows] = self._verify_and_publish(plan, spec_rows, logits, first[drafting])
+            rows, idx = rows[~drafting], idx[~drafting]
+            logits = logits[torch.from_numpy(first[~drafting]).to(logits.device)]   # [S - R, vocab]
         # A request the step before finished (eos, a stop id) was planned before that was known (the router's
         # overlap schedule): its row is dropped, and its status reported again.
         ended = pool.finish[idx] != FinishReason.NONE
@@ -94,9 +107,10 @@ class OutputWriter:
             sampled = logits[: idx.size]
         if idx.size:
             finish[rows] = self._sample_and_publish(idx, sampled)
-        self.to_router.send(encode(StepDone(plan.step, forward_s, finish, time.monotonic())), copy=False)
-        if idx.size:
-            self.to_detok.send(encode(TokensReady(idx, plan.req_ids[rows])), copy=False)
+        notify = np.concatenate([spec_rows, rows]) if spec_rows.size else rows   # plan rows with new tokens
+        self.to_router.send(encode(StepDone(plan.step, forward_s, finish, time.monotonic(), accepted)), copy=False)
+        if notify.size:
+            self.to_detok.send(encode(TokensReady(plan.shm_indices[notify], plan.req_ids[notify])), copy=False)
 
     def _publish_prompt_logprobs(self, plan: BatchPlan, logits: torch.Tensor) -> None:
         """logits [E, vocab]: the distribution after each token of plan.prompt_logit_idx. Token t at
@@ -110,8 +124,7 @@ class OutputWriter:
         slots = plan.shm_indices[b]
         target_pos = plan.prefix_lens[b] + (tok - q_start[b]) + 1                # [E]
         targets = torch.from_numpy(pool.token_ids[slots, target_pos].astype(np.int64)).to(logits.device)
-        k_each = np.minimum(pool.params["prompt_logprobs"][slots], pool.max_top_logprobs)
-        k = int(k_each.max())
+        k = int(pool.params["prompt_logprobs"][slots].max())  # <= pool.max_top_logprobs (ReqPool.write_request)
         # PROMPT_LOGPROB_ROWS rows at a time, each chunk's results in shm before the next: a step's E rows (up to
         # --batch_max_tokens) never hold a [E, vocab] log_softmax beside the logits. Row by row the same numbers.
         for start in range(0, tok.size, PROMPT_LOGPROB_ROWS):
@@ -154,7 +167,7 @@ class OutputWriter:
         self.history.append(idx, pos, next_ids)
         if host is None:
             ids, lps = _host_arrays(next_ids, logprobs)
-        top_k = np.minimum(params["top_logprobs"], pool.max_top_logprobs)
+        top_k = params["top_logprobs"]                           # <= pool.max_top_logprobs (ReqPool.write_request)
         top_rows = np.flatnonzero(top_k > 0)
         if top_rows.size:
             k = int(top_k.max())
@@ -169,17 +182,7 @@ class OutputWriter:
         if grammar_rows.size:
             self.grammars.accept(idx[grammar_rows], ids[grammar_rows])
         new_count = (num_out + 1).astype(np.int32)
-        # Finish status, vectorized over the batch.
-        allow_stop = new_count >= params["min_new_tokens"]
-        # A finished grammar (its matcher accepted eos) ends the request like eos does.
-        # [S, E] compare, not np.isin: isin's general algorithm costs ~0.15 ms a step after a CPU forward.
-        is_eos = ((ids[:, None] == self.eos_ids).any(axis=1)
-                  & ((params["ignore_eos"] == 0) | (params["grammar_kind"] != 0)))
-        stop_slots = np.arange(params["stop_token_ids"].shape[1]) < params["num_stop_token_ids"][:, None]
-        is_stop_id = ((params["stop_token_ids"] == ids[:, None]) & stop_slots).any(axis=1)
-        at_length = (new_count >= params["max_new_tokens"]) | (pos + 1 >= pool.max_len)
-        finish = np.where(allow_stop & (is_eos | is_stop_id), FinishReason.STOP,
-                          np.where(at_length, FinishReason.LENGTH, FinishReason.NONE)).astype(np.uint8)
+        finish = self._finish_reasons(params, ids, new_count, pos)
         # Write order (shm/req_pool.py): token and logprob, then the count, then the finish status.
         pool.token_ids[idx, pos] = ids
         pool.logprobs[idx, pos] = lps
@@ -188,6 +191,74 @@ class OutputWriter:
         if grammar_rows.size:
             self.grammars.drop(idx[finish != FinishReason.NONE])
         return finish
+
+    def _finish_reasons(self, params: np.ndarray, ids: np.ndarray, new_count: np.ndarray,
+                        pos: np.ndarray) -> np.ndarray:
+        """Each new token's FinishReason [N] uint8, vectorized: params [N] records, ids [N] the tokens, new_count [N]
+        the output count with the token, pos [N] its position."""
+        allow_stop = new_count >= params["min_new_tokens"]
+        # A finished grammar (its matcher accepted eos) ends the request like eos does.
+        # [S, E] compare, not np.isin: isin's general algorithm costs ~0.15 ms a step after a CPU forward.
+        is_eos = ((ids[:, None] == self.eos_ids).any(axis=1)
+                  & ((params["ignore_eos"] == 0) | (params["grammar_kind"] != 0)))
+        stop_slots = np.arange(params["stop_token_ids"].shape[1]) < params["num_stop_token_ids"][:, None]
+        is_stop_id = ((params["stop_token_ids"] == ids[:, None]) & stop_slots).any(axis=1)
+        at_length = (new_count >= params["max_new_tokens"]) | (pos + 1 >= self.pool.max_len)
+        return np.where(allow_stop & (is_eos | is_stop_id), FinishReason.STOP,
+                        np.where(at_length, FinishReason.LENGTH, FinishReason.NONE)).astype(np.uint8)
+
+    def _verify_and_publish(self, plan: BatchPlan, rows: np.ndarray, logits: torch.Tensor,
+                            first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The plan rows `rows` [R] carried drafts (plan.spec_lens); their logits are logits[first[r] : first[r] + 1 +
+        k_r]. Accept each row's leading drafts that match the greedy tokens (spec_verify.accept_greedy), then publish
+        the burst: the accepted drafts and the token after them, cut at the first that ends the request (eos, a stop
+        id, the length), in the pool's write order (tokens and logprobs, then num_output, then finish) so a reader
+        sees the whole burst or none of it. Such rows are greedy and unprocessed (router/speculation.py admits no
+        other). Returns (FinishReason [R] uint8, tokens published beyond the first [R] int32)."""
+        pool = self.pool
+        idx = plan.shm_indices[rows]                                             # [R] slots
+        k = plan.spec_lens[rows].astype(np.int64)                                # [R] drafts each
+        counts = 1 + k
+        total = int(counts.sum())
+        within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)   # [N] offset in its block
+        owner = np.repeat(np.arange(rows.size), counts)                          # [N] its row in [R]
+        block = logits[torch.from_numpy(np.repeat(first, counts) + within).to(logits.device)]   # [N, vocab]
+        params = pool.params[idx]                                                # [R]
+        num_out = pool.num_output[idx].astype(np.int64)                          # [R]
+        # The same greedy choice (and logprob) as a plain decode of each position: greedy_host, else sample().
+        host = greedy_host(block, params[owner])
+        if host is not None:
+            targets, lps = host[0].astype(np.int32), host[1]
+        else:
+            next_ids, logprobs = sample(block, SamplingTensors.from_params(params[owner], num_out[owner]),
+                                        logprobs=bool(params["report_logprobs"].any()))
+            targets, lps = _host_arrays(next_ids, logprobs)
+        q_start = np.cumsum(plan.extend_lens) - plan.extend_lens                 # [B]
+        # A row's inputs are its last token then its drafts: drafts at q_start + 1 ..
+        drafts = plan.input_ids[np.repeat(q_start[rows] + 1, k) + np.arange(int(k.sum()))
+                                - np.repeat(np.cumsum(k) - k, k)]                # [N - R]
+        accepted = accept_greedy(targets, drafts, counts)                        # [R]
+        # The burst of each row: targets within its block up to accepted + 1, each token's finish status.
+        in_burst = within <= accepted[owner]                                     # [N]
+        pos = pool.prompt_len[idx][owner].astype(np.int64) + num_out[owner] + within   # [N] output positions
+        new_count = (num_out[owner] + within + 1).astype(np.int32)
+        reasons = self._finish_reasons(params[owner], targets, new_count, pos)  # [N]
+        ends = (reasons != FinishReason.NONE) & in_burst
+        # A burst ends at its first token that ends the request: the tokens after it are not published.
+        publish = in_burst.copy()
+        finish = np.zeros(rows.size, np.uint8)                                   # [R]
+        for r, start in enumerate((np.cumsum(counts) - counts).tolist()):      # R <= a few dozen rows
+            hit = np.flatnonzero(ends[start: start + int(counts[r])])
+            if hit.size:
+                publish[start + int(hit[0]) + 1: start + int(counts[r])] = False
+                finish[r] = reasons[start + int(hit[0])]
+        published = np.bincount(owner[publish], minlength=rows.size).astype(np.int32)   # [R]
+        # Write order (shm/req_pool.py): tokens and logprobs, then the count, then the finish status.
+        pool.token_ids[idx[owner[publish]], pos[publish]] = targets[publish]
+        pool.logprobs[idx[owner[publish]], pos[publish]] = lps[publish]
+        pool.num_output[idx] = (num_out + published).astype(np.int32)
+        pool.finish[idx] = finish
+        return finish, published - 1
 
 
 def _host_arrays(next_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,10 @@ decode: 1.0-1.3 -> 0.6-0.8 ms outside the forward). The price is that a request 
 one step later, since the step after it is already planned: a few ms after short steps, but a whole prompt chunk or
 large CPU batch after long ones, where the hidden time is a fraction of a percent. So the router plans ahead only
 after a step shorter than --overlap_max_step_ms. With tp > 1 the other ranks would need rank 0's sampled tokens to
-run a step planned before them, so the router plans each step after the one before has finished."""
+run a step planned before them, so the router plans each step after the one before has finished. With speculative
+decoding it also waits while a step with draft tokens runs, or while a request would speculate at its next step
+(Scheduler.may_plan_ahead): drafts are looked up from the request's tokens up to its last, and a step's requests
+advance by as many tokens as rank 0 accepted, which only its StepDone says."""
 from __future__ import annotations
 
 import contextlib
@@ -55,9 +58,11 @@ def run_router(config: ServerConfig, ready: Connection) -> None:
                         config.overlap_max_step_ms / 1e3 if overlap else 0.0)
         router.scheduler.publish_stats()
         report_ready(ready)
-        logger.info("router ready: %d KV tokens, %d request slots, %s", kv_size, pool.num_slots,
+        logger.info("router ready: %d KV tokens, %d request slots, %s%s", kv_size, pool.num_slots,
                     f"plans a step ahead after steps under {config.overlap_max_step_ms:g} ms" if overlap
-                    else "plans each step after the one before")
+                    else "plans each step after the one before",
+                    f", speculative decoding: {config.speculative_algorithm.value}, up to "
+                    f"{config.num_speculative_tokens} draft tokens" if config.speculates else "")
         try:
             router.loop(stop)
         finally:
@@ -95,7 +100,8 @@ class Router:
         inflight: deque[tuple[StepRecord, float | None]] = deque()
         idle, last_done, last_step_s = True, 0.0, float("inf")
         while not stop.is_set():
-            depth = 2 if last_step_s < self.ahead_max_step_s else 1  # steps sent and not yet finished, at most
+            # Steps sent and not yet finished, at most.
+            depth = 2 if last_step_s < self.ahead_max_step_s and self.scheduler.may_plan_ahead() else 1
             # Block on the inbox only when no step runs and the last attempt planned nothing: idle, or every
             # request waits for KV that only an abort can free. Never a zero-timeout spin.
             self._drain_inbox(0 if inflight or (planned and self.scheduler.has_work()) else IDLE_POLL_MS)
@@ -109,7 +115,7 @@ class Router:
                     sock.send(data, copy=False)
                 inflight.append((record, time.monotonic() if idle else None))
                 idle = False
-                if len(inflight) < depth:
+                if len(inflight) < depth and self.scheduler.may_plan_ahead():
                     continue  # plan the next step while this one runs
             if not inflight:
                 idle, last_step_s = True, float("inf")  # the next step starts from idle: its first is planned alone
@@ -119,7 +125,7 @@ class Router:
             done = self._wait_step(oldest, stop)
             if done is None:
                 return
-            self.scheduler.finish_step(oldest, done.finish)
+            self.scheduler.finish_step(oldest, done.finish, done.num_accepted)
             self._publish()
             last_step_s = done.done_at - (last_done if start is None else start)
             self._account(oldest, done, last_step_s)
@@ -147,10 +153,13 @@ class Router:
         if now < self._log_at:
             return
         s = self.scheduler
+        spec = s.speculation
         logger.info("%.1f steps/s, %d tokens/step, step %.1f ms (forward %.1f ms), running %d, "
-                    "waiting %d, KV free %d/%d", w["steps"] / (now - self._log_at + STATS_LOG_S),
+                    "waiting %d, KV free %d/%d%s", w["steps"] / (now - self._log_at + STATS_LOG_S),
                     w["tokens"] // w["steps"], 1e3 * w["step_s"] / w["steps"], 1e3 * w["forward_s"] / w["steps"],
-                    len(s.running), len(s.waiting), s.allocator.num_free, s.allocator.num_total)
+                    len(s.running), len(s.waiting), s.allocator.num_free, s.allocator.num_total,
+                    "" if spec is None else f", draft acceptance {100 * spec.acceptance_rate:.1f}% of "
+                    f"{spec.counters['spec_draft_tokens_total']} draft tokens")
         self._window = dict(steps=0, tokens=0, forward_s=0.0, step_s=0.0)
         self._log_at = now + STATS_LOG_S
     def _drain_inbox(self, timeout_ms: int) -> None:

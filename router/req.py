@@ -34,6 +34,12 @@ class Req:
     group_id: int = 0              # != 0: one of n samples of one prompt (see groups.Groups.must_wait)
     prompt_cached: bool = False    # its prompt KV was put in the radix cache once computed (Scheduler._cache_prompt)
     dup_locs: np.ndarray | None = None  # own rows duplicating the tree's after a mid-run prompt insert
+    # Speculative decoding (router/speculation.py):
+    min_new_tokens: int = 0        # below it eos and stop ids are banned per token: no drafts until it is reached
+    spec_ok: bool = False          # its sampling params let it speculate (Speculation.admits)
+    spec_skip: int = 0             # decodes left before it tries to speculate again
+    spec_backoff: int = 0          # the last skip it was given (doubles while lookups find nothing)
+    draft_locs: np.ndarray | None = None  # [k] KV rows of the drafts a step in flight scores; not in computed_len
 
     @property
     def seq_len(self) -> int:

@@ -14,6 +14,11 @@ at once. Their token ids are known then too: the scheduler plans, finishes and a
 flight, and only that step's sampled tokens (past every request's computed_len) are not yet in shm. What has to
 wait is a request slot: the router releases it only once no step in flight names it.
 
+With --speculative_algorithm, `Speculation` (speculation.py) turns some decodes into extends of 1 + k tokens (the
+last token and k draft tokens); their draft rows stay outside computed_len until `finish_step` hears from rank 0 how
+many were accepted. Such a step must be finished before the next is planned (`may_plan_ahead`): the next plan needs
+to know each request's length, and a request that may speculate needs its last token to look up.
+
 The n samples of one prompt are held by `Groups` (groups.py). Every
 state change of a Req happens in one named method here. No sockets: the router process (process.py)
 moves messages; tests drive this class directly.
@@ -34,6 +39,7 @@ from lightserve.router.groups import Groups
 from lightserve.router.kv_allocator import KVAllocator
 from lightserve.router.plan_builder import build_plan
 from lightserve.router.req import Req, ReqStatus
+from lightserve.router.speculation import SpecRow, Speculation
 from lightserve.shm.req_pool import Owner, ReqPool
 
 if TYPE_CHECKING:
@@ -70,8 +76,10 @@ class Limits:
 
 class Scheduler:
     def __init__(self, pool: ReqPool, allocator: KVAllocator, cache: RadixCache | None,
-                 admission: Admission, limits: Limits):
+                 admission: Admission, limits: Limits, speculation: Speculation | None = None):
         self.pool = pool
+        self.speculation = speculation
+        self._spec_step = 0  # the last step planned with drafts
         self.allocator = allocator
         self.cache = cache
         self.admission = admission
@@ -97,7 +105,8 @@ class Scheduler:
         limits = Limits(max_running=config.running_max_req_size, batch_max_tokens=config.batch_max_tokens,
                         chunk_size=config.chunked_prefill_size or config.batch_max_tokens,
                         max_req_total_len=config.max_req_total_len, join_tokens=config.prefill_join_tokens)
-        return cls(pool, allocator, cache, Admission(config.admission_policy), limits)
+        return cls(pool, allocator, cache, Admission(config.admission_policy), limits,
+                   Speculation.from_config(config, pool))
 
     # ---- requests in and out ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -111,7 +120,9 @@ class Scheduler:
         req = Req(req_id=req_id, shm_index=shm_index, prompt_len=int(self.pool.prompt_len[shm_index]),
                   max_new_tokens=int(params["max_new_tokens"]),
                   use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]),
-                  group_id=int(params["group_id"]), prompt_logprobs=int(params["prompt_logprobs"]) >= 0)
+                  group_id=int(params["group_id"]), prompt_logprobs=int(params["prompt_logprobs"]) >= 0,
+                  min_new_tokens=int(params["min_new_tokens"]),
+                  spec_ok=self.speculation is not None and Speculation.admits(params))
         if req.group_id and req.use_cache and not req.prompt_logprobs:
             self.groups.join(req)
         else:
@@ -152,6 +163,10 @@ class Scheduler:
         # Decode rows first; they were reserved above so these allocations cannot fail.
         decode_locs = self.allocator.alloc(len(decodes)) if decodes else np.zeros(0, np.int32)
         assert decode_locs is not None
+        spec: list[SpecRow] = []
+        if self.speculation is not None and decodes:
+            decodes, decode_locs, spec = self.speculation.plan(decodes, decode_locs, self.allocator, budget)
+            budget -= sum(row.drafts.size for row in spec)
         # Requests in the middle of a chunked prefill continue before new ones start.
         for req in self.running:
             if req.extend_len > 1 and budget > 0 and prompt_tokens < join:
@@ -188,23 +203,37 @@ class Scheduler:
             prompt_tokens += n
             reserved += self.admission.future_need(req) + req.extend_len - n
         self.waiting.extendleft(reversed(held))
-        if not decodes and not chunks:
+        if not decodes and not chunks and not spec:
             return None
         self.step += 1
-        plan = build_plan(self.pool, self.step, decodes, decode_locs, chunks, fills)
+        plan = build_plan(self.pool, self.step, decodes, decode_locs, chunks, fills, spec)
         batch_size = len(plan.shm_indices)
         self.counters["last_batch_size"] = batch_size
         self.counters["max_batch_size"] = max(self.counters["max_batch_size"], batch_size)
-        record = StepRecord(plan, decodes + [r for r, _ in chunks])
+        record = StepRecord(plan, decodes + [row.req for row in spec] + [r for r, _ in chunks])
         self._advance(record)
+        if spec:
+            self._spec_step = self.step
         return record
+
+    def may_plan_ahead(self) -> bool:
+        """Whether the router may plan the next step while the last one planned runs (the overlap schedule). Not
+        while a step with drafts runs (how far its requests got is known only once it is done), nor while a decoding
+        request would speculate at its next step (its last token must be known to look up; planned ahead it would
+        decode plainly)."""
+        if self.speculation is None:
+            return True
+        return self._spec_step <= self.finished_step and not self.speculation.may_speculate(
+            [r for r in self.running if r.extend_len <= 1])
 
     def _advance(self, record: StepRecord) -> None:
         """The step is planned: its rows count as computed and its samples as pending. A prompt it completes goes
         into the radix cache now (requests planned after it read those rows after it has written them)."""
         plan = record.plan
+        # A speculating row computes its last token now; its draft rows count once rank 0 has accepted them.
+        computed = plan.extend_lens - plan.spec_lens if plan.spec_lens.size else plan.extend_lens
         for i, req in enumerate(record.reqs):
-            req.computed_len += int(plan.extend_lens[i])
+            req.computed_len += int(computed[i])
             req.pending += int(plan.sample[i])
             if req.use_cache and not req.prompt_cached and req.computed_len >= req.prompt_len - 1:
                 self._cache_prompt(req)
@@ -332,21 +361,30 @@ class Scheduler:
         return n
 
     # ---- after the step -------------------------------------------------------------------------------
-    def finish_step(self, record: StepRecord, finish: np.ndarray | None = None) -> None:
+    def finish_step(self, record: StepRecord, finish: np.ndarray | None = None,
+                    num_accepted: np.ndarray | None = None) -> None:
         """Rank 0 has published the step's tokens: count them, retire finished requests. `finish` [B] uint8: each
         plan row's FinishReason as rank 0 reported it (StepDone.finish); None reads it from shm, which only a
-        caller that plans no step ahead may do (rank 0 may already be writing the next step's)."""
+        caller that plans no step ahead may do (rank 0 may already be writing the next step's). `num_accepted` [B]
+        int32 (StepDone.num_accepted): for a step with drafts, the tokens each row published beyond its first."""
         plan = record.plan
         self.finished_step = plan.step
         if finish is None:
             finish = self.pool.finish[plan.shm_indices]
+        spec_lens = plan.spec_lens
+        if spec_lens.size:
+            assert num_accepted is not None and num_accepted.shape == spec_lens.shape, "drafts need num_accepted"
         for i, req in enumerate(record.reqs):
             if req.status is ReqStatus.DONE:
                 continue  # retired while the step ran (aborted, or finished by the step before): rank 0 dropped it
             if plan.sample[i]:
+                new = 1
+                if spec_lens.size and spec_lens[i]:
+                    new += int(num_accepted[i])
+                    self.speculation.settle(req, int(spec_lens[i]), int(num_accepted[i]), self.allocator)
                 req.pending -= 1
-                req.num_output += 1
-                self.counters["generation_tokens_total"] += 1
+                req.num_output += new
+                self.counters["generation_tokens_total"] += new
             if finish[i] != FinishReason.NONE:
                 if req.status is ReqStatus.RUNNING:
                     self.running.remove(req)
@@ -383,6 +421,8 @@ class Scheduler:
 
     def _give_back_kv(self, req: Req) -> None:
         """Hand the request's computed KV to the prefix cache (or the allocator) and unlock its prefix."""
+        if self.speculation is not None:
+            self.speculation.drop_drafts(req, self.allocator)
         n = req.computed_len
         locs = req.kv_locs[:n]
         if req.use_cache and self.cache is not None:
@@ -402,7 +442,7 @@ class Scheduler:
     # ---- metrics --------------------------------------------------------------------------------------
     def publish_stats(self) -> None:
         cached = self.cache.total_size if self.cache is not None else 0
-        stats = dict(self.counters,
+        stats = dict(self.counters, **(self.speculation.stats() if self.speculation is not None else {}),
                      kv_tokens_total=self.allocator.num_total, kv_tokens_free=self.allocator.num_free,
                      kv_tokens_cached=cached, requests_running=len(self.running),
                      requests_waiting=sum(r.status is ReqStatus.WAITING for r in self.waiting),

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Load generator for an LLM server's HTTP port (lightserve or vLLM's OpenAI server).
 
-Sends seeded workloads (random, shared-prefix, multi-turn) over one of three streaming APIs and
+Sends seeded workloads (random, shared-prefix, multi-turn, copy-edit) over one of three streaming APIs and
 reports TTFT, inter-token latency, TPOT, end-to-end latency and throughput. One process, asyncio +
 aiohttp. Used by hand and by scripts/compare_vllm.sh; tests import `main` from
 tests/scripts/test_benchmark_serving.py.
@@ -114,6 +114,24 @@ class PromptMaker:
                 ids = got + [int(i) for i in self.rng.choice(self.pool, size=num_tokens - len(got))]
         raise RuntimeError(f"could not build a prompt of exactly {num_tokens} tokens")
 
+    def copy_edit(self, num_tokens: int) -> tuple[str, list[int]]:
+        """A prompt of about `num_tokens` tokens that holds a JSON document (records of random words and numbers)
+        and asks for it back with one value changed, ending where the copy starts: what a speculative decoder's
+        prompt lookup serves (W4). Returns (text, ids); the length is the document's, rounded up to a record."""
+        words = [w.strip() for w in self._decode_each([int(i) for i in self.rng.choice(self.pool, size=512)])]
+        records: list[str] = []
+        doc = ""
+        while not records or len(self._encode(doc)) < num_tokens - 40:   # the instruction's ~40 tokens
+            i = len(records)
+            pick = self.rng.integers(0, len(words), size=3)
+            records.append(f'  {{"id": {i}, "name": "{words[pick[0]]}", "tags": ["{words[pick[1]]}", '
+                           f'"{words[pick[2]]}"], "score": {self.rng.integers(0, 100) / 100:.2f}}}')
+            doc = "[\n" + ",\n".join(records) + "\n]"
+        target = int(self.rng.integers(0, len(records)))
+        text = (f"Here is a JSON document:\n{doc}\n\nWrite the document out again, unchanged except that the "
+                f'record with "id": {target} gets "score": 1.0.\n\nEdited document:\n')
+        return text, self._encode(text)
+
     def _build_pool(self, vocab_size: int, special: set[int]) -> np.ndarray:
         words: list[int] = []
         roundtrip: list[int] = []
@@ -209,6 +227,9 @@ def build_workload(args: argparse.Namespace, maker: PromptMaker) -> tuple[list[C
                 text, ids = maker.make(ln)
                 turns.append(Prompt(text, ids, args.output_len))
             convs.append(Conversation(turns))
+    elif args.dataset == "copy-edit":
+        n = args.num_prompts + args.warmup
+        convs = [Conversation([Prompt(*maker.copy_edit(args.input_len), args.output_len)]) for _ in range(n)]
     else:  # argparse restricts choices
         raise ValueError(args.dataset)
     k = len(convs) - args.warmup
@@ -597,7 +618,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name to send; default: first id of GET /v1/models")
     p.add_argument("--tokenizer", default=default_model_dir(), help="tokenizer folder (or tokenizer.json)")
-    p.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
+    p.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn", "copy-edit"], default="random",
+                   help="copy-edit: a JSON document of about --input-len tokens to write back with one edit (W4)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens (random, multi-turn user messages)")
     p.add_argument("--input-len-min", type=int, default=None, help="with --input-len-max: uniform prompt lengths")

@@ -183,3 +183,23 @@ def test_shared_prefix_groups(tiny_tokenizer: str) -> None:
     assert single[0].turns[0].token_ids[:20] == heads[0]  # the first prefix is drawn first either way
     with pytest.raises(SystemExit):
         bs.parse_args(["--num-prefixes", "0"])
+
+
+def test_copy_edit_prompts_hold_a_document_to_write_back() -> None:
+    """W4's prompts (scripts/bench_speculative.py): about --input-len tokens, a JSON document that parses, asked back
+    with one edit, seeded."""
+    path = Path(bs.default_model_dir())
+    if not (path / "tokenizer.json").exists():
+        pytest.skip(f"no tokenizer at {path} (run python -m lightserve.model_prep)")
+    args = bs.parse_args(["--tokenizer", str(path), "--dataset", "copy-edit", "--num-prompts", "2",
+                          "--input-len", "300", "--output-len", "256", "--seed", "5"])
+    convs, _ = bs.build_workload(args, bs.PromptMaker(str(path), np.random.default_rng(5)))
+    again, _ = bs.build_workload(args, bs.PromptMaker(str(path), np.random.default_rng(5)))
+    assert [c.turns[0].token_ids for c in convs] == [c.turns[0].token_ids for c in again]
+    for c in convs:
+        p = c.turns[0]
+        assert 300 <= len(p.token_ids) <= 400 and p.output_len == 256
+        doc = p.text[p.text.index("["): p.text.index("]\n\n") + 1]
+        records = json.loads(doc)
+        assert [r["id"] for r in records] == list(range(len(records)))
+        assert p.text.endswith("Edited document:\n")

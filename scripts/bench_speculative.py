@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Speculative decoding on against off, in one run on one machine: each workload against a server without and one
+with --speculative_algorithm (scripts/bench_server.py starts and stops each), greedy, and the on/off ratios beside
+the issue's targets.
+
+    W4-b1  copy-edit: a ~1,000-token JSON document written back with one edit, 256 output tokens, batch 1
+    W4-b8  the same at batch 8
+    W2     16 random prompts of 256 tokens, 64 output tokens, batch 1 (nothing to copy)
+    W1     128 random prompts of 128-512 tokens, 128 output tokens, 64 in flight (nothing to copy)
+
+Targets: W4-b1 inter-token latency (TPOT p50) <= 0.5x; W4-b8 output tok/s >= 1.5x; W2 and W1 output tok/s >= 0.95x.
+
+    python scripts/bench_speculative.py --server="--data_type float32" --workloads W4-b1,W4-b8,W2,W1
+    python scripts/bench_speculative.py --smoke      # a minute: small versions of each, to check the script runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = ["--backend", "openai", "--temperature", "0", "--ignore-eos"]
+WORKLOADS = {
+    "W4-b1": "--dataset copy-edit --num-prompts 4 --input-len 1000 --output-len 256 --max-concurrency 1",
+    "W4-b8": "--dataset copy-edit --num-prompts 16 --input-len 1000 --output-len 256 --max-concurrency 8",
+    "W2": "--dataset random --num-prompts 16 --input-len 256 --output-len 64 --max-concurrency 1",
+    "W1": "--dataset random --num-prompts 128 --input-len-min 128 --input-len-max 512 --output-len 128 "
+          "--max-concurrency 64",
+}
+SMOKE = {
+    "W4-b1": "--dataset copy-edit --num-prompts 1 --input-len 200 --output-len 24 --max-concurrency 1",
+    "W4-b8": "--dataset copy-edit --num-prompts 2 --input-len 200 --output-len 24 --max-concurrency 2",
+    "W2": "--dataset random --num-prompts 1 --input-len 64 --output-len 8 --max-concurrency 1",
+    "W1": "--dataset random --num-prompts 4 --input-len 64 --output-len 8 --max-concurrency 4",
+}
+# (workload, the row's field, how the on/off ratio must compare, bound)
+TARGETS = (("W4-b1", "tpot_p50_ms", "<=", 0.5), ("W4-b8", "output_tok_s", ">=", 1.5),
+           ("W2", "output_tok_s", ">=", 0.95), ("W1", "output_tok_s", ">=", 0.95))
+
+
+def run_side(server_flags: str, bench: str, runs: int) -> list[dict]:
+    """bench_server.py's JSON rows for one server and one workload."""
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_server.py"), f"--server={server_flags}", "--runs", str(runs),
+           "--", *COMMON, *shlex.split(bench)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def median(rows: list[dict], key: str) -> float:
+    values = sorted(float(r[key]) for r in rows if r.get(key) is not None)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", default="", help="lightserve flags both servers get (one string)")
+    ap.add_argument("--speculative", default="--speculative_algorithm ngram --num_speculative_tokens 4",
+                    help="the flags that turn speculation on")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--runs", type=int, default=1, help="measured runs per server and workload (after a warm-up)")
+    ap.add_argument("--smoke", action="store_true", help="tiny workloads: checks the script, measures nothing")
+    ap.add_argument("--out", help="write the result JSON here")
+    args = ap.parse_args(argv)
+    table = SMOKE if args.smoke else WORKLOADS
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in table]
+    if unknown:
+        ap.error(f"unknown workloads {unknown} (known: {', '.join(table)})")
+    result = {}
+    for name in names:
+        off = run_side(args.server, table[name], args.runs)
+        on = run_side(f"{args.server} {args.speculative}", table[name], args.runs)
+        keys = ("output_tok_s", "tpot_p50_ms", "itl_p50_ms", "ttft_p50_ms")
+        result[name] = {side: {k: median(rows, k) for k in keys} for side, rows in (("off", off), ("on", on))}
+        print(f"{name}: off {result[name]['off']}  on {result[name]['on']}", file=sys.stderr)
+    print(f"{'workload':8} {'metric':14} {'off':>10} {'on':>10} {'on/off':>8}  target")
+    met = True
+    for name, key, op, bound in TARGETS:
+        if name not in result:
+            continue
+        off, on = result[name]["off"][key], result[name]["on"][key]
+        ratio = on / off if off else float("nan")
+        ok = ratio <= bound if op == "<=" else ratio >= bound
+        met &= ok
+        result[name]["ratio"] = {key: ratio, "target": f"{op} {bound}", "met": ok}
+        print(f"{name:8} {key:14} {off:10.2f} {on:10.2f} {ratio:8.3f}  {op} {bound} {'ok' if ok else 'MISSED'}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0 if met or args.smoke else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Speculative decoding end to end: a server with --speculative_algorithm ngram gives the same greedy tokens and
+finish reasons as one without, on prompts with something to copy (a list written out again, where drafts are
+accepted) and with nothing to copy, with requests that end by eos, a stop id, a stop string and max_tokens inside
+a burst, beside a sampling request that does not speculate; its metrics count accepted drafts."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import httpx
+import pytest
+
+from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
+
+TIMEOUT = aiohttp.ClientTimeout(total=300)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(with ngram speculation, without), started together."""
+    common = ("--data_type", "float32", "--max_total_token_num", "8192")
+    logs = tmp_path_factory.mktemp("speculative")
+    spec = ServerProc(*common, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
+                      '"prompt_lookup_max": 4, "prompt_lookup_min": 2}', log_path=logs / "spec.log")
+    plain = ServerProc(*common, log_path=logs / "plain.log")
+    try:
+        yield spec.wait_ready(), plain.wait_ready()
+    finally:
+        spec.stop()
+        plain.stop()
+
+
+def _bodies() -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+
+    def chat(text: str) -> str:
+        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+
+    fruit = "apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum"
+    listing = "\n".join([fruit] * 3) + "\n"
+    comma = tok.convert_tokens_to_ids(",")
+    bodies = [
+        {"inputs": listing, "parameters": {"max_new_tokens": 32}},                              # copies: length
+        {"inputs": listing, "parameters": {"max_new_tokens": 13}},                              # length mid-burst
+        {"inputs": listing + "apple, banana,", "parameters": {"max_new_tokens": 40, "stop_token_ids": [comma]}},
+        {"inputs": listing, "parameters": {"max_new_tokens": 40, "stop_sequences": ["mango"]}},  # stop string
+        {"inputs": chat(f"Repeat exactly: {fruit}"), "parameters": {"max_new_tokens": 64}},      # eos at the end
+        {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 16}},          # nothing to copy
+        {"inputs": chat("Say hi."), "parameters": {"max_new_tokens": 24}},
+        {"inputs": listing, "parameters": {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8,
+                                           "seed": 7}},                                         # samples: no drafts
+    ]
+    for body in bodies:
+        body["parameters"] |= {"return_details": True, "add_special_tokens": False}
+    return bodies
+
+
+def _run(url: str, bodies: list[dict]) -> list[tuple[list[int], str, str]]:
+    async def one(session, body):
+        async with session.post(url + "/generate", json=body) as resp:
+            data = await resp.json()
+            assert resp.status == 200, data
+            return [t["id"] for t in data["tokens"]], data["finish_reason"], data["generated_text"]
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            alone = [await one(session, bodies[0])]                      # batch 1
+            return alone + list(await asyncio.gather(*[one(session, b) for b in bodies]))  # continuous batching
+    return asyncio.run(go())
+
+
+def test_ngram_speculation_gives_the_same_greedy_output(servers):
+    spec_server, plain = servers
+    bodies = _bodies()
+    got, want = _run(spec_server.url, bodies), _run(plain.url, bodies)
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert [g[2] for g in got] == [w[2] for w in want]
+    reasons = [reason for _, reason, _ in want]
+    assert reasons.count("length") >= 3 and reasons.count("stop") >= 4, reasons   # eos, a stop id, a stop string
+    assert wait_until(lambda: spec_server.metrics()["lightserve_requests_running"] == 0, 30)
+    m = spec_server.metrics()
+    assert m["lightserve_kv_tokens_free"] + m["lightserve_kv_tokens_cached"] == m["lightserve_kv_tokens_total"]
+    assert m["lightserve_spec_accepted_tokens_total"] > 0
+    assert m["lightserve_spec_accepted_tokens_total"] <= m["lightserve_spec_draft_tokens_total"]
+    text = httpx.get(spec_server.url + "/metrics", timeout=10).text
+    accepted = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text

@@ -2,8 +2,9 @@
 before anything imports lightserve.kernels: without a GPU, Triton kernels run in the interpreter.
 
 Skips: a test that needs a GPU is marked `gpu` and skipped without one; nothing else should skip on
-a CPU machine. Every run ends with a line counting the skipped tests, and with `CI` set on a machine
-without CUDA any skip of an unmarked test fails the run (a skipped test proves nothing)."""
+a CPU machine. Every run ends with a line counting the skipped tests, and on a machine without CUDA
+any skip of an unmarked test fails the run (a skipped test proves nothing), `make test` and a local
+pytest alike, with or without `CI` set."""
 import os
 import secrets
 
@@ -56,13 +57,13 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 
 def _disallowed_skips() -> list:
-    """Skips that fail CI: any on a machine without CUDA, except of tests marked gpu."""
+    """Skips that fail the run: any on a machine without CUDA, except of tests marked gpu."""
     return [] if HAS_CUDA else [r for r in _skips if "gpu" not in getattr(r, "keywords", {})]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if os.environ.get("CI") and _disallowed_skips() and exitstatus == pytest.ExitCode.OK:
+    if _disallowed_skips() and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -72,6 +73,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     for report in _disallowed_skips():
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         terminalreporter.write_line(f"  skipped on a CPU machine: {report.nodeid}: {reason}")
-    if os.environ.get("CI") and _disallowed_skips():
-        terminalreporter.write_line("CI is set: a skip on a CPU machine fails the run (mark GPU-only tests gpu)",
-                                    red=True)
+    if _disallowed_skips():
+        terminalreporter.write_line("a skip on a CPU machine fails the run (mark GPU-only tests gpu)", red=True)

@@ -25,6 +25,7 @@ VOCAB = 49152
 
 class FakePool:
     num_slots = 8
+    max_top_logprobs = 5  # ServerConfig's default --max_top_logprobs (check_prompt's limit)
 
     def __init__(self) -> None:
         self.stats = {name: i + 1 for i, name in enumerate(STATS_FIELDS)}

@@ -16,7 +16,8 @@ from lightserve.detokenizer.process import Detokenizer, run_detokenizer
 from lightserve.messages import AbortReq, DeltaBatch, FinishReason, ReqReleased, TokensReady, decode, encode
 from lightserve.sampling import SamplingParams
 from lightserve.shm.req_pool import Owner, ReqPool
-from lightserve.shm.segment import list_segments
+from lightserve.shm.segment import SHM_DIR
+from tests.shm.helpers import is_released, list_segments
 
 READY_TIMEOUT_S = 120  # spawn + importing transformers + loading the tokenizer, on a busy 2-core box
 RECV_TIMEOUT_S = 20
@@ -83,6 +84,8 @@ def test_detokenizer_process(smol_dir, smol_tokenizer):
     front.bind(config.front_addr)
     router.bind(config.router_addr)
     rank0.connect(config.detok_addr)
+    ours = _instance_files(config)  # the test's: the pool segment, the front's and the router's socket files
+    assert len(ours) == 3, ours
     mp = multiprocessing.get_context("spawn")
     ready_recv, ready_send = mp.Pipe(duplex=False)
     proc = mp.Process(target=run_detokenizer, args=(config, ready_send), daemon=True)
@@ -90,6 +93,7 @@ def test_detokenizer_process(smol_dir, smol_tokenizer):
     try:
         assert ready_recv.poll(READY_TIMEOUT_S), "detokenizer did not report ready"
         assert ready_recv.recv()[0] == "ready"
+        assert _instance_files(config) == sorted([*ours, config.detok_addr.removeprefix("ipc://")])
         _exercise(FakeEngine(pool, smol_tokenizer), smol_tokenizer, front, router, rank0)
     finally:
         proc.terminate()  # SIGTERM: the process's clean stop
@@ -97,6 +101,7 @@ def test_detokenizer_process(smol_dir, smol_tokenizer):
         if proc.is_alive():
             proc.kill()
             proc.join(10)
+        left_by_detok = _instance_files(config)  # before the test removes its own files
         for sock in (front, router, rank0):
             sock.close(linger=0)
         ctx.term()
@@ -105,8 +110,16 @@ def test_detokenizer_process(smol_dir, smol_tokenizer):
         pool.close()
         pool.segment.unlink()
     assert proc.exitcode == 0
-    assert list_segments(f"{SHM_PREFIX}{config.instance_id}") == []
-    assert glob.glob(f"{tempfile.gettempdir()}/{SHM_PREFIX}{config.instance_id}-*") == []
+    # The detokenizer removed the socket file it bound, and nothing of the test's (the pool is the launcher's).
+    assert left_by_detok == ours
+    assert _instance_files(config) == []
+
+
+def _instance_files(config: ServerConfig) -> list[str]:
+    """The shm segments and ipc socket files of `config`'s instance."""
+    prefix = f"{SHM_PREFIX}{config.instance_id}-"
+    return sorted([str(SHM_DIR / name) for name in list_segments(prefix)]
+                  + glob.glob(f"{tempfile.gettempdir()}/{prefix}*"))
 
 
 def _exercise(engine: FakeEngine, tok, front, router, rank0) -> None:
@@ -141,12 +154,12 @@ def _exercise(engine: FakeEngine, tok, front, router, rank0) -> None:
             texts[d.shm_index] += d.text
             if d.finish != FinishReason.NONE:
                 finishes[d.shm_index] = d.finish
-                assert pool.is_released(Owner.DETOK, d.shm_index)  # released before the final delta
+                assert is_released(pool, Owner.DETOK, d.shm_index)  # released before the final delta
 
     assert texts[plain] == "Hello world 😀 你好! How are you?" and finishes[plain] == FinishReason.LENGTH
     assert texts[stopped] == " Hello" and finishes[stopped] == FinishReason.STOP
     assert recv(router) == AbortReq(stopped, 102, FinishReason.STOP)
-    assert texts[aborted] == " one two" and not pool.is_released(Owner.DETOK, aborted)
+    assert texts[aborted] == " one two" and not is_released(pool, Owner.DETOK, aborted)
 
     # The router aborts a running request: tokens published without a TokensReady still come.
     engine.publish(aborted, tok.encode(" three", add_special_tokens=False))
@@ -157,7 +170,7 @@ def _exercise(engine: FakeEngine, tok, front, router, rank0) -> None:
     rank0.send(encode(ReqReleased(unseen, 104, FinishReason.ABORT)))
     (final,) = recv(front).deltas
     assert (final.shm_index, final.text, final.num_output, final.finish) == (unseen, "", 0, FinishReason.ABORT)
-    assert pool.is_released(Owner.DETOK, aborted) and pool.is_released(Owner.DETOK, unseen)
+    assert is_released(pool, Owner.DETOK, aborted) and is_released(pool, Owner.DETOK, unseen)
 
     # Slot reuse: late TokensReady for ended requests are ignored; the new occupant starts fresh.
     for owner in (Owner.FRONT, Owner.ROUTER):

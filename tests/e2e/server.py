@@ -6,11 +6,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
 
+from lightserve.config import SHM_PREFIX
+
+# Where a launch keeps its files, all named lightserve-<launcher pid>-...: its shm segments, and its
+# zmq ipc socket files (ServerConfig's addresses, in the temp dir, which TMPDIR may move off /tmp).
+RUNTIME_DIRS = (Path("/dev/shm"), Path(tempfile.gettempdir()))
 MODEL_DIR = Path(os.environ.get("LIGHTSERVE_CACHE", Path.home() / ".cache" / "lightserve")) / "SmolLM2-135M-Instruct"
 START_TIMEOUT_S = 300
 
@@ -85,6 +92,21 @@ class ServerProc:
 def _pgrep_children(pid: int) -> list[str]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
     return out.split()
+
+
+def lightserve_files() -> set[str]:
+    """Every lightserve-* shm segment and ipc socket file present now: the snapshot a leak check takes
+    before its test starts anything."""
+    return {str(p) for d in RUNTIME_DIRS for p in d.glob(f"{SHM_PREFIX}*")}
+
+
+def files_left(before: set[str], pids: Iterable[int]) -> list[str]:
+    """The lightserve-* files present now, absent from the snapshot `before`, and named after one of
+    `pids` (a launcher, its children, or this process for the pipelines it started): what this test's
+    processes left behind. Files older than the snapshot, or of tests running beside this one (other
+    pids), are not blamed."""
+    mine = tuple(f"{SHM_PREFIX}{pid}-" for pid in pids)
+    return sorted(f for f in lightserve_files() - before if Path(f).name.startswith(mine))
 
 
 def wait_until(cond, timeout: float, interval: float = 0.2) -> bool:

@@ -1,7 +1,8 @@
 """Agent-client features against the real server on the real model, through the official openai
 client: tool calls (grammar-bound required/named choices, auto, a full round trip, stream vs
 whole), /v1/responses, and vLLM's conventions (metric names, /version, /ping, name aliases).
-One server for the module, with a tool-capable chat template (SmolLM2's own takes no tools)."""
+One server for the module, with a tool-capable chat template (SmolLM2's own takes no tools) and no
+--tool_call_parser: the default, auto, reads hermes off the template."""
 from __future__ import annotations
 
 import json
@@ -25,12 +26,24 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+def _asked_and_called(city: str, i: int, sky: str) -> list[dict]:
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{i}", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": json.dumps({"city": city, "sky": sky})}]
+
+
+# Two questions the assistant answered with calls, then a third: greedy, the model calls again, given one
+# nudge: "response" banned, which it would write after "<tool_" (echoing the <tool_response> turns).
+CALLS_BEFORE = [*_asked_and_called("London", 1, "rain"), *_asked_and_called("Tokyo", 2, "sun"), *ASK]
+NO_TOOL_RESPONSE = {"7639": -100}  # SmolLM2's token "response"
+
+
 @pytest.fixture(scope="module")
 def agent_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("agent") / "server.log"
     srv = ServerProc("--data_type", "float32", "--max_total_token_num", "4096", "--chat_template", str(TEMPLATE),
-                     "--tool_call_parser", "hermes", "--served_model_name", "smol-agent", "smol",
-                     log_path=log).wait_ready()
+                     "--served_model_name", "smol-agent", "smol", log_path=log).wait_ready()
     yield srv
     srv.stop()
 
@@ -90,16 +103,21 @@ def test_named_call_streamed_equals_whole_then_round_trip(client):
     assert final.usage.prompt_tokens > whole.usage.prompt_tokens + 20  # the call and its result are in the prompt
 
 
-def test_auto_gives_text_or_calls(client):
-    done = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER], tool_choice="auto",
-                                          max_tokens=24, temperature=0)
-    choice = done.choices[0]
-    if choice.message.tool_calls:
-        assert choice.finish_reason == "tool_calls"
-        for call in choice.message.tool_calls:
-            assert call.function.name  # free-form: the model may call with any arguments
-    else:
-        assert choice.message.content and "<tool_call>" not in choice.message.content
+def test_auto_gives_text_or_calls(agent_server, client):
+    """tool_choice auto leaves the choice to the model, and each answer comes back as what it is: a question
+    the model answers in words is text, no call; one it answers with a call (greedy, after a history of
+    calls) is that call, parsed by the parser --tool_call_parser auto chose, no <tool_call> text left over."""
+    assert "tool calls (tool_choice auto): hermes" in agent_server.log_path.read_text()
+    text = client.chat.completions.create(model="smol", tools=[WEATHER], tool_choice="auto", max_tokens=24,
+                                          messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                          temperature=0).choices[0]
+    assert (text.finish_reason, text.message.content) == ("stop", "The capital of France is Paris."), text
+    assert not text.message.tool_calls, text
+    called = client.chat.completions.create(model="smol", messages=CALLS_BEFORE, tools=[WEATHER], tool_choice="auto",
+                                            max_tokens=40, temperature=0, logit_bias=NO_TOOL_RESPONSE).choices[0]
+    assert called.finish_reason == "tool_calls" and not called.message.content, called
+    [call] = called.message.tool_calls
+    assert _check_call(call) == {"city": "Paris"}
 
 
 def test_responses_create_and_stream(client):

@@ -4,8 +4,8 @@ multi-turn exchange with tool_use / tool_result, stop sequences, usage with cach
 count_tokens, and bad requests (Anthropic's error body, the server healthy after).
 
 The e2e suite's shared server (tests/e2e/conftest.py), started with no tool flags as `make serve` starts it
-(`--tool_call_parser auto` reads hermes off SmolLM2's ChatML template), so tool_choice "auto" also works out of the
-box for the openai client."""
+(`--tool_call_parser auto` reads hermes off SmolLM2's ChatML template; tests/e2e/test_agent_api.py checks the
+OpenAI side of that)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,6 @@ import json
 import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
 # Enums keep the grammar-bound input short, so a few tokens finish the call.
@@ -122,13 +121,3 @@ def test_bad_requests_then_healthy(server, client, model):
         client.messages.create(model="claude-elsewhere", max_tokens=4, messages=ASK)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert client.messages.create(model=model, max_tokens=2, messages=ASK).usage.output_tokens > 0
-
-
-def test_openai_auto_tool_choice_without_flag(server, model):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}
-    done = client.chat.completions.create(model=model, messages=ASK, tools=[tool], tool_choice="auto",
-                                          max_tokens=16, temperature=0)
-    choice = done.choices[0]
-    assert choice.finish_reason in ("stop", "length", "tool_calls")
-    assert choice.message.tool_calls or "<tool_call>" not in (choice.message.content or "")

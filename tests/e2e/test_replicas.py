@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import ServerProc, free_port, wait_until
+from tests.e2e.server import RUNTIME_DIRS, ServerProc, files_left, free_port, lightserve_files, wait_until
 from tests.reliability.helpers import alive
 
 pytest.importorskip("sglang_router")
@@ -25,6 +26,7 @@ openai = pytest.importorskip("openai")
 REPLICA_FLAGS = ("--data_type", "float32", "--max_total_token_num", "4096")
 ROUTER_READY_S = 60
 REQUEST_TIMEOUT_S = 180  # a hang, not a slow 2-core machine, should trip this
+MAX_TOKENS = 8  # of each request of the kill test: a complete answer has all of them
 PREFIX = "You are a careful assistant. " + " ".join(f"Rule {i}: be kind to item {i}." for i in range(40))
 
 
@@ -65,7 +67,13 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def files_before() -> set[str]:
+    """The lightserve-* segments and socket files before the replicas start: the leak check compares with it."""
+    return lightserve_files()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, files_before):
     logs = tmp_path_factory.mktemp("replicas")
     replicas = [ServerProc(*REPLICA_FLAGS, log_path=logs / f"replica{i}.log") for i in range(2)]
     router = None
@@ -108,10 +116,13 @@ def test_shared_prefix_is_routed_to_one_replica_and_cached(fleet):
     assert served == [0, 8], served
 
 
-def test_router_keeps_answering_when_a_replica_dies_mid_load(fleet):
+def test_router_keeps_answering_when_a_replica_dies_mid_load(fleet, files_before):
     replicas, router, model = fleet
     victim = replicas[1]
     victim_children = victim.children()
+    victim_files = files_left(files_before, [victim.pid])  # its pool segment and ipc sockets, while it runs
+    assert any(f.endswith("-reqs") for f in victim_files), victim_files
+    assert any(Path(f).parent == RUNTIME_DIRS[1] for f in victim_files), victim_files
     num, in_flight, kill_after = 24, 12, 4
 
     async def run() -> list[tuple[str, float]]:
@@ -120,8 +131,8 @@ def test_router_keeps_answering_when_a_replica_dies_mid_load(fleet):
 
         async def one(client: httpx.AsyncClient, i: int) -> tuple[str, float]:
             # Distinct prompts: cache_aware spreads them over both replicas.
-            body = {"model": model, "prompt": f"{i} Tell me about the number {i}.", "max_tokens": 8,
-                    "ignore_eos": True, "stream": i % 4 == 0}
+            body = {"model": model, "prompt": f"{i} Tell me about the number {i}.", "max_tokens": MAX_TOKENS,
+                    "ignore_eos": True, "stream": i % 4 == 0, "stream_options": {"include_usage": True}}
             async with sem:
                 t0 = time.monotonic()
                 try:
@@ -141,7 +152,8 @@ def test_router_keeps_answering_when_a_replica_dies_mid_load(fleet):
 
     results = asyncio.run(run())
     outcomes = [o for o, _ in results]
-    # Each request ended (none hit the timeout); answered ones are complete.
+    # Each request ended (none hit the timeout): complete ("ok"), or with an error the client sees (an
+    # error status or event, a cut connection); never a 200 that passes an unfinished answer off as done.
     assert len(results) == num and max(t for _, t in results) < REQUEST_TIMEOUT_S
     assert all(o == "ok" or o.startswith(("transport error", "error ")) for o in outcomes), outcomes
     assert outcomes.count("ok") >= num - in_flight // 2, outcomes
@@ -150,21 +162,36 @@ def test_router_keeps_answering_when_a_replica_dies_mid_load(fleet):
         r = httpx.post(router.url + "/v1/completions", json={"model": model, "prompt": f"after {i}", "max_tokens": 2},
                        timeout=REQUEST_TIMEOUT_S)
         assert r.status_code == 200, r.text
-    # The killed replica's children notice their launcher is gone and leave no process or segment.
+    # The killed replica's children notice their launcher is gone and leave no process, segment or socket file.
     assert wait_until(lambda: not [p for p in victim_children if alive(p)], 15), \
         (victim_children, [_state(p) for p in victim_children], victim.log_tail())
-    assert wait_until(lambda: not victim.shm_segments(), 15), victim.shm_segments()
+    victim_pids = [victim.pid, *victim_children]
+    assert wait_until(lambda: not files_left(files_before, victim_pids), 15), files_left(files_before, victim_pids)
 
 
 def _outcome(resp: httpx.Response, stream: bool) -> str:
+    """"ok": the whole answer (all MAX_TOKENS tokens, finish_reason length); "error ...": an error status,
+    or an error event in the stream; "incomplete ...": a 200 that ends without its whole answer."""
     if resp.status_code != 200:
         return f"error {resp.status_code}"
     if not stream:
-        return "ok" if resp.json()["choices"][0]["finish_reason"] == "length" else f"error body {resp.text[:200]}"
+        body = resp.json()
+        if "error" in body:
+            return f"error body {body['error']}"
+        done = body["choices"][0]["finish_reason"], body["usage"]["completion_tokens"]
+        return "ok" if done == ("length", MAX_TOKENS) else f"incomplete {done}"
     # Lines end at LF only, as SSE ends them: sampled text may hold U+2028 or U+0085, which JSON leaves
     # unescaped and str.splitlines would also split at.
     events = [line[5:].strip() for line in resp.text.split("\n") if line.startswith("data:")]
-    return "ok" if events and events[-1] == "[DONE]" else f"error stream {events[-2:]}"
+    if not events or events[-1] != "[DONE]":
+        return f"incomplete stream, no [DONE]: {events[-2:]}"
+    chunks = [json.loads(e) for e in events[:-1]]
+    if errors := [c["error"] for c in chunks if "error" in c]:
+        return f"error event {errors[0]}"
+    finishes = [ch["finish_reason"] for c in chunks for ch in c.get("choices") or [] if ch.get("finish_reason")]
+    usage = (chunks[-1].get("usage") or {}) if chunks else {}  # include_usage: the last chunk before [DONE]
+    done = finishes, usage.get("completion_tokens")
+    return "ok" if done == (["length"], MAX_TOKENS) else f"incomplete stream {done}"
 
 
 def _state(pid: int) -> tuple[str, str, int] | None:

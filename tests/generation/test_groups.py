@@ -78,13 +78,29 @@ def test_group_prefills_the_prompt_once(pool, chunk):
 
 
 def test_aborted_leader_lets_siblings_run(pool):
+    """The leader is aborted after its first prompt chunk: each sibling still computes the whole prompt
+    (matching what the leader left in the cache) and its own 3 tokens, fed its own samples."""
     sched = _scheduler(pool, 16)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True, group_id=5)
     for i in range(3):
         _add(sched, pool, i, i + 1, params)
-    _step(sched, pool)                       # leader's first chunk
+    assert _step(sched, pool).shm_indices.tolist() == [0]  # leader's first chunk, the siblings wait
     sched.abort_req(0, 1, FinishReason.ABORT)
+    assert sched.released == [(0, 1, FinishReason.ABORT)]
+    fed: dict[int, list[int]] = {1: [], 2: []}  # per sibling: its cached prefix, then every token it was fed
     while sched.has_work():
-        _step(sched, pool)
+        plan = _step(sched, pool)
+        assert 0 not in plan.shm_indices.tolist()
+        ends = np.cumsum(plan.extend_lens)
+        for i, s in enumerate(plan.shm_indices.tolist()):
+            if not fed[s]:
+                fed[s] += PROMPT[: int(plan.prefix_lens[i])]
+            assert len(fed[s]) == plan.prefix_lens[i], (s, len(fed[s]), plan.prefix_lens[i])
+            fed[s] += plan.input_ids[ends[i] - plan.extend_lens[i]: ends[i]].tolist()
     assert not sched.groups and not sched.by_slot
     assert sched.allocator.num_free + sched.cache.total_size == sched.allocator.num_total
+    for s in (1, 2):
+        assert (int(pool.num_output[s]), pool.finish[s]) == (3, FinishReason.LENGTH), s
+        assert pool.token_ids[s, len(PROMPT): len(PROMPT) + 3].tolist() == [1000 + s] * 3
+        assert fed[s] == PROMPT + [1000 + s] * 2, (s, fed[s])  # the last sample is never fed
+    assert pool.num_output[0] == 0

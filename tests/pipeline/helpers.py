@@ -3,16 +3,19 @@ greedy check against transformers (teacher-forced, tests/greedy_check.py)."""
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
-from tests.e2e.server import wait_until  # noqa: F401 - re-exported for the pipeline tests
+from tests.e2e.server import (
+    RUNTIME_DIRS,
+    wait_until,  # noqa: F401 - re-exported for the pipeline tests
+)
 from tests.greedy_check import greedy_mismatch
 
 SETTINGS = {"data_type": "float32", "max_total_token_num": 16384}
 
 
 def instance_files(instance_id: str) -> list[str]:
-    return sorted(str(p) for d in (Path("/dev/shm"), Path("/tmp")) for p in d.glob(f"lightserve-{instance_id}*"))
+    """The shm segments and ipc socket files of one pipeline launch."""
+    return sorted(str(p) for d in RUNTIME_DIRS for p in d.glob(f"lightserve-{instance_id}-*"))
 
 
 @functools.lru_cache(maxsize=1)

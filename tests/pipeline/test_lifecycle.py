@@ -15,6 +15,7 @@ import pytest
 
 from lightserve import GenerationConfig, pipeline
 from lightserve.engine_client import EngineDead
+from tests.e2e.server import RUNTIME_DIRS, files_left, lightserve_files
 from tests.pipeline.helpers import SETTINGS, instance_files, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,9 +38,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_close_drains_frees_everything_then_a_second_pipeline_runs_and_survives_a_dead_child():
+    before = lightserve_files()  # a pipeline's files are named after this process: lightserve-<our pid>-...
     first = pipeline(**SETTINGS, shutdown_grace_s=GRACE_S)
     iid, pids = first.config.instance_id, [c.proc.pid for c in first._procs.children]
-    assert len(pids) == 3 and any("-reqs" in f for f in instance_files(iid))
+    assert len(pids) == 3 and _has_segment_and_sockets(instance_files(iid))
     assert first.infer("Hello", GenerationConfig(max_new_tokens=4, ignore_eos=True)).generated_tokens == 4
     short = first.stream_infer("Count to ten:", GenerationConfig(max_new_tokens=6, ignore_eos=True))
     busy = first.stream_infer("Count to a million:", GenerationConfig(max_new_tokens=4000, ignore_eos=True))
@@ -53,7 +55,7 @@ def test_close_drains_frees_everything_then_a_second_pipeline_runs_and_survives_
     last = list(busy)[-1]
     assert last.finish_reason == "abort" and 0 < last.generated_tokens < 4000
     first.close()  # idempotent
-    assert not [p for p in pids if _alive(p)] and instance_files(iid) == []
+    assert not [p for p in pids if _alive(p)] and files_left(before, [os.getpid(), *pids]) == []
     with pytest.raises(RuntimeError, match="closed"):
         first.infer("Hello")
 
@@ -81,7 +83,8 @@ def test_close_drains_frees_everything_then_a_second_pipeline_runs_and_survives_
         assert "worker-tp0" in str(outcome[0])
         with pytest.raises(EngineDead, match="worker-tp0"):
             second.infer("Hello")
-    assert not [p for p in children.values() if _alive(p)] and instance_files(iid2) == []
+    assert not [p for p in children.values() if _alive(p)]
+    assert files_left(before, [os.getpid(), *pids, *children.values()]) == [], iid2
 
 
 SCRIPT = """
@@ -97,11 +100,19 @@ if __name__ == "__main__":
 
 
 def test_interpreter_exit_without_close_cleans_up(tmp_path):
+    before = lightserve_files()
     proc = _run_script(tmp_path, SCRIPT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     iid, *pids = proc.stdout.split()
     assert wait_until(lambda: not [p for p in pids if _alive(int(p))], 10)
-    assert instance_files(iid) == []
+    script_pid = int(iid.split("-")[0])  # the instance id starts with its launching process's pid
+    assert files_left(before, [script_pid, *map(int, pids)]) == []
+
+
+def _has_segment_and_sockets(files: list[str]) -> bool:
+    """The leak checks look where a live launch keeps its files: its pool segment and its ipc sockets."""
+    return (any(f.endswith("-reqs") for f in files)
+            and any(Path(f).parent == RUNTIME_DIRS[1] for f in files))
 
 
 def test_script_without_main_guard_gets_a_clear_error(tmp_path):

@@ -16,6 +16,7 @@ TOPICS = ["the ocean", "a red bicycle", "volcanoes", "chess openings", "the moon
           "a lost key", "jazz music", "winter in Oslo", "prime numbers", "honey bees", "old maps"]
 THREADS, CALLS, NEW_TOKENS = 5, 10, 64   # the issue's sizes: 50 streams of 64 tokens, 5 at a time
 ASYNC_NEW_TOKENS = 32
+ABANDONED_MAX_NEW = 4000  # what an abandoned stream asks for: none may run to it
 PROMPTS8 = ["What is the capital of France?", "def fibonacci(n):", "1, 1, 2, 3, 5, 8,",
             "Write a haiku about rain.", "The quick brown fox", "Q: What is 12 times 7?\nA:",
             "Once upon a time, in a small village,", "import numpy as np\n"]
@@ -147,18 +148,25 @@ def _idle(pipe) -> bool:
 
 
 def test_abandoned_streams_abort_their_requests(pipe):
-    cfg = GenerationConfig(max_new_tokens=4000, ignore_eos=True)  # minutes of work if not aborted
+    """A stream closed after its first chunk, and an `async for` left early, end their requests: the
+    engine goes idle having generated fewer tokens, all requests together, than one of them asked for.
+    With ignore_eos only the length could end one, so none ran to its end: they were aborted."""
+    cfg = GenerationConfig(max_new_tokens=ABANDONED_MAX_NEW, ignore_eos=True)  # minutes of work if not aborted
+    generated = pipe.stats()["generation_tokens_total"]
     gen = pipe.stream_infer(["Count to a million:", "Name every star:"], cfg)
     next(gen)
     gen.close()
     assert wait_until(lambda: _idle(pipe), 15)
+    assert pipe.stats()["generation_tokens_total"] - generated < cfg.max_new_tokens
 
     async def leave_early() -> None:
         async for _ in pipe.generate("Tell me everything:", cfg):
             break
 
+    generated = pipe.stats()["generation_tokens_total"]
     asyncio.run(leave_early())
     assert wait_until(lambda: _idle(pipe), 15)
+    assert pipe.stats()["generation_tokens_total"] - generated < cfg.max_new_tokens
 
 
 def test_chat_prompts(pipe):

@@ -13,7 +13,7 @@ import httpx
 
 from lightserve.engine_procs import child_pids_from_log
 from lightserve.metrics import idle_problems
-from tests.e2e.server import ServerProc, wait_until
+from tests.e2e.server import RUNTIME_DIRS, ServerProc, wait_until
 
 CHILD_NAMES = ("worker-tp0", "router", "detokenizer")
 IDLE_TIMEOUT_S = 180
@@ -47,8 +47,7 @@ def alive(pid: int) -> bool:
 
 def instance_files(launcher_pid: int) -> list[str]:
     """Shared-memory segments and ipc socket files of a launch (both are named lightserve-<pid>-...)."""
-    return sorted(str(p) for d in (Path("/dev/shm"), Path("/tmp"))
-                  for p in d.glob(f"lightserve-{launcher_pid}-*"))
+    return sorted(str(p) for d in RUNTIME_DIRS for p in d.glob(f"lightserve-{launcher_pid}-*"))
 
 
 def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, float]:

@@ -93,10 +93,22 @@ def test_bad_input_is_refused_naming_the_field(server, path, body, status, param
     _assert_valid_request_succeeds(server.url)
 
 
+ENGINE_COUNTERS = ("steps_total", "prompt_tokens_total", "generation_tokens_total")  # the router's
+
+
 def test_refused_requests_never_reached_the_engine(server):
-    """Runs after the table: the refusals left no request, slot or KV row behind."""
-    m = assert_idle(server.url, AUTH)
-    assert m["req_slots_total"] == POOL
+    """Every bad input of the table once more, on an idle server: the engine ran no step and took no
+    prompt or output token for any of them, and they left no request, slot or KV row behind."""
+    before = assert_idle(server.url, AUTH)
+    statuses = [_post(server.url, path, body).status_code for _, path, body, _, _ in BAD_INPUTS]
+    after = assert_idle(server.url, AUTH)
+    assert {k: after[k] - before[k] for k in ENGINE_COUNTERS} == dict.fromkeys(ENGINE_COUNTERS, 0)
+    assert statuses == [row[3] for row in BAD_INPUTS]
+    assert after["req_slots_total"] == after["req_slots_free"] == POOL
+    # The counters do count: one valid request moves each of them.
+    _assert_valid_request_succeeds(server.url)
+    served = assert_idle(server.url, AUTH)
+    assert all(served[k] > after[k] for k in ENGINE_COUNTERS), (after, served)
 
 
 def test_api_key_required_everywhere_but_health(server):

@@ -96,30 +96,36 @@ def test_two_long_prompts_in_chunked_prefill_do_not_deadlock(pool, use_cache):
 @pytest.mark.parametrize("seed", range(6))
 def test_random_arrivals_on_tight_kv_all_finish(pool, seed):
     """Requests of random prompt and output lengths (sharing random prefixes) arrive while others
-    run, on a KV cache barely larger than one request: every one finishes, KV balances at the end."""
+    run, on a KV cache barely larger than one request: all 60 finish by length with every token they
+    asked for (none dropped or cut short to make room), KV balances at the end."""
     rng = np.random.default_rng(seed)
     kv = 96
     sched = _scheduler(pool, kv, int(rng.integers(1, 9)), use_cache=bool(seed % 2))
     prefixes = [rng.integers(100, 5000, 40).tolist() for _ in range(3)]
     free_slots = list(range(pool.num_slots))
     req_ids = iter(range(1, 10**6))
-    owner: dict[int, int] = {}
+    owner: dict[int, tuple[int, int]] = {}  # slot -> (req_id, max_new_tokens)
+    finished: dict[int, int] = {}  # req_id -> tokens it got
     added, steps = 0, 0
     while added < 60 or sched.has_work():
         if added < 60 and free_slots and rng.random() < 0.5:
             slot = free_slots.pop()
             prompt_len = int(rng.integers(1, kv - 16))
             prompt = (prefixes[int(rng.integers(0, 3))] + rng.integers(100, 5000, kv).tolist())[:prompt_len]
-            rid = next(req_ids)
-            owner[slot] = rid
-            _add(sched, pool, slot, rid, prompt, int(rng.integers(1, kv - prompt_len)))
+            rid, max_new = next(req_ids), int(rng.integers(1, kv - prompt_len))
+            owner[slot] = rid, max_new
+            _add(sched, pool, slot, rid, prompt, max_new)
             added += 1
         if sched.has_work():
             _step(sched, pool, steps)
         steps += 1
         assert steps < MAX_STEPS
         for slot in list(owner):
-            if slot not in sched.by_slot:  # the router retired it
-                del owner[slot]
+            if slot not in sched.by_slot:  # the router retired it: rank 0 ended it by length, all tokens out
+                rid, max_new = owner.pop(slot)
+                assert (int(pool.num_output[slot]), pool.finish[slot]) == (max_new, FinishReason.LENGTH), rid
+                finished[rid] = max_new
                 free_slots.append(slot)
+    assert sorted(finished) == list(range(1, 61)) and not sched.released
+    assert sched.counters["generation_tokens_total"] == sum(finished.values())
     assert _kv_balanced(sched)

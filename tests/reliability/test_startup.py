@@ -1,7 +1,9 @@
 """Start-up hygiene and the request timeout, on one server: shm segments and ipc files left by a
 crashed earlier launch are removed at start (a live process's are not), the CPU worker starts with
 OpenMP threads that sleep soon after a parallel region, and --request_timeout_s ends a running
-request and one still queued for the (single) request slot."""
+request and one still queued for the (single) request slot. The server runs --data_type bfloat16
+(the other served tests run float32, or auto in test_health.py): its start-up log names the dtype,
+and greedy chat answers as transformers' bf16 does."""
 from __future__ import annotations
 
 import asyncio
@@ -10,10 +12,20 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from lightserve.engine_procs import OMP_SPIN_ROUNDS, bound_omp_spin
-from tests.reliability.helpers import RawRequest, assert_idle, child_pids, gen_body, start_server, wait_metric
+from tests.e2e.server import RUNTIME_DIRS
+from tests.reliability.helpers import (
+    HTTP_TIMEOUT_S,
+    RawRequest,
+    assert_idle,
+    child_pids,
+    gen_body,
+    start_server,
+    wait_metric,
+)
 
 TIMEOUT_S = 8
 # A timeout never fires early; how late it may end a request is the longer of SLACK_S and the
@@ -32,9 +44,9 @@ def _dead_pid() -> int:
 def leftovers():
     """Files named like a crashed launcher's (dead pid) and like a live one's (this test's pid)."""
     dead = _dead_pid()
-    stale = [Path(f"/dev/shm/lightserve-{dead}-abcdef-reqs"), Path(f"/tmp/lightserve-{dead}-abcdef-router")]
-    live = [Path(f"/dev/shm/lightserve-{os.getpid()}-abcdef-reqs"),
-            Path(f"/tmp/lightserve-{os.getpid()}-abcdef-router")]
+    shm, sockets = RUNTIME_DIRS
+    stale = [shm / f"lightserve-{dead}-abcdef-reqs", sockets / f"lightserve-{dead}-abcdef-router"]
+    live = [shm / f"lightserve-{os.getpid()}-abcdef-reqs", sockets / f"lightserve-{os.getpid()}-abcdef-router"]
     for path in stale + live:
         path.write_bytes(b"\0" * 4096)
     yield stale, live
@@ -45,7 +57,7 @@ def leftovers():
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, leftovers):
     t0 = time.monotonic()
-    srv = start_server(tmp_path_factory.mktemp("startup"), "--max_total_token_num", "4096",
+    srv = start_server(tmp_path_factory.mktemp("startup"), "--data_type", "bfloat16", "--max_total_token_num", "4096",
                        "--req_pool_size", "1", "--request_timeout_s", str(TIMEOUT_S))
     srv.start_s = time.monotonic() - t0
     yield srv
@@ -57,6 +69,19 @@ def test_stale_files_of_dead_launchers_removed_live_ones_kept(server, leftovers)
     assert [p for p in stale if p.exists()] == []
     assert all(p.exists() and p.stat().st_size == 4096 for p in live)
     assert stale[0].name in server.log_tail(20000)  # the launcher says what it removed
+
+
+def test_serves_bfloat16_as_its_start_up_log_says(server):
+    log = server.log_path.read_text()
+    assert "device cpu, dtype bfloat16, tp 1" in log or "device cuda, dtype bfloat16, tp 1" in log, log[:2000]
+    assert "torch.bfloat16 on" in log  # the worker's KV cache line
+    assert httpx.get(server.url + "/get_server_info", timeout=HTTP_TIMEOUT_S).json()["dtype"] == "bfloat16"
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=HTTP_TIMEOUT_S, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 12,
+        "temperature": 0})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["message"]["content"], choice["finish_reason"]) == ("The capital of France is Paris.", "stop")
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """The Scheduler without processes: a real request pool, a fake rank 0 that publishes tokens.
 
-Every test checks the KV accounting invariant at the end: each KV row is free, cached, or held by
-exactly one running request.
+Every test checks the KV accounting invariant after each step and at the end: each KV row is free,
+cached, or held by exactly one running request (assert_kv_accounted).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from lightserve.router.req import ReqStatus
 from lightserve.router.scheduler import Limits, Scheduler
 from lightserve.sampling import SamplingParams
 from lightserve.shm.req_pool import Owner
+from tests.shm.helpers import is_released
 
 
 def make_scheduler(pool, kv=4096, cache=True, max_running=64, batch_max=1024, chunk=None,
@@ -93,16 +94,45 @@ def run_until_idle(sched, pool, max_steps=10_000, on_plan=None, stop_after=None)
             sched.finish_step(record)  # reads the statuses from shm
         else:
             sched.finish_step(record, fake_rank0(pool, record, stop_after))
+        assert_kv_accounted(sched)
         assert len(plans) < max_steps
     return plans
 
 
+FREE, TREE = -1, -2  # owners of a KV row besides the running requests (named by shm_index)
+
+
 def assert_kv_accounted(sched):
-    held = sum(r.computed_len for r in sched.running)
-    cached = sched.cache.total_size if sched.cache else 0
-    if not sched.running:
-        assert sched.allocator.num_free + cached == sched.allocator.num_total
-    assert sched.allocator.num_free + cached + held >= sched.allocator.num_total
+    """Each KV row is free, in the radix tree, or held by exactly one running request (its rows past
+    cached_len, and those duplicating the tree's after a mid-run prompt insert): every row once. The
+    rows a running request reads are the tree's or its own, never free nor another request's."""
+    alloc = sched.allocator
+    held = [(FREE, alloc._stack[: alloc.num_free]), (TREE, _tree_rows(sched.cache))]
+    for req in sched.running:
+        held.append((req.shm_index, req.kv_locs[req.cached_len: req.computed_len]))
+        if req.dup_locs is not None:
+            held.append((req.shm_index, req.dup_locs))
+    count = np.bincount(np.concatenate([locs for _, locs in held]), minlength=alloc.num_total)
+    assert len(count) == alloc.num_total and (count == 1).all(), (
+        f"rows held twice: {np.flatnonzero(count > 1)[:8].tolist()}, "
+        f"by nobody: {np.flatnonzero(count == 0)[:8].tolist()}")
+    owner = np.empty(alloc.num_total, np.int64)
+    for who, locs in held:
+        owner[locs] = who
+    assert sched.cache is None or sched.cache.total_size == int((owner == TREE).sum())
+    for req in sched.running:
+        locs = req.kv_locs[: req.computed_len]
+        stray = locs[~np.isin(owner[locs], (TREE, req.shm_index))]
+        assert stray.size == 0, f"slot {req.shm_index} reads rows it does not hold: {stray[:8].tolist()}"
+
+
+def _tree_rows(cache) -> np.ndarray:
+    nodes, rows = list(cache.root.children.values()) if cache else [], [np.zeros(0, np.int32)]
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children.values())
+        rows.append(node.value)
+    return np.concatenate(rows)
 
 
 def run_overlapped(sched, pool, stop_after=None, max_steps=10_000):
@@ -119,6 +149,7 @@ def run_overlapped(sched, pool, stop_after=None, max_steps=10_000):
         assert inflight, "work left but nothing planned: a stall"
         oldest = inflight.popleft()
         sched.finish_step(oldest, fake_rank0(pool, oldest, stop_after))
+        assert_kv_accounted(sched)
         assert len(plans) < max_steps
     return plans
 
@@ -147,7 +178,7 @@ def test_new_requests_join_the_running_batch(pool):
     run_until_idle(sched, pool)
     assert pool.output_ids(0, 0, 5).tolist() == expected_outputs(list(range(1, 11)), 5)
     assert pool.output_ids(1, 0, 5).tolist() == expected_outputs(list(range(1, 6)), 5)
-    assert pool.is_released(Owner.ROUTER, 0) and pool.is_released(Owner.ROUTER, 1)
+    assert is_released(pool, Owner.ROUTER, 0) and is_released(pool, Owner.ROUTER, 1)
     assert_kv_accounted(sched)
 
 
@@ -285,13 +316,13 @@ def test_abort_frees_kv_and_releases_the_slot(pool):
         sched.finish_step(record)
     sched.abort_req(0, 1000, FinishReason.ABORT)
     sched.abort_req(1, 9999, FinishReason.ABORT)  # wrong req_id: a stale message, ignored
-    assert pool.is_released(Owner.ROUTER, 0) and not pool.is_released(Owner.ROUTER, 1)
+    assert is_released(pool, Owner.ROUTER, 0) and not is_released(pool, Owner.ROUTER, 1)
     assert sched.released == [(0, 1000, FinishReason.ABORT)]
     assert sched.allocator.num_free == sched.allocator.num_total - sched.by_slot[1].computed_len
     # A waiting request aborts too.
     add(sched, pool, 2, [1, 2, 3], max_new=4)
     sched.abort_req(2, 1002, FinishReason.ABORT)
-    assert pool.is_released(Owner.ROUTER, 2) and 2 not in sched.by_slot
+    assert is_released(pool, Owner.ROUTER, 2) and 2 not in sched.by_slot
 
 
 def test_admission_ratio_decays_and_bumps_on_pause():
@@ -396,7 +427,7 @@ def test_steps_planned_ahead_give_every_request_its_tokens(pool):
         outputs = {slot: pool.output_ids(slot, 0, int(pool.num_output[slot])).tolist() for slot in prompts}
         for slot, prompt in prompts.items():
             assert outputs[slot] == expected_outputs(prompt, stop_after.get(slot, 12)), f"slot {slot}"
-            assert pool.is_released(Owner.ROUTER, slot)
+            assert is_released(pool, Owner.ROUTER, slot)
         assert sched.counters["generation_tokens_total"] == sum(len(o) for o in outputs.values())
         assert not sched.running and not sched.waiting and not sched.by_slot
         assert_kv_accounted(sched)
@@ -426,7 +457,7 @@ def test_steps_planned_ahead_pause_and_resume_under_kv_pressure(pool, stop_after
     for s in range(8):
         n = stop_after.get(s, 40)
         assert pool.output_ids(s, 0, int(pool.num_output[s])).tolist() == expected_outputs([s + 1] * 20, n), s
-        assert pool.is_released(Owner.ROUTER, s)
+        assert is_released(pool, Owner.ROUTER, s)
     assert not sched.waiting and not sched.by_slot
     assert_kv_accounted(sched)
 
@@ -441,14 +472,14 @@ def test_a_slot_is_released_only_after_the_steps_that_name_it(pool):
     first, second = sched.plan_step(), sched.plan_step()  # the prompts, then their first decode planned ahead
     assert second.plan.pending_inputs.tolist() == [0, 1]
     sched.finish_step(first, fake_rank0(pool, first, stop_after={1: 1}))  # slot 1 ends with its first token
-    assert 1 not in sched.by_slot and not pool.is_released(Owner.ROUTER, 1)
+    assert 1 not in sched.by_slot and not is_released(pool, Owner.ROUTER, 1)
     sched.abort_req(0, 1000, FinishReason.ABORT)  # as the router drains its inbox, `second` in flight
-    assert 0 not in sched.by_slot and not pool.is_released(Owner.ROUTER, 0)
+    assert 0 not in sched.by_slot and not is_released(pool, Owner.ROUTER, 0)
     assert sched.plan_step() is None
     finish = fake_rank0(pool, second)
     assert pool.num_output[1] == 1 and finish[1] == FinishReason.STOP  # slot 1's row dropped, its status again
     sched.finish_step(second, finish)
-    assert pool.is_released(Owner.ROUTER, 0) and pool.is_released(Owner.ROUTER, 1)
+    assert is_released(pool, Owner.ROUTER, 0) and is_released(pool, Owner.ROUTER, 1)
     assert sched.allocator.num_free == sched.allocator.num_total
 
 
@@ -469,5 +500,5 @@ def test_a_request_paused_while_its_token_is_sampled_resumes_after_it(pool):
     plans = run_overlapped(sched, pool)
     assert plans[0].num_decode == 0 and plans[0].input_ids[-1] == expected_outputs(prompt, 1)[0]
     assert pool.output_ids(0, 0, 6).tolist() == expected_outputs(prompt, 6)
-    assert sched.counters["resumes_total"] == 1 and pool.is_released(Owner.ROUTER, 0)
+    assert sched.counters["resumes_total"] == 1 and is_released(pool, Owner.ROUTER, 0)
     assert_kv_accounted(sched)

@@ -1,6 +1,7 @@
 """ServerProc: a real `python -m lightserve.launch_server` subprocess for end-to-end tests."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -8,7 +9,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -87,6 +89,32 @@ class ServerProc:
         if self._log is not subprocess.DEVNULL:
             self._log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def servers_together(log_dir: Path, common: tuple[str, ...], **variants: tuple[str, ...]) -> Iterator[list[ServerProc]]:
+    """One ready server per variant (its flags after `common`, its log `<name>.log` in log_dir), started together so
+    their start-ups overlap, in the order given; every one stopped however the block ends."""
+    procs = [ServerProc(*common, *args, log_path=log_dir / f"{name}.log") for name, args in variants.items()]
+    try:
+        yield [proc.wait_ready() for proc in procs]
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@functools.cache
+def bundled_tokenizer():
+    """The bundled model's tokenizer (transformers'), loaded once per test process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL_DIR)
+
+
+def chat_prompt(text: str) -> str:
+    """The bundled model's chat template around one user message, ready for generation."""
+    return bundled_tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                   add_generation_prompt=True)
 
 
 def _pgrep_children(pid: int) -> list[str]:

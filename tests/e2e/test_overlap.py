@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
+from tests.e2e.server import bundled_tokenizer, chat_prompt, servers_together, wait_until
 
 TIMEOUT = aiohttp.ClientTimeout(total=600)
 SLOTS = 6
@@ -18,34 +18,24 @@ SLOTS = 6
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     common = ("--data_type", "float32", "--max_total_token_num", "8192", "--req_pool_size", str(SLOTS))
-    logs = tmp_path_factory.mktemp("overlap")
     # Every step planned ahead (after the first from idle), prompt steps too, whatever this CPU's step times.
-    ahead = ServerProc(*common, "--overlap_max_step_ms", "100000", log_path=logs / "ahead.log")
-    after = ServerProc(*common, "--disable_overlap_schedule", log_path=logs / "after.log")
-    try:
-        yield ahead.wait_ready(), after.wait_ready()
-    finally:
-        ahead.stop()
-        after.stop()
+    with servers_together(tmp_path_factory.mktemp("overlap"), common, ahead=("--overlap_max_step_ms", "100000"),
+                          after=("--disable_overlap_schedule",)) as pair:
+        yield pair
 
 
 def _requests() -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-
-    def chat(text: str) -> str:
-        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-
-    comma = tok.convert_tokens_to_ids(",")
+    comma = bundled_tokenizer().convert_tokens_to_ids(",")
     out = []
     for i in range(6):
-        out.append({"inputs": chat(["Say OK.", "Say yes.", "Say hi."][i % 3]), "parameters": {"max_new_tokens": 40}})
-        out.append({"inputs": chat(f"Count from {i + 1} to {i + 20}, with commas."),
+        out.append({"inputs": chat_prompt(["Say OK.", "Say yes.", "Say hi."][i % 3]),
+                    "parameters": {"max_new_tokens": 40}})
+        out.append({"inputs": chat_prompt(f"Count from {i + 1} to {i + 20}, with commas."),
                     "parameters": {"max_new_tokens": 40, "stop_token_ids": [comma]}})
         out.append({"inputs": ["The capital of France is", "def add(a, b):", "Once upon a time"][i % 3],
                     "parameters": {"max_new_tokens": 8 + 3 * i}})
-        out.append({"inputs": chat(f"Write a sentence about the number {i}."), "parameters": {"max_new_tokens": 12}})
+        out.append({"inputs": chat_prompt(f"Write a sentence about the number {i}."),
+                    "parameters": {"max_new_tokens": 12}})
     for body in out:
         body["parameters"] |= {"return_details": True, "add_special_tokens": False}
     return out

@@ -10,7 +10,7 @@ import aiohttp
 import httpx
 import pytest
 
-from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
+from tests.e2e.server import bundled_tokenizer, chat_prompt, servers_together, wait_until
 
 TIMEOUT = aiohttp.ClientTimeout(total=300)
 
@@ -18,37 +18,24 @@ TIMEOUT = aiohttp.ClientTimeout(total=300)
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """(with ngram speculation, without), started together."""
-    common = ("--data_type", "float32", "--max_total_token_num", "8192")
-    logs = tmp_path_factory.mktemp("speculative")
-    spec = ServerProc(*common, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, '
-                      '"prompt_lookup_max": 4, "prompt_lookup_min": 2}', log_path=logs / "spec.log")
-    plain = ServerProc(*common, log_path=logs / "plain.log")
-    try:
-        yield spec.wait_ready(), plain.wait_ready()
-    finally:
-        spec.stop()
-        plain.stop()
+    config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    with servers_together(tmp_path_factory.mktemp("speculative"), ("--data_type", "float32", "--max_total_token_num",
+                          "8192"), spec=("--speculative-config", config), plain=()) as pair:
+        yield pair
 
 
 def _bodies() -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-
-    def chat(text: str) -> str:
-        return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-
     fruit = "apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum"
     listing = "\n".join([fruit] * 3) + "\n"
-    comma = tok.convert_tokens_to_ids(",")
+    comma = bundled_tokenizer().convert_tokens_to_ids(",")
     bodies = [
         {"inputs": listing, "parameters": {"max_new_tokens": 32}},                              # copies: length
         {"inputs": listing, "parameters": {"max_new_tokens": 13}},                              # length mid-burst
         {"inputs": listing + "apple, banana,", "parameters": {"max_new_tokens": 40, "stop_token_ids": [comma]}},
         {"inputs": listing, "parameters": {"max_new_tokens": 40, "stop_sequences": ["mango"]}},  # stop string
-        {"inputs": chat(f"Repeat exactly: {fruit}"), "parameters": {"max_new_tokens": 64}},      # eos at the end
+        {"inputs": chat_prompt(f"Repeat exactly: {fruit}"), "parameters": {"max_new_tokens": 64}},      # eos at the end
         {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 16}},          # nothing to copy
-        {"inputs": chat("Say hi."), "parameters": {"max_new_tokens": 24}},
+        {"inputs": chat_prompt("Say hi."), "parameters": {"max_new_tokens": 24}},
         {"inputs": listing, "parameters": {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8,
                                            "seed": 7}},                                         # samples: no drafts
     ]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Speculative decoding on against off, in one run on one machine: each workload against a server without and one
 with --speculative_algorithm (scripts/bench_server.py starts and stops each), greedy, and the on/off ratios beside
-the issue's targets.
+their targets.
 
     W4-b1  copy-edit: a ~1,000-token JSON document written back with one edit, 256 output tokens, batch 1
     W4-b8  the same at batch 8

@@ -14,7 +14,7 @@ from tests.pipeline.helpers import SETTINGS, assert_greedy, hf_model, wait_until
 
 TOPICS = ["the ocean", "a red bicycle", "volcanoes", "chess openings", "the moon", "bread baking",
           "a lost key", "jazz music", "winter in Oslo", "prime numbers", "honey bees", "old maps"]
-THREADS, CALLS, NEW_TOKENS = 5, 10, 64   # the sizes: 50 streams of 64 tokens, 5 at a time
+THREADS, CALLS, NEW_TOKENS = 5, 10, 64   # 50 streams of 64 tokens, 5 at a time
 ASYNC_NEW_TOKENS = 32
 ABANDONED_MAX_NEW = 4000  # what an abandoned stream asks for: none may run to it
 PROMPTS8 = ["What is the capital of France?", "def fibonacci(n):", "1, 1, 2, 3, 5, 8,",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -32,11 +33,10 @@ from lightserve.kernels.prefill_attention import (
     fits_in_smem,
     online_softmax_start,
     online_softmax_step,
+    prefill_attention,
 )
 
 if TYPE_CHECKING:
-    import numpy as np
-
     HostInts = np.ndarray | Tensor  # [B] integers; numpy: read with no device sync
 
 _LOG2E = 1.4426950408889634
@@ -210,37 +210,48 @@ def warm_up_mla_decode_attention(q_latent: Tensor, q_pe: Tensor, latent_cache: T
 def mla_prefill_attention(
     q_nope: Tensor, q_pe: Tensor, latent_cache: Tensor, kv_b_proj: Tensor | PackedLinear | PrepackedLinear,
     v_head_dim: int, req_to_token: Tensor, req_rows: HostInts, q_start_locs: HostInts, prefix_lens: HostInts,
-    extend_lens: HostInts, sm_scale: float,
+    extend_lens: HostInts, sm_scale: float, backend: KernelBackend | None = None,
 ) -> Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves, K/V up-projected from the
     latents: q_nope [T, H, Dn], q_pe [T, H, Dr] (roped), kv_b_proj [H * (Dn + Dv), R] -> [T, H, Dv].
 
-    HF DeepseekV3Attention's op order: k = cat(k_nope, k_pe), q = cat(q_nope, q_pe), one SDPA per request. Torch
-    on CPU and GPU alike: prefill is GEMM-bound (kv_b_proj), and the attention is one SDPA call per request.
-    The loop runs on the host, so the per-request metadata is read there: pass host arrays (numpy, as
-    ForwardBatch.host_metadata gives them; MLAAttention does) and the call makes no device->host sync. Device
-    tensors work too, at the cost of one sync each."""
+    HF DeepseekV3Attention's math: k = cat(k_nope, k_pe), q = cat(q_nope, q_pe). Every key row of the step's requests
+    (each request's prefix and new tokens, request after request) is up-projected in one GEMM, the prefill's cost,
+    and then one call of the prefill attention kernel attends over them (Triton or the CPU path by `backend`), with V
+    zero-padded to K's width (the kernels take one head_dim) and cut back after. The metadata is read on the host:
+    pass host arrays (numpy, as ForwardBatch.host_metadata gives them; MLAAttention does) and the call makes no
+    device->host sync; device tensors work too, at the cost of one sync each."""
     num_tokens, num_heads, nope_dim = q_nope.shape
-    rank = latent_cache.shape[2] - q_pe.shape[2]
-    out = torch.empty(num_tokens, num_heads, v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
-    # .tolist() of a numpy array is a host read; of a CUDA tensor, a sync.
-    metadata = zip(req_rows.tolist(), q_start_locs.tolist(), prefix_lens.tolist(), extend_lens.tolist())
-    for row, start, prefix_len, extend_len in metadata:
-        if extend_len == 0:
-            continue
-        total = prefix_len + extend_len
-        lat = latent_cache.index_select(0, req_to_token[row, :total].long())[:, 0]  # [L, R + Dr]
-        kv = linear(lat[:, :rank].to(q_nope.dtype), kv_b_proj).view(total, num_heads, -1)  # [L, H, Dn + Dv]
-        k_pe = lat[:, None, rank:].to(q_nope.dtype).expand(-1, num_heads, -1)  # [L, H, Dr]
-        k = torch.cat([kv[..., :nope_dim], k_pe], dim=-1).transpose(0, 1)[None]  # [1, H, L, Dn + Dr]
-        v = kv[..., nope_dim:].transpose(0, 1)[None]  # [1, H, L, Dv]
-        q = torch.cat([q_nope[start:start + extend_len], q_pe[start:start + extend_len]], dim=-1)
-        q = q.transpose(0, 1)[None]  # [1, H, n, Dn + Dr]
-        if prefix_len == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sm_scale)
-        else:  # new token i sees keys 0 .. prefix_len + i
-            query_pos = torch.arange(prefix_len, total, device=q.device)[:, None]  # [n, 1]
-            mask = torch.arange(total, device=q.device)[None, :] <= query_pos  # [n, L]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale)
-        out[start:start + extend_len] = o[0].transpose(0, 1)  # [n, H, Dv]
-    return out
+    rope_dim = q_pe.shape[2]
+    rank = latent_cache.shape[2] - rope_dim
+    dev = q_nope.device
+    rows, q_starts, prefixes, extends = (_host_ints(a) for a in (req_rows, q_start_locs, prefix_lens, extend_lens))
+    totals = prefixes + extends                               # [B] keys of each request
+    key_starts = np.cumsum(totals) - totals                   # [B] each request's first row among the step's keys
+    num_keys = int(totals.sum())
+    # Request and position of every key, request after request: one gather of their KV rows.
+    key_req_rows = np.repeat(rows, totals)
+    key_pos = np.arange(num_keys) - np.repeat(key_starts, totals)
+    locs = req_to_token[torch.as_tensor(key_req_rows, device=dev).long(), torch.as_tensor(key_pos, device=dev).long()]
+    lat = latent_cache.index_select(0, locs.long())[:, 0]    # [K, R + Dr]
+    kv = linear(lat[:, :rank].to(q_nope.dtype), kv_b_proj).view(num_keys, num_heads, nope_dim + v_head_dim)
+    qk_dim = nope_dim + rope_dim
+    k = torch.empty(num_keys, num_heads, qk_dim, dtype=q_nope.dtype, device=dev)   # [K, H, Dn + Dr]
+    k[..., :nope_dim] = kv[..., :nope_dim]
+    k[..., nope_dim:] = lat[:, None, rank:].to(q_nope.dtype)                        # one k_pe for every head
+    v = torch.zeros(num_keys, num_heads, qk_dim, dtype=q_nope.dtype, device=dev)   # [K, H, Dn + Dr], Dv used
+    v[..., :v_head_dim] = kv[..., nope_dim:]
+    q = torch.cat([q_nope, q_pe], dim=-1)                                          # [T, H, Dn + Dr]
+    # The keys' own table: request b's position i is key row key_starts[b] + i (positions past its total unread).
+    width = max(int(totals.max(initial=1)), 1)
+    table = np.minimum(key_starts[:, None] + np.arange(width)[None, :], max(num_keys - 1, 0)).astype(np.int32)
+    meta = [torch.as_tensor(a.astype(np.int32), device=dev)
+            for a in (np.arange(rows.size), q_starts, prefixes, extends)]
+    out = prefill_attention(q, k, v, torch.as_tensor(table, device=dev), *meta, int(extends.max(initial=0)),
+                            sm_scale, backend=backend)                             # [T, H, Dn + Dr]
+    return out[..., :v_head_dim]
+
+
+def _host_ints(a: HostInts) -> np.ndarray:
+    """[B] integers on the host as int64 numpy (a device tensor is read back: one sync)."""
+    return np.asarray(a.cpu() if isinstance(a, Tensor) else a, dtype=np.int64)

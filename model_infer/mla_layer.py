@@ -163,13 +163,13 @@ class MLAAttention:
                 q_nope[:nd], q_pe[:nd], latent_cache, w.w_kc, w.w_vc, batch.req_to_token, batch.req_rows[:nd],
                 batch.seq_lens[:nd], batch.max_seq_len, self.sm_scale, self.backend))  # [num_decode, H, Dv]
         if batch.num_reqs > nd:
-            # The prefill loops over requests in Python: its metadata comes from the host copy the batch carries
+            # The prefill lays out its keys on the host: its metadata comes from the host copy the batch carries
             # (no device->host sync per layer).
             host = batch.host_metadata()
             parts.append(mla_prefill_attention(
                 q_nope[nd:], q_pe[nd:], latent_cache, w.kv_b_proj, cfg.v_head_dim, batch.req_to_token,
                 host.req_rows[nd:], host.q_start_locs[nd:] - nd, host.prefix_lens[nd:], host.extend_lens[nd:],
-                self.sm_scale))  # [T - num_decode, H, Dv]
+                self.sm_scale, self.backend))  # [T - num_decode, H, Dv]
         o = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(num_tokens, heads * cfg.v_head_dim)
         if self.tp_size == 1:
             return kernels.linear(o, w.o_proj, w.o_bias)  # [T, hidden]

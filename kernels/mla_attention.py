@@ -242,8 +242,10 @@ def mla_prefill_attention(
     v = torch.zeros(num_keys, num_heads, qk_dim, dtype=q_nope.dtype, device=dev)   # [K, H, Dn + Dr], Dv used
     v[..., :v_head_dim] = kv[..., nope_dim:]
     q = torch.cat([q_nope, q_pe], dim=-1)                                          # [T, H, Dn + Dr]
-    # The keys' own table: request b's position i is key row key_starts[b] + i (positions past its total unread).
-    width = max(int(totals.max(initial=1)), 1)
+    # The keys' own table: request b's position i is key row key_starts[b] + i (positions past its total unread). Its
+    # width, the kernel's row stride, is a multiple of 16 whatever the step: Triton specializes an int argument on
+    # being 1 or a multiple of 16, and a width that followed the longest request would compile while serving.
+    width = -(-max(int(totals.max(initial=1)), 1) // 16) * 16
     table = np.minimum(key_starts[:, None] + np.arange(width)[None, :], max(num_keys - 1, 0)).astype(np.int32)
     meta = [torch.as_tensor(a.astype(np.int32), device=dev)
             for a in (np.arange(rows.size), q_starts, prefixes, extends)]

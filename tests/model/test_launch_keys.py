@@ -59,6 +59,8 @@ def _serve(runner: ModelRunner) -> tuple[set, set[int]]:
                      ([(r, ids(1)) for r in rows], b)]  # decode-only
             if b > 1:
                 steps.append(([(r, ids(1)) for r in rows[:-1]] + [(rows[-1], ids(2))], b - 1))
+            if b == MAX_BATCH:  # a one-token prompt alone: every per-step width and count at 1
+                steps.append(([(MAX_BATCH, ids(1))], 0))
             for items, num_decode in steps:
                 plan = worker.make_plan(items, num_decode)
                 token_counts.add(len(plan.input_ids))

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightserve.config import KernelBackend
 from lightserve.kernels.backend import runs_triton
+from lightserve.kernels.kv_store import KV_KIND, KVScale, c_scale_args, gather_kv
 from lightserve.kernels.prefill_attention import (
     attention_scores,
     c_kv_layout,
@@ -39,9 +40,11 @@ SPLIT_BUCKETS = tuple(1 << i for i in range(_MAX_SPLITS.bit_length()))  # (1, 2,
 
 def decode_attention_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0,
+    max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0, k_scale: KVScale = None,
+    v_scale: KVScale = None,
 ) -> Tensor:
-    """Gather every request's K/V padded to max_seq_len, mask the padding, one SDPA call for the whole batch.
+    """Gather every request's K/V padded to max_seq_len (dequantized to q's dtype from an 8-bit cache), mask the
+    padding, one SDPA call for the whole batch.
 
     Layout choice, measured on 2 Zen 5 cores, 1 thread, bf16, Hq 9, Hk 3, D 64 (medians of 25, same run):
       B=64, L=400: SDPA with the group's query heads as query rows (HF's pack_gqa) 38 ms,
@@ -59,8 +62,8 @@ def decode_attention_ref(
     locs = torch.where(valid, locs, locs[:, :1]).view(-1)  # [B * L]
     if window > 0:
         valid &= key_pos >= seq_lens[:, None] - window
-    k = k_cache.index_select(0, locs).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
-    v = v_cache.index_select(0, locs).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
+    k = gather_kv(k_cache, k_scale, locs, q.dtype).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
+    v = gather_kv(v_cache, v_scale, locs, q.dtype).view(batch, max_seq_len, num_kv_heads, head_dim)  # [B, L, Hk, D]
     # One query token: the group's query heads act as query rows of their KV head, so no K/V repeat.
     qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hk, group, D]
     if softcap > 0:
@@ -162,7 +165,7 @@ def _decode_merge_kernel(
 def decode_attention_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
     max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0, num_splits: int | None = None,
-    block_n: int | None = None,
+    block_n: int | None = None, k_scale: KVScale = None, v_scale: KVScale = None,
 ) -> Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -207,23 +210,25 @@ def decode_attention_triton(
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
     max_seq_len: int, sm_scale: float, window: int = 0, softcap: float = 0.0, backend: KernelBackend | None = None,
+    k_scale: KVScale = None, v_scale: KVScale = None,
 ) -> Tensor:
     """q [B, Hq, D] -> [B, Hq, D]; request b attends to its tokens 0 .. seq_lens[b] - 1 (seq_lens >= 1), with a
-    window only to the last `window` of them."""
+    window only to the last `window` of them. k_scale / v_scale: an 8-bit cache's scales (kernels/kv_store.py)."""
     if runs_triton(q, backend):
         return decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale,
-                                       window, softcap)
+                                       window, softcap, k_scale=k_scale, v_scale=v_scale)
     out = decode_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, sm_scale, window=window,
-                               softcap=softcap)
+                               softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     if out is None:
         out = decode_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, seq_lens, max_seq_len, sm_scale,
-                                   window, softcap)
+                                   window, softcap, k_scale, v_scale)
     return out
 
 
 def decode_attention_cpu(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, seq_lens: Tensor,
-    sm_scale: float, lib=None, window: int = 0, softcap: float = 0.0,
+    sm_scale: float, lib=None, window: int = 0, softcap: float = 0.0, k_scale: KVScale = None,
+    v_scale: KVScale = None,
 ) -> Tensor | None:
     """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather.
     None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference.
@@ -242,7 +247,7 @@ def decode_attention_cpu(
     lens = seq_lens.to(torch.int32).contiguous()
     with profiled("decode_attention_cpu"):  # visible in scripts/profile_step.py
         rc = lib.decode_attention(*decode_attention_c_args(q, k_cache, v_cache, req_to_token, rows, lens, sm_scale,
-                                                           out, window, softcap))
+                                                           out, window, softcap, k_scale, v_scale))
     if rc != 0:
         return None
     return out
@@ -250,14 +255,15 @@ def decode_attention_cpu(
 
 def decode_attention_c_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor,
                             seq_lens: Tensor, sm_scale: float, out: Tensor, window: int = 0,
-                            softcap: float = 0.0) -> tuple:
+                            softcap: float = 0.0, k_scale: KVScale = None, v_scale: KVScale = None) -> tuple:
     """decode_attention.c's arguments, in order, for tensors already in the layouts it reads: q [B, Hq, D] float32 or
     bf16 with unit last stride, out [B, Hq, D] contiguous in q's dtype, req_rows / seq_lens [B] int32 contiguous.
     scripts/bench_cpu_kernels.py calls the kernel with them directly, as the one-call driver calls it from C."""
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(-1) == 1
     batch, num_heads, head_dim = q.shape
     return (q.data_ptr(), q.stride(0), q.stride(1), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
-            v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_rows.data_ptr(),
+            v_cache.data_ptr(), KV_KIND[k_cache.dtype], *c_scale_args(k_scale, v_scale), req_to_token.data_ptr(),
+            req_rows.data_ptr(),
             seq_lens.data_ptr(), out.data_ptr(), batch, num_heads, k_cache.shape[1], head_dim, k_cache.stride(0),
             v_cache.stride(0), k_cache.stride(1), v_cache.stride(1), req_to_token.stride(0), sm_scale, window, softcap,
             torch.get_num_threads())

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightserve.config import KernelBackend
 from lightserve.kernels.backend import runs_triton
+from lightserve.kernels.kv_store import KV_KIND, KVScale, c_scale_args, gather_kv
 
 _LOG2E = 1.4426950408889634
 
@@ -23,9 +24,9 @@ _LOG2E = 1.4426950408889634
 def prefill_attention_ref(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
     prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
-    softcap: float = 0.0,
+    softcap: float = 0.0, k_scale: KVScale = None, v_scale: KVScale = None,
 ) -> Tensor:
-    """One SDPA call per request, the same call HF's sdpa attention makes (bit-identical in float32 on CPU);
+    """One SDPA call per request (K/V dequantized to q's dtype from an 8-bit cache), the same call HF's sdpa attention makes (bit-identical in float32 on CPU);
     with a softcap, HF's eager attention (SDPA has no softcap).
 
     A per-request loop is fine here: prefill is compute-bound, so the Python overhead per request is small.
@@ -37,8 +38,8 @@ def prefill_attention_ref(
             continue
         total = prefix_len + extend_len
         locs = req_to_token[row, :total].long()
-        k = k_cache.index_select(0, locs).transpose(0, 1)[None]  # [1, Hk, total, D]
-        v = v_cache.index_select(0, locs).transpose(0, 1)[None]  # [1, Hk, total, D]
+        k = gather_kv(k_cache, k_scale, locs, q.dtype).transpose(0, 1)[None]  # [1, Hk, total, D]
+        v = gather_kv(v_cache, v_scale, locs, q.dtype).transpose(0, 1)[None]  # [1, Hk, total, D]
         qb = q[start:start + extend_len].transpose(0, 1)[None]  # [1, Hq, extend, D]
         if prefix_len == 0 and window == 0 and softcap == 0:
             o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=sm_scale, enable_gqa=True)
@@ -184,7 +185,8 @@ def _prefill_attention_kernel(
 def prefill_attention_triton(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
     prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
-    softcap: float = 0.0, block_m: int | None = None, block_n: int | None = None,
+    softcap: float = 0.0, block_m: int | None = None, block_n: int | None = None, k_scale: KVScale = None,
+    v_scale: KVScale = None,
 ) -> Tensor:
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -248,24 +250,27 @@ def fits_in_smem(block_m: int, block_n: int, block_d: int, num_stages: int, elem
 def prefill_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
     prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
-    softcap: float = 0.0, backend: KernelBackend | None = None,
+    softcap: float = 0.0, backend: KernelBackend | None = None, k_scale: KVScale = None, v_scale: KVScale = None,
 ) -> Tensor:
     """q [Tq, Hq, D] -> out [Tq, Hq, D]: new token i of request b attends to its tokens 0 .. prefix_lens[b] + i
-    (with a window, only the last `window` of them)."""
+    (with a window, only the last `window` of them). k_scale / v_scale: an 8-bit cache's scales
+    (kernels/kv_store.py)."""
     if runs_triton(q, backend):
         return prefill_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
-                                        extend_lens, max_extend_len, sm_scale, window, softcap)
+                                        extend_lens, max_extend_len, sm_scale, window, softcap, k_scale=k_scale,
+                                        v_scale=v_scale)
     out = prefill_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
-                                sm_scale, window=window, softcap=softcap)
+                                sm_scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     if out is None:
         out = prefill_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
-                                    extend_lens, max_extend_len, sm_scale, window, softcap)
+                                    extend_lens, max_extend_len, sm_scale, window, softcap, k_scale, v_scale)
     return out
 
 
 def prefill_attention_cpu(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor, q_start_locs: Tensor,
     prefix_lens: Tensor, extend_lens: Tensor, sm_scale: float, lib=None, window: int = 0, softcap: float = 0.0,
+    k_scale: KVScale = None, v_scale: KVScale = None,
 ) -> Tensor | None:
     """The C kernel (kernels/cpu/prefill_attention.c): every request of the step in one parallel loop,
     K/V read in place. None when it cannot run here (no compiler, an unsupported dtype or shape): use
@@ -284,8 +289,8 @@ def prefill_attention_cpu(
     with profiled("prefill_attention_cpu"):  # visible in scripts/profile_step.py
         rc = lib.prefill_attention(
             qf.data_ptr(), qf.stride(0), qf.stride(1), int(qf.dtype == torch.bfloat16), k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16), req_to_token.data_ptr(), req_to_token.stride(0),
+            v_cache.data_ptr(), KV_KIND[k_cache.dtype], *c_scale_args(k_scale, v_scale), req_to_token.data_ptr(),
+            req_to_token.stride(0),
             *(t.data_ptr() for t in meta), out.data_ptr(), meta[0].shape[0], num_heads, k_cache.shape[1], head_dim,
             k_cache.stride(0), v_cache.stride(0), k_cache.stride(1), v_cache.stride(1), sm_scale, window, softcap,
             torch.get_num_threads())

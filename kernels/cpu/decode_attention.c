@@ -523,11 +523,14 @@ int decode_attention_supported(int num_heads, int num_kv_heads, int dim) {
 
 // Returns 0, or -1 when the shape is not compiled in or memory runs out (the caller falls back).
 int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
-                     const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
+                     const void *v_cache, int kv_kind, const float *k_scales, const float *v_scales, float k_scale,
+                     float v_scale, const int32_t *req_to_token, const int32_t *req_rows,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
                      int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head, int64_t r2t_row, float scale,
                      int window, float softcap, int num_threads) {
-    if (!decode_attention_supported(num_heads, num_kv_heads, dim)) return -1;
+    if (!decode_attention_supported(num_heads, num_kv_heads, dim) || kv_kind > KV_BF16) return -1;
+    (void)k_scales, (void)v_scales, (void)k_scale, (void)v_scale;
+    const int kv_is_bf16 = kv_kind == KV_BF16;
     int group = num_heads / num_kv_heads;
     // Request b reads its tokens [lo_b, seq_lens[b]): all of them, or the window's.
 #define WINDOW_LO(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)

@@ -205,13 +205,15 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         toc(&t, T_ROTARY);
         tic(&t);
         if (store_kv(k, k_tok, D, v, qkv_w, D, w->k_cache, d->kc_row, d->kc_head, w->v_cache, d->vc_row, d->vc_head,
-                     d->kv_rows, s->kv_locs, s->locs_i64, T, hk, D, bf16, threads))
+                     d->kv_rows, s->kv_locs, s->locs_i64, T, hk, D, bf16, bf16 ? KV_BF16 : KV_F32, NULL, NULL,
+                     1.0f, 1.0f, threads))
             FAIL(l, T_STORE_KV);
         toc(&t, T_STORE_KV);
 
         if (nd > 0) {
             tic(&t);
-            if (decode_attention(q, q_tok, D, bf16, w->k_cache, w->v_cache, bf16, s->req_to_token, s->decode_rows,
+            if (decode_attention(q, q_tok, D, bf16, w->k_cache, w->v_cache, bf16 ? KV_BF16 : KV_F32, NULL, NULL, 1.0f,
+                                 1.0f, s->req_to_token, s->decode_rows,
                                  s->decode_lens, attn, nd, hq, hk, D, d->kc_row, d->vc_row, d->kc_head, d->vc_head,
                                  s->r2t_row, d->sm_scale, w->window, d->softcap, threads))
                 FAIL(l, T_DECODE);
@@ -219,7 +221,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         }
         if (s->num_extend > 0) {
             tic(&t);
-            if (prefill_attention(q + (int64_t)nd * q_tok * es, q_tok, D, bf16, w->k_cache, w->v_cache, bf16,
+            if (prefill_attention(q + (int64_t)nd * q_tok * es, q_tok, D, bf16, w->k_cache, w->v_cache,
+                                  bf16 ? KV_BF16 : KV_F32, NULL, NULL, 1.0f, 1.0f,
                                   s->req_to_token, s->r2t_row, s->extend_rows, s->extend_q_start,
                                   s->extend_prefix_lens, s->extend_lens, attn + (int64_t)nd * hq * D * es,
                                   s->num_extend, hq, hk, D, d->kc_row, d->vc_row, d->kc_head, d->vc_head, d->sm_scale,

@@ -200,7 +200,9 @@ void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t head
 int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
              void *k_cache, int64_t kc_row, int64_t kc_head, void *v_cache, int64_t vc_row, int64_t vc_head,
              int64_t rows, const void *locs, int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16,
-             int num_threads) {
+             int kv_kind, float *k_scales, float *v_scales, float k_scale, float v_scale, int num_threads) {
+    if (kv_kind != (bf16 ? KV_BF16 : KV_F32)) return -1;
+    (void)k_scales, (void)v_scales, (void)k_scale, (void)v_scale;
     const int es = bf16 ? 2 : 4;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t loc = locs_i64 ? ((const int64_t *)locs)[t] : ((const int32_t *)locs)[t];

@@ -6,10 +6,23 @@
 #pragma once
 #include <stdint.h>
 
+// The KV cache's element formats (kv_kind; kernels/kv_store.py KV_KIND holds the same numbers). The 8-bit ones:
+//   KV_INT8      int8, one float32 scale per token and KV head: k_scales / v_scales [rows, Hk] contiguous, value
+//                = q * scales[row * Hk + head] (symmetric, scale = amax / 127, written by store_kv);
+//   KV_FP8_E4M3  fp8 e4m3fn bytes, one scale per tensor (k_scale / v_scale): value = fp8(q) * k_scale;
+//   KV_FP8_E5M2  fp8 e5m2 bytes, the same.
+// Kernels that take a kind ignore the scales it does not use (pass NULL and 1.0).
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_INT8 2
+#define KV_FP8_E4M3 3
+#define KV_FP8_E5M2 4
+
 // decode_attention.c
 int decode_attention_supported(int num_heads, int num_kv_heads, int dim);
 int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
-                     const void *v_cache, int kv_is_bf16, const int32_t *req_to_token, const int32_t *req_rows,
+                     const void *v_cache, int kv_kind, const float *k_scales, const float *v_scales, float k_scale,
+                     float v_scale, const int32_t *req_to_token, const int32_t *req_rows,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
                      int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head, int64_t r2t_row, float scale,
                      int window, float softcap, int num_threads);
@@ -17,7 +30,8 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
 // prefill_attention.c
 int prefill_attention_supported(int num_heads, int num_kv_heads, int dim);
 int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
-                      const void *v_cache, int kv_bf16, const int32_t *req_to_token, int64_t r2t_row,
+                      const void *v_cache, int kv_kind, const float *k_scales, const float *v_scales,
+                      float k_scale, float v_scale, const int32_t *req_to_token, int64_t r2t_row,
                       const int32_t *req_rows, const int32_t *q_start, const int32_t *prefix_lens,
                       const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
@@ -45,7 +59,7 @@ void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t head
 int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
              void *k_cache, int64_t kc_row, int64_t kc_head, void *v_cache, int64_t vc_row, int64_t vc_head,
              int64_t rows, const void *locs, int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16,
-             int num_threads);
+             int kv_kind, float *k_scales, float *v_scales, float k_scale, float v_scale, int num_threads);
 
 // sampling.c
 void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vocab, int64_t *ids, float *lse,

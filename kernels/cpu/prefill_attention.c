@@ -357,12 +357,15 @@ int prefill_attention_supported(int num_heads, int num_kv_heads, int dim) {
 
 // Returns 0, or -1 for shapes this kernel does not take (the caller falls back to the reference).
 int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
-                      const void *v_cache, int kv_bf16, const int32_t *req_to_token, int64_t r2t_row,
+                      const void *v_cache, int kv_kind, const float *k_scales, const float *v_scales,
+                      float k_scale, float v_scale, const int32_t *req_to_token, int64_t r2t_row,
                       const int32_t *req_rows, const int32_t *q_start, const int32_t *prefix_lens,
                       const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
                       int64_t kc_head, int64_t vc_head, float scale, int window, float softcap, int num_threads) {
-    if (!prefill_attention_supported(num_heads, num_kv_heads, dim)) return -1;
+    if (!prefill_attention_supported(num_heads, num_kv_heads, dim) || kv_kind > KV_BF16) return -1;
+    (void)k_scales, (void)v_scales, (void)k_scale, (void)v_scale;
+    const int kv_bf16 = kv_kind == KV_BF16;
     const int group = num_heads / num_kv_heads;
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;

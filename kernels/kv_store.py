@@ -71,7 +71,8 @@ def c_scale_args(k_scale: KVScale, v_scale: KVScale) -> tuple:
         assert not isinstance(s, Tensor) or (s.dtype == torch.float32 and s.is_contiguous()), "int8 scales layout"
     return (k_scale.data_ptr() if isinstance(k_scale, Tensor) else None,
             v_scale.data_ptr() if isinstance(v_scale, Tensor) else None,
-            float(k_scale) if isinstance(k_scale, float) else 1.0, float(v_scale) if isinstance(v_scale, float) else 1.0)
+            float(k_scale) if isinstance(k_scale, float) else 1.0,
+            float(v_scale) if isinstance(v_scale, float) else 1.0)
 
 
 def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor,

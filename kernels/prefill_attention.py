@@ -26,7 +26,8 @@ def prefill_attention_ref(
     prefix_lens: Tensor, extend_lens: Tensor, max_extend_len: int, sm_scale: float, window: int = 0,
     softcap: float = 0.0, k_scale: KVScale = None, v_scale: KVScale = None,
 ) -> Tensor:
-    """One SDPA call per request (K/V dequantized to q's dtype from an 8-bit cache), the same call HF's sdpa attention makes (bit-identical in float32 on CPU);
+    """One SDPA call per request, the same call HF's sdpa attention makes (bit-identical in float32 on CPU; K/V
+    dequantized to q's dtype from an 8-bit cache);
     with a softcap, HF's eager attention (SDPA has no softcap).
 
     A per-request loop is fine here: prefill is compute-bound, so the Python overhead per request is small.

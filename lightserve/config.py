@@ -42,6 +42,22 @@ class DType(str, Enum):
     FLOAT16 = "float16"
 
 
+class KVCacheDType(str, Enum):
+    """--kv_cache_dtype: how the KV cache stores K and V (kernels/kv_store.py has the 8-bit formats)."""
+    AUTO = "auto"            # the activation dtype
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    INT8 = "int8"            # symmetric, a scale per token and KV head
+    FP8_E4M3 = "fp8_e4m3"    # a scale per tensor (the checkpoint's k_scale / v_scale, else 1.0)
+    FP8_E5M2 = "fp8_e5m2"
+
+    @classmethod
+    def _missing_(cls, value: object) -> KVCacheDType | None:
+        # vLLM's spellings: `fp8` is e4m3 there, as `fp8_e4m3` is.
+        return {"fp8": cls.FP8_E4M3}.get(value) if isinstance(value, str) else None
+
+
 class KernelBackend(str, Enum):
     """--kernel_backend: which kernels a forward runs (kernels/backend.py)."""
     AUTO = "auto"      # triton on CUDA, cpu on CPU
@@ -107,6 +123,7 @@ class ServerConfig:
     speculative_config: str | None = field(default=None, metadata={"help": "vLLM's spelling, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; sets the four flags above"})
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
+    kv_cache_dtype: KVCacheDType = field(default=KVCacheDType.AUTO, metadata={"help": "KV cache storage: auto = the activation dtype; int8 (a scale per token and head) and fp8_e4m3 / fp8_e5m2 (fp8 = e4m3; the checkpoint's k_scale / v_scale, else 1.0) hold about twice the tokens and halve the bytes a decode step reads"})
     device: Device = field(default=Device.AUTO, metadata={"help": "auto picks cuda when available"})
     kernel_backend: KernelBackend = field(default=KernelBackend.AUTO, metadata={"help": "auto = triton on CUDA, the C kernels on CPU; triton on CPU runs the GPU code path in Triton's interpreter (slow: for tests)"})
     disable_cudagraph: bool = field(default=False, metadata={"help": "run decode without CUDA graphs"})
@@ -291,7 +308,7 @@ def cli_fields() -> list:
 
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Device": Device, "DType": DType,
           "AdmissionPolicy": AdmissionPolicy, "KernelBackend": KernelBackend,
-          "SpeculativeAlgorithm": SpeculativeAlgorithm}
+          "SpeculativeAlgorithm": SpeculativeAlgorithm, "KVCacheDType": KVCacheDType}
 
 
 def _base_type(annotation: Any) -> type:

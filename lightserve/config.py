@@ -1,23 +1,21 @@
 """ServerConfig: every setting of one launch, built once from the CLI and handed to every process.
 
-`parse_args` derives the CLI from the dataclass fields, so the dataclass is the single source of
+`cli.parse_args` derives the CLI from the dataclass fields, so the dataclass is the single source of
 truth. LightLLM's flag spellings (`--max_total_token_num`) are accepted along with dashed aliases.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
 import tempfile
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Sequence, get_args, get_origin
 
+from lightserve.chat.reasoning_parsers import REASONING_PARSERS
+from lightserve.chat.tool_parsers import AUTO, TOOL_PARSERS
 from lightserve.model_config import ModelConfig
-from lightserve.reasoning_parsers import REASONING_PARSERS
 from lightserve.sampling import MAX_TOP_LOGPROBS
-from lightserve.tool_parsers import AUTO, TOOL_PARSERS
 
 SHM_PREFIX = "lightserve-"
 # Default longest request (prompt + output) when --max_req_total_len is not given, capped by the model's
@@ -92,7 +90,7 @@ def _new_instance_id() -> str:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Every setting of one server launch. Built once by parse_args, pickled to each process."""
+    """Every setting of one server launch. Built once by cli.parse_args, pickled to each process."""
 
     model_dir: str | None = field(default=None, metadata={"help": "HF model folder; default: the bundled SmolLM2-135M-Instruct"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP front binds"})
@@ -140,10 +138,11 @@ class ServerConfig:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error"})
     start_timeout_s: float = field(default=600.0, metadata={"help": "seconds each child may take to report ready"})
     instance_id: str = field(default_factory=_new_instance_id, metadata={"help": "unique id of this launch (names shm and sockets)"})
-    # Resolved at start (engine_procs.resolve_config, then EngineProcs.start), never flags: the model's facts,
+    # Resolved at start (resolve_config.resolve_config, then EngineProcs.start), never flags: the model's facts,
     # read once from config.json, and the KV size every worker rank could allocate.
     model: ModelConfig | None = field(default=None, metadata={"cli": False})
     kv_size: int | None = field(default=None, metadata={"cli": False})
+    kv_bytes_per_token: int | None = field(default=None, metadata={"cli": False})  # of a worker rank's cache
 
     def __post_init__(self) -> None:
         def need(cond: bool, flag: str, msg: str) -> None:
@@ -218,7 +217,7 @@ class ServerConfig:
     # ---- the model's facts, once resolved ----
     @property
     def model_config(self) -> ModelConfig:
-        assert self.model is not None, "ServerConfig not resolved (engine_procs.resolve_config)"
+        assert self.model is not None, "ServerConfig not resolved (resolve_config.resolve_config)"
         return self.model
 
     @property
@@ -273,48 +272,3 @@ class ServerConfig:
     def is_master_node(self) -> bool:
         return self.node_rank == 0
 
-
-def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
-    parser = argparse.ArgumentParser(prog="lightserve-launch", description="Start a lightserve LLM server.")
-    for f in cli_fields():
-        names = [f"--{f.name}"] + ([f"--{f.name.replace('_', '-')}"] if "_" in f.name else [])
-        kind = str if f.metadata.get("nargs") else _base_type(f.type)
-        default = f.default if f.default is not MISSING else None
-        help_text = f.metadata.get("help", "")
-        if f.metadata.get("nargs"):
-            parser.add_argument(*names, dest=f.name, nargs=f.metadata["nargs"], default=default, help=help_text)
-        elif kind is bool:
-            parser.add_argument(*names, dest=f.name, action="store_true", default=default, help=help_text)
-        elif isinstance(kind, type) and issubclass(kind, Enum):
-            parser.add_argument(*names, dest=f.name, type=kind, choices=list(kind), default=default,
-                                help=f"{help_text} (default {default.value})")
-        else:
-            parser.add_argument(*names, dest=f.name, type=kind, default=default, help=f"{help_text} (default {default})")
-    ns = parser.parse_args(argv)
-    for f in cli_fields():
-        if f.metadata.get("nargs") and getattr(ns, f.name) is not None:
-            setattr(ns, f.name, tuple(getattr(ns, f.name)))
-    try:
-        return ServerConfig(**vars(ns))
-    except ValueError as exc:
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
-
-
-def cli_fields() -> list:
-    """The ServerConfig fields that are flags (not the instance id nor the values resolved at start)."""
-    return [f for f in fields(ServerConfig) if f.name != "instance_id" and f.metadata.get("cli", True)]
-
-
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Device": Device, "DType": DType,
-          "AdmissionPolicy": AdmissionPolicy, "KernelBackend": KernelBackend,
-          "SpeculativeAlgorithm": SpeculativeAlgorithm, "KVCacheDType": KVCacheDType}
-
-
-def _base_type(annotation: Any) -> type:
-    # Annotations are strings under `from __future__ import annotations`: "int | None" -> int.
-    if isinstance(annotation, str):
-        return _TYPES[annotation.split("|")[0].strip()]
-    if get_origin(annotation) is not None:
-        return next(a for a in get_args(annotation) if a is not type(None))
-    return annotation

@@ -2,7 +2,7 @@
 
 The launcher process runs the HTTP front itself (FastAPI on uvicorn with uvloop) and watches its
 children: if one dies, /health turns 503 at once, in-flight requests end with an error, and the
-launcher stops everything and exits non-zero. Ctrl-C or SIGTERM drains (lightserve/drain.py: new
+launcher stops everything and exits non-zero. Ctrl-C or SIGTERM drains (lightserve/http/drain.py: new
 requests 503, in-flight ones run on for up to --shutdown_grace_s, the rest are aborted visibly; a
 second signal aborts at once), then stops all processes, removes every shared-memory segment of
 this launch and exits 0.
@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Sequence
 
-from lightserve.config import ServerConfig, parse_args
+from lightserve.cli import parse_args
+from lightserve.config import ServerConfig
 from lightserve.log import configure_logging, get_logger
 
 logger = get_logger("lightserve.launcher")
@@ -53,7 +54,8 @@ def _raise_interrupt(signum, _frame) -> None:
 
 
 def serve(config: ServerConfig) -> int:
-    from lightserve.engine_procs import EngineProcs, StartError, resolve_config
+    from lightserve.engine.procs import EngineProcs, StartError
+    from lightserve.resolve_config import resolve_config
 
     t0 = time.monotonic()
     procs = None
@@ -147,7 +149,7 @@ class _FrontPrep:
             import uvicorn  # noqa: F401 - imported for its cost, here
             from transformers import AutoTokenizer
 
-            import lightserve.api_server  # noqa: F401
+            import lightserve.http.app  # noqa: F401
             from lightserve.sampling import generation_defaults
 
             model_dir = config.model_dir
@@ -175,9 +177,9 @@ class _FrontPrep:
 def _serve_http(config: ServerConfig, front_prep: _FrontPrep, procs, t0: float) -> int:
     import uvicorn
 
-    from lightserve.api_server import create_app
-    from lightserve.drain import DrainingServer
-    from lightserve.engine_client import EngineClient
+    from lightserve.engine.client import EngineClient
+    from lightserve.http.app import create_app
+    from lightserve.http.drain import DrainingServer
 
     tokenizer, vocab_size, sampling_defaults = front_prep.get()
     engine = EngineClient(config, procs.pool, config.max_req_total_len, vocab_size)

@@ -6,7 +6,7 @@ tokenizer and compiler load on the first constrained request, so servers that ne
 nothing at start-up.
 
 With `--reasoning_parser`, a request's grammar holds only what follows its reasoning, as the front's
-parser splits it (lightserve/reasoning_parsers.py): a `_Gate` per slot leaves the output free while
+parser splits it (lightserve/chat/reasoning_parsers.py): a `_Gate` per slot leaves the output free while
 it is inside `<think>...</think>` and starts the matcher at the first token after the close tag.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lightserve.chat.reasoning_parsers import REASONING_PARSERS
 from lightserve.log import get_logger
-from lightserve.reasoning_parsers import REASONING_PARSERS
 from lightserve.sampling import GrammarKind
 
 if TYPE_CHECKING:

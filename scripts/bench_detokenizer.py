@@ -15,8 +15,8 @@ import numpy as np
 
 from lightserve.config import ServerConfig
 from lightserve.detokenizer.process import Detokenizer
+from lightserve.engine.model_prep import ensure_default_model
 from lightserve.messages import TokensReady, decode, encode
-from lightserve.model_prep import ensure_default_model
 from lightserve.sampling import SamplingParams
 from lightserve.shm.req_pool import ReqPool
 

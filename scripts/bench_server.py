@@ -34,7 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from lightserve.engine_procs import child_pids_from_log
+from lightserve.engine.procs import child_pids_from_log
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTERS = ("pauses_total", "resumes_total", "prompt_tokens_total", "prompt_tokens_cached_total",

@@ -47,7 +47,7 @@ PERCENTILES = (50, 90, 99)
 
 
 def default_model_dir() -> str:
-    """Where `python -m lightserve.model_prep` puts the bundled model (`$LIGHTSERVE_CACHE` aware)."""
+    """Where `python -m lightserve.engine.model_prep` puts the bundled model (`$LIGHTSERVE_CACHE` aware)."""
     root = os.environ.get("LIGHTSERVE_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "lightserve"
     return str(base / "SmolLM2-135M-Instruct")

@@ -86,7 +86,7 @@ fi
 case "$DTYPE" in bfloat16|float32|float16) ;; *) die "--dtype must be auto, bfloat16, float32 or float16" ;; esac
 MODEL_DIR=$(realpath -m "$MODEL_DIR")
 OUT=$(realpath -m "$OUT")
-[[ -f "$MODEL_DIR/config.json" ]] || die "no model at $MODEL_DIR (create it with: python -m lightserve.model_prep)"
+[[ -f "$MODEL_DIR/config.json" ]] || die "no model at $MODEL_DIR (create it with: python -m lightserve.engine.model_prep)"
 
 cd "$REPO"
 BENCH="$REPO/scripts/benchmark_serving.py"

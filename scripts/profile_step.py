@@ -12,7 +12,7 @@ the C kernels timed without the profiler over the other steps (kernels.cpu.kerne
     python scripts/profile_step.py --batch 1 --context 256 --prefill   # the prefill step instead
     python scripts/profile_step.py --batch 15 --context 48 --prefix 1024 --prefill  # W3's suffix prefill
 
-It runs under tcmalloc, as the server's CPU workers do (engine_procs.preload_tcmalloc: with glibc malloc every
+It runs under tcmalloc, as the server's CPU workers do (host_tuning.preload_tcmalloc: with glibc malloc every
 large temporary is mmapped and faulted in again on each call). A decode profile ends with the step's physical
 floor: the bytes it must read (weights and KV) at this machine's streaming read bandwidth, and its FLOPs at this
 machine's GEMM rate, both measured in the same run.
@@ -32,6 +32,7 @@ from bench_cpu_kernels import cpu_caption, read_bandwidth, rerun_under_tcmalloc 
 
 from lightserve import kernels
 from lightserve.config import AdmissionPolicy
+from lightserve.engine.model_prep import ensure_default_model
 from lightserve.kernels.cpu import kernel_times
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.messages import decode, encode
@@ -39,7 +40,6 @@ from lightserve.model_config import ModelConfig
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.models import read_model_config
 from lightserve.model_infer.output_writer import OutputWriter
-from lightserve.model_prep import ensure_default_model
 from lightserve.router.admission import Admission
 from lightserve.router.kv_allocator import KVAllocator
 from lightserve.router.radix_cache import RadixCache

@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from lightserve.metrics import idle_problems
+from lightserve.http.metrics import idle_problems
 
 # Small enough to be overloaded (16 slots, 16 queued) and to pause now and then (1024 KV tokens).
 OWN_SERVER_ARGS = ["--data_type", "float32", "--max_total_token_num", "1024", "--req_pool_size", "16",

@@ -1,11 +1,16 @@
-"""Import boundaries, read from the source with `ast` (docs/architecture.md, "Processes").
+"""Import boundaries, read from the source with `ast` (docs/architecture.md, "Processes" and "The launcher's
+folders").
 
 - A process folder (router, model_infer, detokenizer) imports its own modules, the libraries (shm,
   kernels) and the words every process shares (SHARED); never another process folder's modules or
-  the HTTP front's. The libraries import only SHARED and themselves. The launcher side of
+  the rest of lightserve/. The libraries import only SHARED and themselves. The launcher side of
   lightserve/ imports a process folder's modules only where LAUNCHER_IMPORTS says why.
-- Within lightserve/, only the app module (api_server) imports a route module (one with an
-  ApiRouter): shared helpers live below both.
+- lightserve/ itself is folders with rules (FOLDER_RULES): http/ may import chat/ and the engine's
+  client side (ENGINE_CLIENT), never the reverse; chat/ and engine/ import only the shared words (and
+  the libraries); nothing imports http/ but the launcher, which serves the app. The shared words
+  import only one another, and lightserve/'s top holds only them and the launch's entry modules.
+- Within http/, only the app module imports a route module (one with an ApiRouter): shared helpers
+  live below both.
 - No import cycle among the project's modules (imports under `if TYPE_CHECKING:` do not run and do
   not count).
 """
@@ -21,20 +26,38 @@ FOLDERS = {"lightserve": "lightserve", "router": "lightserve.router", "model_inf
 PROCESSES = ("lightserve.router", "lightserve.model_infer", "lightserve.detokenizer")
 LIBRARIES = ("lightserve.shm", "lightserve.kernels")
 # The words every process shares: settings, messages, sampling params, logging, the child-process
-# harness and the debug knobs. (config names the tool/reasoning parsers to validate its flags; rank 0's
-# grammar waits out the reasoning by the reasoning parser's own tags and rule.)
-# lightserve.model_config: the model facts, read once by the launcher and carried in the resolved config.
-SHARED = frozenset({"lightserve", "lightserve.config", "lightserve.messages", "lightserve.sampling", "lightserve.log",
-                    "lightserve.procutil", "lightserve.envs", "lightserve.reasoning_parsers",
-                    "lightserve.model_config"})
+# harness, the debug knobs and the model's facts (read once by the launcher, carried in the resolved
+# config). And chat/'s parser registries with the base they stand on: config names the tool and
+# reasoning parsers to check its flags, and rank 0's grammar waits out the reasoning by the reasoning
+# parser's own tags and rule.
+SHARED = frozenset({"lightserve.config", "lightserve.messages", "lightserve.sampling", "lightserve.log",
+                    "lightserve.procutil", "lightserve.envs", "lightserve.model_config",
+                    "lightserve.chat.tool_call", "lightserve.chat.tool_parsers", "lightserve.chat.reasoning_parsers"})
+# The rest of lightserve/'s top: the launch's entry modules. The package itself (the pipeline's public
+# names), the server launcher, the offline pipeline, the config's resolution and its command line.
+ENTRIES = frozenset({"lightserve", "lightserve.launch_server", "lightserve.pipeline", "lightserve.resolve_config",
+                     "lightserve.cli"})
+# What the HTTP front may use of the engine: the client and what a request's run gives its caller.
+ENGINE_CLIENT = ("lightserve.engine.client", "lightserve.engine.generation")
+# lightserve/'s folders (its top is "lightserve") and what each may import besides itself, the shared
+# words and the libraries.
+FOLDER_RULES = {
+    "lightserve.chat": (),
+    "lightserve.engine": (),
+    "lightserve.http": ("lightserve.chat", *ENGINE_CLIENT),
+    "lightserve": ("lightserve.chat", "lightserve.engine"),
+}
+# The one module outside http/ that imports it: the launcher starts the app.
+HTTP_LAUNCHER = "lightserve.launch_server"
 # Launcher-side modules of lightserve/ that import a process folder's module, and why: the launcher
 # starts each process's entry function, and reads the model folder through its family's module (the
 # config, and whether --tp can split the weights) before any process runs.
 LAUNCHER_IMPORTS = {
-    "lightserve.engine_procs": {"lightserve.router.process", "lightserve.model_infer.process",
-                                "lightserve.detokenizer.process", "lightserve.model_infer.models"},
+    "lightserve.engine.procs": {"lightserve.router.process", "lightserve.model_infer.process",
+                                "lightserve.detokenizer.process"},
+    "lightserve.resolve_config": {"lightserve.model_infer.models"},
 }
-APP_MODULE = "lightserve.api_server"
+APP_MODULE = "lightserve.http.app"
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -84,13 +107,25 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _home(module: str) -> str:
+    """The process folder or library a module belongs to, else "lightserve"."""
     for package in (*PROCESSES, *LIBRARIES):
         if module == package or module.startswith(package + "."):
             return package
     return "lightserve"
 
 
+def _folder(module: str) -> str:
+    """The folder of lightserve/ a module of it sits in: a key of FOLDER_RULES."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 or module in FOLDER_RULES else "lightserve"
+
+
+def _within(module: str, targets: tuple[str, ...]) -> bool:
+    return any(module == t or module.startswith(t + ".") for t in targets)
+
+
 GRAPH = {name: _imports(name, tree) for name, tree in MODULES.items()}
+OWN = {name for name in MODULES if _home(name) == "lightserve"}  # lightserve/'s modules
 
 
 def test_process_folders_and_libraries_keep_to_their_rooms():
@@ -108,15 +143,41 @@ def test_process_folders_and_libraries_keep_to_their_rooms():
     assert not bad, "\n".join(sorted(bad))
 
 
-def test_the_shared_modules_import_no_process_folder():
-    bad = [f"{name} imports {dep}" for name in SHARED for dep in GRAPH[name] if _home(dep) != "lightserve"]
+def test_lightserve_folders_keep_to_their_rules():
+    def allowed(name: str, dep: str) -> bool:
+        folder = _folder(name)
+        if dep in SHARED or _folder(dep) == folder or _within(dep, FOLDER_RULES[folder]):
+            return True
+        return name == HTTP_LAUNCHER and _folder(dep) == "lightserve.http"
+
+    bad = [f"{name} ({_folder(name)}) imports {dep}" for name in sorted(OWN - SHARED)
+           for dep in sorted(GRAPH[name] & OWN) if not allowed(name, dep)]
     assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_http_but_the_launcher():
+    bad = [f"{name} imports {dep}" for name, deps in GRAPH.items() if _folder(name) != "lightserve.http"
+           and name != HTTP_LAUNCHER for dep in deps if dep in OWN and _folder(dep) == "lightserve.http"]
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_shared_words_import_only_one_another():
+    bad = [f"{name} imports {dep}" for name in sorted(SHARED) for dep in GRAPH[name] if dep not in SHARED]
+    assert not bad, "\n".join(bad)
+
+
+def test_lightserve_holds_only_its_folders_shared_words_and_entries():
+    assert SHARED | ENTRIES <= OWN, sorted((SHARED | ENTRIES) - OWN)
+    top = {name for name in OWN if _folder(name) == "lightserve"}
+    assert top <= SHARED | ENTRIES, \
+        f"give each a folder, or a place in SHARED or ENTRIES: {sorted(top - SHARED - ENTRIES)}"
+    assert {_folder(name) for name in OWN} == set(FOLDER_RULES)
 
 
 def test_only_the_app_module_imports_route_modules():
     routes = {name for name, tree in MODULES.items()
-              if _home(name) == "lightserve" and name != APP_MODULE and _defines_api_router(tree)}
-    assert {"lightserve.openai_api", "lightserve.lightllm_api", "lightserve.ops_api"} <= routes
+              if name in OWN and name != APP_MODULE and _defines_api_router(tree)}
+    assert {"lightserve.http.openai_api", "lightserve.http.lightllm_api", "lightserve.http.ops_api"} <= routes
     bad = [f"{name} imports {dep}" for name, deps in GRAPH.items() if name != APP_MODULE
            for dep in deps if dep in routes]
     assert not bad, "\n".join(sorted(bad))

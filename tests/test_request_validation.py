@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from lightserve.engine_client import EngineClient
+from lightserve.engine.client import EngineClient
 from lightserve.model_infer.sampler import SamplingTensors
 from lightserve.sampling import MAX_TOP_LOGPROBS, PARAMS_DTYPE, ParamError, SamplingParams
 

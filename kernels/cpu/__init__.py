@@ -217,7 +217,7 @@ NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16): the one rule behind --data_type auto's
-    bfloat16 on CPU (lightserve/engine_procs.py) and oneDNN's bf16 GEMM (kernels/linear.py)."""
+    bfloat16 on CPU (lightserve/resolve_config.py) and oneDNN's bf16 GEMM (kernels/linear.py)."""
     return bool(NATIVE_BF16_FLAGS & set(cpu_flags().split()))
 
 

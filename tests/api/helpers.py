@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from lightserve.config import ServerConfig
-from lightserve.engine_client import EngineClient
+from lightserve.engine.client import EngineClient
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.sampling import SamplingParams
 from lightserve.shm.req_pool import STATS_FIELDS
@@ -105,7 +105,7 @@ class FakeEngine:
 
 
 def make_app(engine: FakeEngine, tokenizer: Any, health_reason: str | None = None, **config: Any) -> Any:
-    from lightserve.api_server import create_app
+    from lightserve.http.app import create_app
     cfg = ServerConfig(instance_id="apitest", **config)
     return create_app(cfg, engine, tokenizer, MODEL_NAME, lambda: health_reason)
 

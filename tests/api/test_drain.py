@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightserve.engine_client import ShuttingDown
+from lightserve.engine.generation import ShuttingDown
 
 from .helpers import asgi_client, make_app
 from .test_routes import sse

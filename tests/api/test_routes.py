@@ -6,7 +6,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightserve.engine_client import EngineDead, EngineOverloaded, RequestTimeout
+from lightserve.engine.generation import EngineDead, EngineOverloaded, RequestTimeout
 from lightserve.messages import FinishReason
 
 from .helpers import CONTEXT, MODEL_NAME, asgi_client, make_app

@@ -7,9 +7,10 @@ import json
 import jsonschema
 import pytest
 
-from lightserve.chat_output import ChatOutput, ToolMode, plan_tools, with_calls_in_text
-from lightserve.reasoning_parsers import REASONING_PARSERS
-from lightserve.tool_parsers import TOOL_PARSERS, ForcedCallParser, Parsed, choose_tool_parser
+from lightserve.chat.output import ChatOutput, ToolMode, plan_tools, with_calls_in_text
+from lightserve.chat.reasoning_parsers import REASONING_PARSERS
+from lightserve.chat.tool_call import Parsed
+from lightserve.chat.tool_parsers import TOOL_PARSERS, ForcedCallParser, choose_tool_parser
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -7,7 +7,7 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from lightserve.config import parse_args
+from lightserve.cli import parse_args
 from lightserve.sampling import generation_defaults
 
 from .helpers import MODEL_NAME, asgi_client, make_app

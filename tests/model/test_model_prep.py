@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightserve import model_prep
+from lightserve.engine import model_prep
 
 
 def _stub_conversion(monkeypatch, during=lambda: None) -> list[Path]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightserve.engine.model_prep import ensure_default_model
 from lightserve.kernels.cpu import kernel_times, library
-from lightserve.model_prep import ensure_default_model
 from tests.greedy_check import greedy_mismatch
 
 from .fake_worker import FakeWorker

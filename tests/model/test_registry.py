@@ -7,9 +7,10 @@ import json
 import pytest
 
 from lightserve.config import Device, DType, ServerConfig
-from lightserve.engine_procs import StartError, resolve_config
+from lightserve.engine.procs import StartError
 from lightserve.kernels import cpu as kernels_cpu
 from lightserve.model_infer.models import ARCHITECTURES, config_from_dict, family_of, gemma, llama, phi3
+from lightserve.resolve_config import resolve_config
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 256}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lightserve import GenerationConfig, pipeline
-from lightserve.engine_client import EngineDead
+from lightserve.engine.generation import EngineDead
 from tests.e2e.server import RUNTIME_DIRS, files_left, lightserve_files
 from tests.pipeline.helpers import SETTINGS, instance_files, wait_until
 

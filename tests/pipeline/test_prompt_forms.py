@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from lightserve.cli import make_config
 from lightserve.config import AdmissionPolicy, Device, DType
-from lightserve.pipeline import _split_prompts, make_config
+from lightserve.pipeline import _split_prompts
 
 CHAT = [{"role": "user", "content": "hi"}]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import httpx
 
-from lightserve.engine_procs import child_pids_from_log
-from lightserve.metrics import idle_problems
+from lightserve.engine.procs import child_pids_from_log
+from lightserve.http.metrics import idle_problems
 from tests.e2e.server import RUNTIME_DIRS, ServerProc, wait_until
 
 CHILD_NAMES = ("worker-tp0", "router", "detokenizer")
@@ -32,7 +32,7 @@ def start_server(log_dir: Path, *args: str) -> ServerProc:
 
 
 def child_pids(srv: ServerProc) -> dict[str, int]:
-    """The server's children by name, from its log (engine_procs.child_pids_from_log)."""
+    """The server's children by name, from its log (engine.procs.child_pids_from_log)."""
     return child_pids_from_log(srv.log_path.read_text(errors="replace"))
 
 

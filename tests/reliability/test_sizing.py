@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, Device, ServerConfig
-from lightserve.engine_procs import StartError, check_shm_room, resolve_config
+from lightserve.engine.procs import StartError, check_shm_room
+from lightserve.resolve_config import resolve_config
 from lightserve.shm.req_pool import ReqPool
 from tests.model.tiny_models import make_tiny_model
 

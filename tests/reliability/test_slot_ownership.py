@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from lightserve.config import ServerConfig
-from lightserve.engine_client import EngineClient
+from lightserve.engine.client import EngineClient
 from lightserve.messages import (
     AddReq,
     DeltaBatch,

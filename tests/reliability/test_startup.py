@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from lightserve.engine_procs import OMP_SPIN_ROUNDS, bound_omp_spin
+from lightserve.engine.host_tuning import OMP_SPIN_ROUNDS, bound_omp_spin
 from tests.e2e.server import RUNTIME_DIRS
 from tests.reliability.helpers import (
     HTTP_TIMEOUT_S,
@@ -90,7 +90,7 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def test_cpu_worker_openmp_threads_sleep_soon_after_a_region(server):
-    """engine_procs.bound_omp_spin: the worker starts with GOMP_SPINCOUNT, the router and the detokenizer (spawned
+    """host_tuning.bound_omp_spin: the worker starts with GOMP_SPINCOUNT, the router and the detokenizer (spawned
     after the launcher restored its own environment) without it, unless the caller set it."""
     pids = child_pids(server)
     caller = {k: os.environ[k] for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY") if k in os.environ}

@@ -36,10 +36,10 @@ def test_perf_samples_are_grouped_by_kind_of_work():
 
 
 def test_server_pids_come_from_the_launcher_log():
-    log = ("12:00:00.000 INFO [launcher] lightserve.engine_procs: started worker-tp0 pid 101\n"
-           "12:00:00.001 INFO [launcher] lightserve.engine_procs: started worker-tp1 pid 102\n"
-           "12:00:00.002 INFO [launcher] lightserve.engine_procs: started detokenizer pid 103\n"
-           "12:00:01.000 INFO [launcher] lightserve.engine_procs: started router pid 104\n")
+    log = ("12:00:00.000 INFO [launcher] lightserve.engine.procs: started worker-tp0 pid 101\n"
+           "12:00:00.001 INFO [launcher] lightserve.engine.procs: started worker-tp1 pid 102\n"
+           "12:00:00.002 INFO [launcher] lightserve.engine.procs: started detokenizer pid 103\n"
+           "12:00:01.000 INFO [launcher] lightserve.engine.procs: started router pid 104\n")
     assert server_pids(log, 100) == {"http": 100, "worker-tp0": 101, "worker-tp1": 102, "detokenizer": 103,
                                      "router": 104}
 

@@ -151,7 +151,7 @@ def test_shared_prefix_and_multi_turn(tiny_tokenizer: str, tmp_path: Path) -> No
 def test_prompts_retokenize_exactly_with_real_tokenizer() -> None:
     path = Path(bs.default_model_dir())
     if not (path / "tokenizer.json").exists():
-        pytest.skip(f"no tokenizer at {path} (run python -m lightserve.model_prep)")
+        pytest.skip(f"no tokenizer at {path} (run python -m lightserve.engine.model_prep)")
     from tokenizers import Tokenizer
 
     tk = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -190,7 +190,7 @@ def test_copy_edit_prompts_hold_a_document_to_write_back() -> None:
     with one edit, seeded."""
     path = Path(bs.default_model_dir())
     if not (path / "tokenizer.json").exists():
-        pytest.skip(f"no tokenizer at {path} (run python -m lightserve.model_prep)")
+        pytest.skip(f"no tokenizer at {path} (run python -m lightserve.engine.model_prep)")
     args = bs.parse_args(["--tokenizer", str(path), "--dataset", "copy-edit", "--num-prompts", "2",
                           "--input-len", "300", "--output-len", "256", "--seed", "5"])
     convs, _ = bs.build_workload(args, bs.PromptMaker(str(path), np.random.default_rng(5)))

@@ -5,7 +5,7 @@ While draining, new generation requests get 503 with Retry-After and /health ans
 up to --shutdown_grace_s. Those still running then, or when a second signal cuts the wait short,
 are aborted visibly: `EngineClient.abort_all` fails them with `ShuttingDown`, which a stream turns
 into a last chunk with finish_reason "abort" and a non-streaming request into a 503 JSON error.
-The counting is done by `api_server._FrontMiddleware`, which wraps every generation request from
+The counting is done by `app._FrontMiddleware`, which wraps every generation request from
 its first byte to the end of its response body. `DrainingServer` is the uvicorn server the launcher
 runs: its signal handler starts the drain instead of uvicorn's immediate shutdown.
 """
@@ -20,7 +20,7 @@ import uvicorn
 from lightserve.log import get_logger
 
 if TYPE_CHECKING:
-    from lightserve.engine_client import EngineClient
+    from lightserve.engine.client import EngineClient
 
 logger = get_logger(__name__)
 

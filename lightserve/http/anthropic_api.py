@@ -17,10 +17,9 @@ from fastapi import Request
 from pydantic import ConfigDict
 from starlette.responses import Response
 
-from lightserve.anthropic_input import chat_messages, chat_tool_choice, chat_tools, output_schema, wants_thinking
-from lightserve.api_schema import StrictModel
-from lightserve.chat_output import ChatOutput, ToolPlan
-from lightserve.front import (
+from lightserve.chat.output import ChatOutput, ToolPlan
+from lightserve.http.anthropic_input import chat_messages, chat_tool_choice, chat_tools, output_schema, wants_thinking
+from lightserve.http.front import (
     ApiRouter,
     ErrorStyle,
     Front,
@@ -35,7 +34,8 @@ from lightserve.front import (
     request_params,
     stop_list,
 )
-from lightserve.front_streams import EventStream, generate_one, relay, sse_event, start_stream, until_disconnect
+from lightserve.http.schema import StrictModel
+from lightserve.http.streams import EventStream, generate_one, relay, sse_event, start_stream, until_disconnect
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.sampling import GrammarKind
 
@@ -43,7 +43,7 @@ router = ApiRouter(ErrorStyle.ANTHROPIC, generation=True)
 
 # SamplingParams field -> request field, for error messages.
 _NAMES = {"max_new_tokens": "max_tokens", "stop": "stop_sequences", "grammar": "output_config.format"}
-# A failure after the stream started, as the HTTP status its error event names (front_streams.stream_error).
+# A failure after the stream started, as the HTTP status its error event names (streams.stream_error).
 _STREAM_STATUS = {"timeout": 408, "engine_dead": 503, "shutting_down": 503}
 _PING = sse_event("ping", {"type": "ping"})
 

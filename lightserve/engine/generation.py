@@ -1,6 +1,7 @@
-"""One request's result accumulated from its deltas (`Generation`), and `gather_all`, which runs
-several requests together and ends the others when one fails. Shared by the HTTP front and the
-offline pipeline; no HTTP here.
+"""A request's run as its caller sees it: the result accumulated from its deltas (`Generation`), the ways
+`EngineClient.generate` fails (`EngineOverloaded`, `EngineDead`, `RequestTimeout`, `ShuttingDown`), and
+`gather_all`, which runs several requests together and ends the others when one fails. Shared by the HTTP
+front and the offline pipeline; no HTTP here, and light to import (no zmq).
 """
 from __future__ import annotations
 
@@ -10,6 +11,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightserve.messages import FinishReason, ReqDelta
+
+
+class EngineOverloaded(Exception):
+    """The request pool and its waiting queue are full (HTTP 503 with Retry-After)."""
+
+
+class EngineDead(Exception):
+    """An engine process died; no request can complete (HTTP 503)."""
+
+
+class RequestTimeout(Exception):
+    """The request ran past --request_timeout_s and was aborted."""
+
+
+class ShuttingDown(Exception):
+    """The server is shutting down: a new request is refused, or one still running at the end of the
+    drain's grace period is aborted (HTTP 503 with Retry-After; in a stream, a last "abort" chunk)."""
 
 
 @dataclass

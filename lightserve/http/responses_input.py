@@ -1,7 +1,7 @@
 """The Responses API's request side, in chat terms: input items -> chat messages, function tools
-and tool_choice -> the chat forms chat_output.plan_tools reads, text.format -> a grammar; and
+and tool_choice -> the chat forms chat.output.plan_tools reads, text.format -> a grammar; and
 `ResponseStore`, the bounded in-memory store behind `store` / `previous_response_id`.
-Used by lightserve/responses_api.py. Raises ParamError naming the field.
+Used by lightserve/http/responses_api.py. Raises ParamError naming the field.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from lightserve.chat_messages import normalize_message
+from lightserve.chat.messages import normalize_message
 from lightserve.sampling import ParamError
 
 _ROLES = ("system", "developer", "user", "assistant")

@@ -7,7 +7,7 @@ import importlib.metadata
 from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.front import ApiRouter, get_front, json_response
+from lightserve.http.front import ApiRouter, get_front, json_response
 
 router = ApiRouter()
 

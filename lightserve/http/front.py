@@ -1,7 +1,7 @@
 """What every HTTP route shares: `Front` (the app's state), the route modules' `ApiRouter` (which
 declares their error shape and whether they count as generation routes), and the request helpers
 below both the app module and the route modules: body reading, model and prompt checks, and the
-mapping of a request onto SamplingParams. Streams and generation live in front_streams.py.
+mapping of a request onto SamplingParams. Streams and generation live in streams.py.
 
 Error convention: every bad input is 400 (schema and type errors too, never 422), with the field
 named in `param`; 401 auth, 404 unknown model or route, 408 timeout, 413 body too large, 503 engine
@@ -22,16 +22,16 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import Response
 
-from lightserve.chat_messages import render_chat
-from lightserve.chat_output import ChatOutput, ToolPlan, plan_tools
-from lightserve.generation import Generation
+from lightserve.chat.messages import render_chat
+from lightserve.chat.output import ChatOutput, ToolPlan, plan_tools
+from lightserve.engine.generation import Generation
 from lightserve.sampling import GrammarKind, ParamError, SamplingParams
 
 if TYPE_CHECKING:
     from lightserve.config import ServerConfig
-    from lightserve.drain import Drain
-    from lightserve.engine_client import EngineClient
-    from lightserve.metrics import FrontMetrics
+    from lightserve.engine.client import EngineClient
+    from lightserve.http.drain import Drain
+    from lightserve.http.metrics import FrontMetrics
 
 try:
     import orjson

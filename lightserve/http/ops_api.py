@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.front import ApiRouter, get_front, json_response
+from lightserve.http.front import ApiRouter, get_front, json_response
 
 router = ApiRouter()
 
@@ -79,5 +79,6 @@ async def server_info(request: Request) -> Response:
                           "chunked_prefill_size": cfg.chunked_prefill_size,
                           "disable_radix_cache": cfg.disable_prompt_cache,
                           "device": cfg.device.value, "kernel_backend": cfg.kernel_backend.value,
-                          "dtype": cfg.data_type.value,
+                          "dtype": cfg.data_type.value, "kv_cache_dtype": cfg.kv_cache_dtype.value,
+                          "kv_bytes_per_token": cfg.kv_bytes_per_token,
                           "shutdown_grace_s": cfg.shutdown_grace_s, "version": VERSION})

@@ -4,97 +4,16 @@ One small class per output format, chosen once by `--tool_call_parser` from `TOO
 `auto`, the default, by `choose_tool_parser` from the chat template and the model family). Each
 parser is incremental: `feed(delta)` returns what can be shown so far and `finish()` the rest, so a
 stream never shows half-parsed markup as content. `parse(text)` is defined as feed + finish, which
-makes the streamed pieces concatenate to exactly the non-streamed message.
-Used by lightserve/chat_output.py, one parser per generated choice.
+makes the streamed pieces concatenate to exactly the non-streamed message (the contract: tool_call.py).
+Used by lightserve/chat/output.py, one parser per generated choice.
 """
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Container
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as OpenAI sends it: a string
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
-
-    def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-@dataclass
-class Parsed:
-    """What one feed or finish adds: content text and whole tool calls."""
-    content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-
-    def add(self, other: Parsed) -> None:
-        self.content += other.content
-        self.calls += other.calls
-
-
-class ToolParser:
-    """Base: subclasses turn text into Parsed pieces. Whitespace next to tool calls is not content
-    (templates put newlines between calls), so trailing whitespace is held until it is followed by
-    more content, and dropped at the end once a call was made."""
-    name: ClassVar[str] = ""
-    # The text that starts a call; the fallback system prompt shows it (chat_output.with_tool_prompt).
-    example: ClassVar[str] = ""
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._pending_space = ""
-        self.num_calls = 0
-
-    def feed(self, delta: str) -> Parsed:
-        self._buf += delta
-        return self._step(final=False)
-
-    def finish(self) -> Parsed:
-        out = self._step(final=True)
-        if self._pending_space and not self.num_calls:
-            out.content += self._pending_space
-        self._pending_space = ""
-        return out
-
-    def parse(self, text: str) -> Parsed:
-        out = self.feed(text)
-        out.add(self.finish())
-        return out
-
-    @classmethod
-    def render(cls, calls: list[tuple[str, dict]]) -> str:
-        """(name, arguments) calls written as the model writes them: a past assistant turn shown to
-        a template that takes no tool_calls. `parse` reads the text back."""
-        raise NotImplementedError
-
-    def _step(self, final: bool) -> Parsed:
-        raise NotImplementedError
-
-    def _content(self, text: str, out: Parsed) -> None:
-        """Show `text` as content, holding its trailing whitespace back."""
-        body = text.rstrip()
-        if body:
-            out.content += self._pending_space + body
-            self._pending_space = ""
-        self._pending_space += text[len(body):]
-
-    def _calls(self, calls: list[ToolCall], out: Parsed) -> None:
-        self._pending_space = ""
-        self.num_calls += len(calls)
-        out.calls += calls
-
-    def _release(self, calls: list[ToolCall] | None, out: Parsed) -> None:
-        """Empty the held text: as `calls` if it parsed into some, else as content."""
-        if calls is None:
-            self._content(self._buf, out)
-        else:
-            self._calls(calls, out)
-        self._buf = ""
+from lightserve.chat.tool_call import Parsed, ToolCall, ToolParser, partial_suffix
 
 
 class HermesParser(ToolParser):
@@ -246,7 +165,7 @@ def choose_tool_parser(setting: str | None, template: Any, vocab: Container[str]
                        architecture: str | None) -> tuple[str | None, str]:
     """(parser name, why) for `--tool_call_parser`: a named parser as given; for `auto`, the format
     the chat template, the vocabulary or the model family speaks. A ChatML template with no tool
-    section (SmolLM2's) gets hermes, which the tool prompt of chat_output.with_tool_prompt then
+    section (SmolLM2's) gets hermes, which the tool prompt of output.with_tool_prompt then
     describes. None when nothing matches: tool_choice "auto" is refused (400 naming the flag)."""
     if setting != AUTO:
         return setting, "--tool_call_parser"
@@ -265,14 +184,6 @@ def choose_tool_parser(setting: str | None, template: Any, vocab: Container[str]
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (it may become the tag)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
-
-
 def _dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 

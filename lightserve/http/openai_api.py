@@ -1,30 +1,27 @@
 """OpenAI-compatible generation routes: POST /v1/completions and /v1/chat/completions.
 
-Request schemas, their mapping onto SamplingParams, and the response / SSE chunk shapes. Several
-prompts in one completion request run concurrently and come back as choices with their index.
+Request schemas and their mapping onto SamplingParams; the response shapes are in openai_output.py and the
+SSE chunk stream in openai_stream.py. Several prompts in one completion request run concurrently and come
+back as choices with their index.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_schema import SamplingFields, StrictModel
-from lightserve.chat_output import ToolPlan
-from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
-from lightserve.front import (
+from lightserve.chat.output import ToolPlan
+from lightserve.http.front import (
     ApiError,
     ApiRouter,
     Front,
     best_of,
     check_model,
     check_n,
-    dumps,
     encode_text,
     get_front,
     grammar_of,
@@ -36,27 +33,12 @@ from lightserve.front import (
     samples_of,
     stop_list,
 )
-from lightserve.front_streams import (
-    EventStream,
-    Item,
-    run_all,
-    start_stream,
-    until_disconnect,
-)
-from lightserve.log import get_logger
+from lightserve.http.openai_output import chat_logprobs, completion_choice, completion_chunks, usage
+from lightserve.http.openai_stream import open_stream
+from lightserve.http.schema import SamplingFields, StrictModel
+from lightserve.http.streams import run_all, until_disconnect
 from lightserve.messages import FinishReason, ReqDelta
-from lightserve.metrics import ReqTimer
-from lightserve.openai_output import (
-    chat_logprobs,
-    completion_logprobs,
-    usage,
-    usage_dict,
-    vllm_prompt_logprobs,
-    with_echo,
-)
 from lightserve.sampling import GrammarKind, SamplingParams
-
-logger = get_logger(__name__)
 
 router = ApiRouter(generation=True)
 
@@ -65,7 +47,7 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "top_logprobs": "logprobs",
                      "grammar": "guided_json"}
 _CHAT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "grammar": "response_format"}
-_DONE = b"data: [DONE]\n\n"
+_R = TypeVar("_R", bound="_SamplingRequest")
 
 
 class StreamOptions(StrictModel):
@@ -94,7 +76,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: Any  # checked by chat_messages.render_chat
+    messages: Any  # checked by chat.messages.render_chat
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     tools: Any = None        # checked by plan_tools
@@ -105,63 +87,31 @@ class ChatCompletionRequest(_SamplingRequest):
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    front = get_front(request)
-    req = parse_model(CompletionRequest, await read_json(request))
-    check_model(front, req.model)
-    n = check_n(front, req.n, "n")
+    front, req, n = await _open_request(request, CompletionRequest)
     num_samples = check_n(front, req.best_of, "best_of") if req.best_of is not None else n
     if num_samples < n:
         raise ApiError(400, "must be >= n", "best_of")
     if req.stream and num_samples > n:
         raise ApiError(400, "best_of > n cannot stream", "best_of")
     _refuse(req.suffix, "suffix")
-    echo = bool(req.echo)
-    prompts = await _completion_prompts(front, req.prompt)
+    given = await _completion_prompts(front, req.prompt)
     max_tokens = COMPLETIONS_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     # max_tokens 0 (scoring a prompt: echo + logprobs, or prompt_logprobs) runs one step and shows none.
-    score_only = max_tokens == 0 and (echo or req.prompt_logprobs is not None)
+    score_only = max_tokens == 0 and (bool(req.echo) or req.prompt_logprobs is not None)
     if score_only and req.stream:
         raise ApiError(400, "max_tokens 0 cannot stream", "max_tokens")
     grammar = grammar_of("guided_json", req.guided_json, req.guided_regex, req.guided_grammar)
-    if len(prompts) * num_samples > front.config.req_pool_size:
+    if len(given) * num_samples > front.config.req_pool_size:
         raise ApiError(400, f"prompts x n must be <= {front.config.req_pool_size}", "n")
-    want_logprobs = req.logprobs is not None
-    prompt_k = req.prompt_logprobs
-    if echo and want_logprobs:
-        prompt_k = max(prompt_k or 0, req.logprobs)
-    # best_of ranks its samples by their logprobs, so they count as reported.
-    base = dataclasses.replace(_params(front, req, 1 if score_only else max_tokens, req.logprobs or 0, grammar,
-                                       report_logprobs=want_logprobs or num_samples > n),
-                               prompt_logprobs=prompt_k)
-    one = [make_checked(front, ids, base, "prompt", _COMPLETION_NAMES) for ids in prompts]
+    base = _completion_params(front, req, 1 if score_only else max_tokens, grammar, num_samples > n)
+    one = [make_checked(front, ids, base, "prompt", _COMPLETION_NAMES) for ids in given]
     # Choice index = prompt index * n + sample index, as OpenAI orders them.
     params = [s for p in one for s in samples_of(p, num_samples)]
-    given, prompts = prompts, [ids for ids in prompts for _ in range(num_samples)]
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "text_completion", "created": created, "model": front.model_name}
-
+    prompts = [ids for ids in given for _ in range(num_samples)]
+    head = _head(front, "cmpl", "text_completion")
     if req.stream:
-        offsets = [0] * len(prompts)
-        echoed = [not echo] * len(prompts)
-
-        def chunk(i: int, delta: ReqDelta) -> dict | None:
-            text, logprobs = delta.text, None
-            if want_logprobs:
-                logprobs, offsets[i] = completion_logprobs(front, delta.token_texts, delta.logprobs,
-                                                            delta.top_logprobs, offsets[i])
-            if not echoed[i]:
-                echoed[i] = True
-                text, logprobs, offsets[i] = with_echo(front, prompts[i], delta.prompt_logprobs,
-                                                        delta.prompt_top_logprobs, text, logprobs, want_logprobs)
-            if not text and not delta.finish and not (want_logprobs and delta.token_ids):
-                return None
-            body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
-            if delta.prompt_logprobs is not None and req.prompt_logprobs is not None:
-                body["prompt_logprobs"] = vllm_prompt_logprobs(front, prompts[i], delta.prompt_logprobs,
-                                                                delta.prompt_top_logprobs)
-            return body
-
-        return await _open_stream(request, front, prompts, params, head, chunk, req.stream_options, None)
+        chunks = completion_chunks(front, prompts, bool(req.echo), req.logprobs, req.prompt_logprobs)
+        return await open_stream(request, front, prompts, params, head, chunks, _usage_asked(req), None)
 
     outs = await until_disconnect(request, run_all(front, prompts, params))
     outs = [g for k in range(0, len(outs), num_samples) for g in best_of(outs[k: k + num_samples], n)]
@@ -169,28 +119,14 @@ async def completions(request: Request) -> Response:
         for g in outs:
             g.text, g.token_ids, g.token_texts, g.logprobs, g.top_logprobs = "", [], [], [], []
             g.num_output, g.finish = 0, FinishReason.LENGTH
-    choices = []
-    for i, g in enumerate(outs):
-        ids = given[i // n]
-        text = g.text
-        logprobs = completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0] \
-            if want_logprobs else None
-        if echo:
-            text, logprobs, _ = with_echo(front, ids, g.prompt_logprobs, g.prompt_top_logprobs, text, logprobs,
-                                           want_logprobs)
-        choice = {"index": i, "text": text, "finish_reason": g.finish.api_name(), "logprobs": logprobs}
-        if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(front, ids, g.prompt_logprobs, g.prompt_top_logprobs)
-        choices.append(choice)
+    choices = [completion_choice(front, i, given[i // n], g, bool(req.echo), req.logprobs, req.prompt_logprobs)
+               for i, g in enumerate(outs)]
     return json_response({**head, "choices": choices, "usage": usage(outs)})
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    front = get_front(request)
-    req = parse_model(ChatCompletionRequest, await read_json(request))
-    check_model(front, req.model)
-    n = check_n(front, req.n, "n")
+    front, req, n = await _open_request(request, ChatCompletionRequest)
     plan = front.plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     grammar = _chat_grammar(req, plan)
     if req.top_logprobs and not req.logprobs:
@@ -207,9 +143,7 @@ async def chat_completions(request: Request) -> Response:
     params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar,
                                                      report_logprobs=want_logprobs),
                           "messages", names)
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    head = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
-            "created": created, "model": front.model_name}
+    head = _head(front, "chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion")
 
     if req.stream:
         def chunk(i: int, delta: ReqDelta) -> dict | None:
@@ -222,8 +156,8 @@ async def chat_completions(request: Request) -> Response:
                     "finish_reason": outputs[i].finish_reason(delta.finish.api_name())}
 
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return await _open_stream(request, front, [prompt_ids] * n, samples_of(params, n), head, chunk,
-                                  req.stream_options, role)
+        return await open_stream(request, front, [prompt_ids] * n, samples_of(params, n), head, chunk,
+                                 _usage_asked(req), role)
 
     outs = await until_disconnect(request, run_all(front, [prompt_ids] * n, samples_of(params, n)))
     for out, g in zip(outputs, outs):
@@ -234,83 +168,33 @@ async def chat_completions(request: Request) -> Response:
     return json_response({**head, "choices": choices, "usage": usage(outs)})
 
 
-# ---- streaming ----------------------------------------------------------------------------------------
-class _Choice:
-    """Per-prompt bookkeeping of a stream, for usage and metrics."""
-    __slots__ = ("cached_len", "done", "num_output", "prompt_len", "timer")
-
-    def __init__(self, timer: ReqTimer, prompt_len: int):
-        self.timer, self.prompt_len, self.num_output, self.cached_len, self.done = timer, prompt_len, 0, 0, False
-
-
-async def _open_stream(request: Request, front: Front, prompts: list[list[int]], params: list[SamplingParams],
-                       head: dict, chunk: Callable[[int, ReqDelta], dict | None],
-                       stream_options: StreamOptions | None, role_choice: dict | None) -> Response:
-    """Start the requests (the first delta is awaited, front_streams.start_stream), then stream SSE."""
-    timers, items, first = await start_stream(request, front, prompts, params)
-    choices = [_Choice(timer, len(ids)) for timer, ids in zip(timers, prompts)]
-    include_usage = bool(stream_options and stream_options.include_usage)
-    return EventStream(_sse(first, items, choices, head, chunk, include_usage, role_choice))
-
-
-async def _sse(first: Item, items: AsyncIterator[Item], choices: list[_Choice],
-               head: dict, chunk: Callable[[int, ReqDelta], dict | None], include_usage: bool,
-               role_choice: dict | None) -> AsyncIterator[bytes]:
-    # Every chunk is `head` plus one choice: serialize the head once, splice each choice in.
-    prefix = b"data: " + dumps(head)[:-1] + b',"choices":['
-    suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
-    item: Item | None = first
-
-    def usage_chunk() -> bytes:
-        usage = usage_dict(sum(c.prompt_len for c in choices), sum(c.num_output for c in choices),
-                            sum(c.cached_len for c in choices))
-        return b"data: " + dumps({**head, "choices": [], "usage": usage}) + b"\n\n"
-
-    try:
-        if role_choice is not None:
-            yield prefix + dumps(role_choice) + suffix
-        while item is not None:
-            i, delta = item
-            c = choices[i]
-            if delta.token_ids:
-                c.timer.on_tokens(len(delta.token_ids))
-            c.num_output, c.cached_len = delta.num_output, delta.cached_len
-            if delta.finish != FinishReason.NONE:
-                c.done = True
-                c.timer.on_finish(delta.finish.api_name())
-            body = chunk(i, delta)
-            if body is not None:
-                yield prefix + dumps(body) + suffix
-            item = await anext(items, None)
-        if include_usage:
-            yield usage_chunk()
-    except ShuttingDown:
-        # The drain's grace period ended: each unfinished choice ends like any finished one, with
-        # finish_reason "abort", so a client can tell the cut answer from a complete one.
-        for i, c in enumerate(choices):
-            if not c.done:
-                c.done = True
-                c.timer.on_finish("abort")
-                abort = ReqDelta(-1, -1, "", [], [], [], c.num_output, FinishReason.ABORT, c.cached_len)
-                yield prefix + dumps(chunk(i, abort)) + suffix
-        if include_usage:
-            yield usage_chunk()
-    except (RequestTimeout, EngineDead) as exc:
-        _finish_open(choices, "error")
-        code, kind = ("timeout", "timeout") if isinstance(exc, RequestTimeout) else ("engine_dead", "server_error")
-        yield b"data: " + dumps({"error": {"message": str(exc), "type": kind, "param": None, "code": code}}) + b"\n\n"
-    except Exception:
-        logger.exception("stream failed")
-        _finish_open(choices, "error")
-        yield b"data: " + dumps({"error": {"message": "internal server error", "type": "server_error",
-                                           "param": None, "code": "internal_error"}}) + b"\n\n"
-    finally:
-        _finish_open(choices, "disconnect")
-        await items.aclose()
-    yield _DONE
-
-
 # ---- helpers ------------------------------------------------------------------------------------------
+async def _open_request(request: Request, model: type[_R]) -> tuple[Front, _R, int]:
+    """What both routes open with: the body as `model`, its model name and n checked. Returns (front, req, n)."""
+    front = get_front(request)
+    req = parse_model(model, await read_json(request))
+    check_model(front, req.model)
+    return front, req, check_n(front, req.n, "n")
+
+
+def _head(front: Front, id_prefix: str, kind: str) -> dict:
+    """The fields every response and chunk of one request starts with."""
+    return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
+            "model": front.model_name}
+
+
+def _completion_params(front: Front, req: CompletionRequest, max_tokens: int, grammar: tuple[GrammarKind, str],
+                       rank_samples: bool) -> SamplingParams:
+    """The params every prompt of a completion request starts from. Echo with logprobs asks for the prompt's."""
+    prompt_k = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_k = max(prompt_k or 0, req.logprobs)
+    # best_of ranks its samples by their logprobs (rank_samples), so they count as reported.
+    params = _params(front, req, max_tokens, req.logprobs or 0, grammar,
+                     report_logprobs=req.logprobs is not None or rank_samples)
+    return dataclasses.replace(params, prompt_logprobs=prompt_k)
+
+
 async def _completion_prompts(front: Front, prompt: Any) -> list[list[int]]:
     if isinstance(prompt, str):
         return [await encode_text(front, prompt, "prompt")]
@@ -370,9 +254,5 @@ def _refuse(value: Any, param: str) -> None:
         raise ApiError(400, f"{param} is not supported yet", param)
 
 
-def _finish_open(choices: list[_Choice], reason: str) -> None:
-    for c in choices:
-        if not c.done:
-            c.done = True
-            c.timer.on_finish(reason)
-
+def _usage_asked(req: _SamplingRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)

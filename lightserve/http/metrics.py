@@ -11,14 +11,14 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lightserve.shm.req_pool import SPEC_POSITIONS
 
 if TYPE_CHECKING:
-    from lightserve.engine_client import EngineClient
+    from lightserve.engine.client import EngineClient
 
 PREFIX = "lightserve_"
 VLLM = "vllm:"
@@ -55,10 +55,17 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 class FrontMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, engine: EngineClient, model_name: str = ""):
+    def __init__(self, engine: EngineClient, model_name: str = "", kv_cache_dtype: str = "",
+                 kv_bytes_per_token: int = 0):
+        """kv_cache_dtype / kv_bytes_per_token: the workers' KV cache format and its bytes a token on one rank
+        (exported once, as vLLM's cache_config_info labels its cache_dtype)."""
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         r = self.registry
+        Gauge(PREFIX + "kv_bytes_per_token", "KV cache bytes one token takes on a worker rank, over all layers",
+              registry=r).set(kv_bytes_per_token)
+        Gauge(VLLM + "cache_config_info", "The KV cache's settings", ["model_name", "cache_dtype"],
+              registry=r).labels(model_name, kv_cache_dtype).set(1)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to the first output token",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens",

@@ -1,14 +1,14 @@
 """Reasoning parsers: split a reasoning model's output into `reasoning_content` and `content`.
 
 Chosen once by `--reasoning_parser` from `REASONING_PARSERS`; one instance per generated choice,
-fed incrementally like the tool parsers (lightserve/tool_parsers.py), so a stream never shows a
+fed incrementally like the tool parsers (lightserve/chat/tool_parsers.py), so a stream never shows a
 partial `<think>` tag and the streamed pieces concatenate to the non-streamed message.
 """
 from __future__ import annotations
 
 from typing import ClassVar
 
-from lightserve.tool_parsers import partial_suffix
+from lightserve.chat.tool_call import partial_suffix
 
 
 class ThinkParser:

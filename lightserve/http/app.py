@@ -3,7 +3,7 @@ count (middleware), error rendering, and the utility routes (metrics, models, to
 
 The launcher calls `create_app`. Each route module (ROUTE_MODULES) has an `ApiRouter` that declares
 its routes' error shape and whether they are generation routes, so adding an endpoint is its route
-module plus one line here. Route modules import only front.py / front_streams.py, never this module.
+module plus one line here. Route modules import only front.py / streams.py, never this module.
 """
 from __future__ import annotations
 
@@ -21,15 +21,11 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from lightserve import anthropic_api, lightllm_api, openai_api, ops_api, responses_api, vllm_api
-from lightserve.drain import Drain
-from lightserve.engine_client import (
-    EngineDead,
-    EngineOverloaded,
-    RequestTimeout,
-    ShuttingDown,
-)
-from lightserve.front import (
+from lightserve.chat.tool_parsers import choose_tool_parser
+from lightserve.engine.generation import EngineDead, EngineOverloaded, RequestTimeout, ShuttingDown
+from lightserve.http import anthropic_api, lightllm_api, openai_api, ops_api, responses_api, vllm_api
+from lightserve.http.drain import Drain
+from lightserve.http.front import (
     ApiError,
     ApiRouter,
     ClientGone,
@@ -42,14 +38,13 @@ from lightserve.front import (
     json_response,
     read_json,
 )
+from lightserve.http.metrics import FrontMetrics
 from lightserve.log import get_logger
-from lightserve.metrics import FrontMetrics
 from lightserve.sampling import ParamError
-from lightserve.tool_parsers import choose_tool_parser
 
 if TYPE_CHECKING:
     from lightserve.config import ServerConfig
-    from lightserve.engine_client import EngineClient
+    from lightserve.engine.client import EngineClient
 
 logger = get_logger(__name__)
 
@@ -79,7 +74,7 @@ class RouteTable:
 def create_app(config: ServerConfig, engine: EngineClient, tokenizer: Any, model_name: str,
                health: Callable[[], str | None], model_dir: str = "",
                sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
-    metrics = FrontMetrics(engine, model_name)
+    metrics = FrontMetrics(engine, model_name, config.kv_cache_dtype.value, config.kv_bytes_per_token or 0)
     vocab = tokenizer.get_vocab()
     # Byte-level BPE and SentencePiece vocab strings are at least as long as the text they decode to.
     max_token_chars = max((len(t) for t in vocab), default=1)

@@ -11,22 +11,13 @@ import multiprocessing as mp
 import os
 import re
 import signal
-import socket
 import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from lightserve import envs
-from lightserve.config import (
-    DEFAULT_MAX_REQ_TOTAL_LEN,
-    SHM_PREFIX,
-    Device,
-    DType,
-    KernelBackend,
-    KVCacheDType,
-    ServerConfig,
-)
+from lightserve.config import SHM_PREFIX, ServerConfig
+from lightserve.engine.host_tuning import worker_env
 from lightserve.log import get_logger
 from lightserve.procutil import remove_instance_files
 from lightserve.shm.req_pool import ReqPool
@@ -35,17 +26,6 @@ from lightserve.shm.segment import SHM_DIR, remove_stale_segments
 logger = get_logger(__name__)
 
 STOP_GRACE_S = 5.0
-# On CPU a prompt token costs ~2.5 ms of one step (SmolLM2-135M, 2 cores), and 512-row GEMMs already run
-# at the kernel's full rate: a bigger budget buys no throughput, only longer steps, during which every
-# running request's next token and every later prompt's first token wait (a 2,048-token step is ~5 s).
-CPU_BATCH_MAX_TOKENS = 512
-GPU_BATCH_MAX_TOKENS = 8192
-# On CPU a step's time grows with every prompt token (its rows of every GEMM, its attention over the prefix), so a
-# step that gathers ten 48-token prompts takes as long as one 480-token prompt, and every prompt arriving
-# meanwhile waits for all of it. Past 128 prompt tokens a step takes in no further prompt: short prompts
-# arriving apart start within a short step (W3's TTFT p50 fell to 0.46-0.60 of the old figure on Zen 4,
-# docs/benchmarks.md), while a long prompt still fills the step alone.
-CPU_PREFILL_JOIN_TOKENS = 128
 # The launcher's log line for each child it starts (EngineProcs._spawn): /proc/<pid>/cmdline shows only the
 # multiprocessing spawn command, so operators, the fault tests and scripts/bench_server.py map roles to pids by it.
 CHILD_LOG_LINE = "started %s pid %d"
@@ -69,62 +49,6 @@ class Child:
     conn: Connection
 
 
-def resolve_config(config: ServerConfig) -> ServerConfig:
-    """Fill in the defaults that need the machine or the model: the model folder, its facts (config.json,
-    read here once for every process), device, dtype, batch sizes, ports. Raises StartError naming what
-    cannot be served."""
-    import torch
-
-    from lightserve.kernels.cpu import cpu_has_native_bf16
-    from lightserve.model_infer.models import check_tp, read_model_config
-
-    if config.model_dir is None:
-        from lightserve.model_prep import ensure_default_model
-        model_dir = str(ensure_default_model())
-    else:
-        model_dir = str(Path(config.model_dir).expanduser())
-        if not (Path(model_dir) / "config.json").is_file():
-            raise StartError(f"--model_dir {model_dir}: no config.json there (expected a Hugging Face model folder)")
-    try:
-        model_config = read_model_config(model_dir)
-    except (ValueError, KeyError) as exc:
-        raise StartError(f"--model_dir {model_dir}: {exc}") from None
-    device = config.device
-    if device is Device.AUTO:
-        device = Device.CUDA if torch.cuda.is_available() else Device.CPU
-    if device is Device.CUDA and not torch.cuda.is_available():
-        raise StartError("--device cuda: no CUDA device is available")
-    backend = config.kernel_backend
-    if backend is KernelBackend.AUTO:
-        backend = KernelBackend.TRITON if device is Device.CUDA else KernelBackend.CPU
-    if backend is KernelBackend.CPU and device is Device.CUDA:
-        raise StartError("--kernel_backend cpu: the C kernels run on CPU only; use triton (or auto) with --device cuda")
-    dtype = config.data_type
-    if dtype is DType.AUTO:
-        dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
-    kv_dtype = config.kv_cache_dtype
-    if kv_dtype is KVCacheDType.AUTO:
-        kv_dtype = KVCacheDType(dtype.value)
-    batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
-    join = config.prefill_join_tokens or (batch_max if device is Device.CUDA else CPU_PREFILL_JOIN_TOKENS)
-    max_len = min(config.max_req_total_len or DEFAULT_MAX_REQ_TOTAL_LEN, model_config.max_context_len)
-    nccl_port = config.nccl_port
-    if config.tp > 1 and nccl_port == 0:
-        if config.nnodes > 1:
-            raise StartError("--nccl_port must be given when --nnodes > 1 (every node must use the same one)")
-        nccl_port = _free_port_block(config.tp + 1)
-    try:  # the model family's rules, before any rank starts (and hangs its peers)
-        check_tp(model_config, config.tp)
-    except ValueError as exc:
-        raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
-    return replace(config, model_dir=model_dir, model=model_config, device=device, kernel_backend=backend,
-                   data_type=dtype, kv_cache_dtype=kv_dtype,
-                   batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
-                   prefill_join_tokens=join,
-                   max_req_total_len=max_len, nccl_port=nccl_port,
-                   served_model_name=config.served_model_name or (Path(model_dir).name,))
-
-
 def check_shm_room(needed: int, shm_dir: Path = SHM_DIR) -> None:
     """Refuse a request pool larger than the free space of shm_dir. The segment is sparse, so creating it
     succeeds anyway; the first write past the space left would kill the writer with SIGBUS mid-serving."""
@@ -134,52 +58,6 @@ def check_shm_room(needed: int, shm_dir: Path = SHM_DIR) -> None:
         raise StartError(f"the request pool needs {needed / 2**20:.0f} MiB of {shm_dir} but {free / 2**20:.0f} MiB "
                          "are free: lower --req_pool_size, --max_req_total_len or --max_top_logprobs, or enlarge "
                          f"{shm_dir} (docker: --shm-size)")
-
-
-TCMALLOC_PATHS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                  "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-                  "/usr/lib64/libtcmalloc_minimal.so.4")
-
-
-def preload_tcmalloc() -> str | None:
-    """Make spawned children load tcmalloc (LD_PRELOAD is read at exec). With glibc malloc, torch's
-    large per-op temporaries on CPU are mmapped and unmapped on every call: ~1,700 page faults for
-    one rmsnorm over 1,024 tokens, 10x slower than with tcmalloc, which keeps them cached."""
-    if envs.no_tcmalloc():
-        return None
-    path = next((p for p in TCMALLOC_PATHS if Path(p).exists()), None)
-    if path is None:
-        logger.info("tcmalloc not found (Debian: libtcmalloc-minimal4); CPU workers use glibc malloc")
-        return None
-    current = os.environ.get("LD_PRELOAD", "")
-    if path not in current.split(":"):
-        os.environ["LD_PRELOAD"] = f"{path}:{current}" if current else path
-    return path
-
-
-# Rounds an idle OpenMP thread spins before it sleeps (GOMP_SPINCOUNT), in CPU workers: at most 0.3 ms on a Zen 5.
-# libgomp's default, 300,000 rounds (4.2-4.5 ms there), outlasts the gap between two decode steps, so the worker's
-# second thread spun through all of it; the router, detokenizer and HTTP front that the step's messages wake then
-# preempted the worker's main thread, not the spinner. Zen 5, 2 vCPUs, batch-1 float32 decode: the output writer
-# (sampling, shm writes, two zmq sends) took 1.0-1.2 ms a step with the default, 0.56 with this, and a step's time
-# outside the forward fell from 1.42-1.44 to 1.06-1.13 ms. W1 throughput, alternated runs, did not move, so the
-# regions within a forward still find their threads awake.
-OMP_SPIN_ROUNDS = "10000"
-# What preload_tcmalloc, bound_omp_spin and interpret_triton set for the worker ranks, restored once they are spawned.
-WORKER_ENV = ("LD_PRELOAD", "GOMP_SPINCOUNT", "TRITON_INTERPRET")
-
-
-def bound_omp_spin() -> None:
-    """Make spawned CPU workers' OpenMP threads sleep soon after a parallel region (OMP_SPIN_ROUNDS); libgomp reads
-    GOMP_SPINCOUNT when it loads. A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY stays in charge."""
-    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_ROUNDS
-
-
-def interpret_triton() -> None:
-    """Make spawned workers run Triton kernels in Triton's interpreter (--kernel_backend triton on CPU): triton.jit
-    reads TRITON_INTERPRET when a kernel is defined, at the worker's first import of lightserve.kernels."""
-    os.environ["TRITON_INTERPRET"] = "1"
 
 
 class EngineProcs:
@@ -214,19 +92,10 @@ class EngineProcs:
                                                   config.max_top_logprobs))
                 self.pool = ReqPool.create(config.shm_name, config.req_pool_size, config.max_req_total_len,
                                             config.max_top_logprobs)
-            saved_env = {name: os.environ.get(name) for name in WORKER_ENV}
-            try:
-                if config.device is Device.CPU:
-                    preload_tcmalloc()
-                    bound_omp_spin()
-                    if config.kernel_backend is KernelBackend.TRITON:
-                        interpret_triton()
+            with worker_env(config):
                 first = config.node_rank * config.ranks_per_node
                 workers = [self._spawn(f"worker-tp{rank}", run_worker, config, rank)
                            for rank in range(first, first + config.ranks_per_node)]
-            finally:
-                for name, value in saved_env.items():  # the caller's own environment stays as it was
-                    _restore_env(name, value)
             # The detokenizer needs nothing from the workers: it loads its tokenizer while they load
             # the model (start-up time is mostly imports, and they overlap).
             detok = [self._spawn("detokenizer", run_detokenizer, config)] \
@@ -235,7 +104,7 @@ class EngineProcs:
             if not config.is_master_node:
                 return config
             self.kv_size = min(info["kv_size"] for info in infos)
-            config = replace(config, kv_size=self.kv_size,
+            config = replace(config, kv_size=self.kv_size, kv_bytes_per_token=infos[0]["kv_bytes_per_token"],
                              max_req_total_len=min(config.max_req_total_len, self.kv_size))
             self.config = config
             self._wait_ready([self._spawn("router", run_router, config), *detok])
@@ -309,34 +178,6 @@ class EngineProcs:
         remove_instance_files(self.config)  # the pool segment and the zmq ipc socket files
 
 
-def _restore_env(name: str, value: str | None) -> None:
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
 def _runtime_dir() -> str:
     import tempfile
     return tempfile.gettempdir()
-
-
-def _free_port_block(n: int) -> int:
-    """A port p such that p .. p+n-1 look free (the TP rendezvous and the plan sockets)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base + 1, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise StartError("no free block of ports for the tensor-parallel group")

@@ -13,15 +13,14 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Send
 
-from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
-from lightserve.front import ClientGone, Front, dumps
-from lightserve.generation import Generation, gather_all
+from lightserve.engine.generation import EngineDead, Generation, RequestTimeout, ShuttingDown, gather_all
+from lightserve.http.front import ClientGone, Front, dumps
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from lightserve.metrics import ReqTimer
+    from lightserve.http.metrics import ReqTimer
 
 logger = get_logger(__name__)
 

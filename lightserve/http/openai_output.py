@@ -1,10 +1,14 @@
 """The pieces of OpenAI's response bodies that need more than a field: logprobs in the completions
-and chat shapes, the echoed prompt, vLLM's prompt_logprobs, and usage. Called by openai_api.py.
+and chat shapes, the echoed prompt, vLLM's prompt_logprobs, usage, and a completion's choices (whole and
+as stream chunks). Called by openai_api.py and openai_stream.py.
 """
 from __future__ import annotations
 
-from lightserve.front import Front, token_text
-from lightserve.generation import Generation
+from collections.abc import Callable
+
+from lightserve.engine.generation import Generation
+from lightserve.http.front import Front, token_text
+from lightserve.messages import ReqDelta
 
 
 def completion_logprobs(front: Front, texts: list[str], logprobs: list[float],
@@ -72,3 +76,46 @@ def usage(outs: list[Generation]) -> dict:
 def usage_dict(prompt: int, completion: int, cached: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def completion_chunks(front: Front, prompts: list[list[int]], echo: bool, logprobs_k: int | None,
+                      prompt_logprobs_k: int | None) -> Callable[[int, ReqDelta], dict | None]:
+    """A completion stream's chunk of choice i for each delta (None: nothing to send); the first one echoes
+    the prompt. `logprobs_k`, `prompt_logprobs_k`: the request's `logprobs`, `prompt_logprobs`."""
+    want_logprobs = logprobs_k is not None
+    offsets = [0] * len(prompts)
+    echoed = [not echo] * len(prompts)
+
+    def chunk(i: int, delta: ReqDelta) -> dict | None:
+        text, logprobs = delta.text, None
+        if want_logprobs:
+            logprobs, offsets[i] = completion_logprobs(front, delta.token_texts, delta.logprobs,
+                                                        delta.top_logprobs, offsets[i])
+        if not echoed[i]:
+            echoed[i] = True
+            text, logprobs, offsets[i] = with_echo(front, prompts[i], delta.prompt_logprobs,
+                                                    delta.prompt_top_logprobs, text, logprobs, want_logprobs)
+        if not text and not delta.finish and not (want_logprobs and delta.token_ids):
+            return None
+        body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": delta.finish.api_name()}
+        if delta.prompt_logprobs is not None and prompt_logprobs_k is not None:
+            body["prompt_logprobs"] = vllm_prompt_logprobs(front, prompts[i], delta.prompt_logprobs,
+                                                            delta.prompt_top_logprobs)
+        return body
+
+    return chunk
+
+
+def completion_choice(front: Front, i: int, prompt_ids: list[int], g: Generation, echo: bool, logprobs_k: int | None,
+                      prompt_logprobs_k: int | None) -> dict:
+    """Choice i of a completion response, as completion_chunks' arguments say."""
+    want_logprobs = logprobs_k is not None
+    text = g.text
+    logprobs = completion_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs, 0)[0] if want_logprobs else None
+    if echo:
+        text, logprobs, _ = with_echo(front, prompt_ids, g.prompt_logprobs, g.prompt_top_logprobs, text, logprobs,
+                                       want_logprobs)
+    choice = {"index": i, "text": text, "finish_reason": g.finish.api_name(), "logprobs": logprobs}
+    if prompt_logprobs_k is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(front, prompt_ids, g.prompt_logprobs, g.prompt_top_logprobs)
+    return choice

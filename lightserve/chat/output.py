@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from lightserve.reasoning_parsers import REASONING_PARSERS
+from lightserve.chat.reasoning_parsers import REASONING_PARSERS
+from lightserve.chat.tool_call import Parsed, ToolParser
+from lightserve.chat.tool_parsers import TOOL_PARSERS, ForcedCallParser
 from lightserve.sampling import ParamError
-from lightserve.tool_parsers import TOOL_PARSERS, ForcedCallParser, Parsed, ToolParser
 
 
 class ToolMode(Enum):

@@ -19,39 +19,15 @@ import zmq
 import zmq.asyncio
 
 from lightserve.config import ServerConfig
+from lightserve.engine.generation import EngineDead, EngineOverloaded, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
-from lightserve.messages import (
-    AbortReq,
-    AddReq,
-    DeltaBatch,
-    FinishReason,
-    ReqDelta,
-    decode,
-    encode,
-)
+from lightserve.messages import AbortReq, AddReq, DeltaBatch, FinishReason, ReqDelta, decode, encode
 from lightserve.sampling import ParamError, SamplingParams
 from lightserve.shm.req_pool import Owner, ReqPool
 
 logger = get_logger(__name__)
 
 SLOT_RECHECK_S = 0.01  # a waiter re-checks the pool this often: router releases arrive without a message
-
-
-class EngineOverloaded(Exception):
-    """The request pool and its waiting queue are full (HTTP 503 with Retry-After)."""
-
-
-class EngineDead(Exception):
-    """An engine process died; no request can complete (HTTP 503)."""
-
-
-class RequestTimeout(Exception):
-    """The request ran past --request_timeout_s and was aborted."""
-
-
-class ShuttingDown(Exception):
-    """The server is shutting down: a new request is refused, or one still running at the end of the
-    drain's grace period is aborted (HTTP 503 with Retry-After; in a stream, a last "abort" chunk)."""
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The Anthropic Messages API's request side, in chat terms: `system` + `messages` (text, tool_use,
 tool_result and thinking blocks) -> chat messages, `tools` / `tool_choice` -> the chat forms that
-chat_output.plan_tools reads, `thinking` and `output_config`. Used by lightserve/anthropic_api.py.
+chat.output.plan_tools reads, `thinking` and `output_config`. Used by lightserve/http/anthropic_api.py.
 Raises ParamError naming the field.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ _OUTPUT_CONFIG = ("format", "effort")  # effort: accepted; the model thinks as i
 
 
 def chat_messages(system: Any, messages: Any) -> list[dict]:
-    """`system` and `messages` as chat messages, normalized as chat_messages.normalize_messages makes
+    """`system` and `messages` as chat messages, normalized as chat.messages.normalize_messages makes
     them (content strings, tool_calls arguments as objects). A user turn's tool_result blocks become
     tool messages (in block order, its text between them user messages); an assistant turn's text and
     tool_use blocks one assistant message with tool_calls; thinking blocks are dropped, since chat

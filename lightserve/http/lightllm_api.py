@@ -12,9 +12,8 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_schema import SamplingFields, StrictModel
-from lightserve.engine_client import EngineDead, RequestTimeout, ShuttingDown
-from lightserve.front import (
+from lightserve.engine.generation import EngineDead, RequestTimeout, ShuttingDown
+from lightserve.http.front import (
     ApiError,
     ApiRouter,
     ErrorStyle,
@@ -34,7 +33,9 @@ from lightserve.front import (
     stop_list,
     token_text,
 )
-from lightserve.front_streams import (
+from lightserve.http.metrics import ReqTimer
+from lightserve.http.schema import SamplingFields, StrictModel
+from lightserve.http.streams import (
     EventStream,
     Item,
     generate_one,
@@ -44,7 +45,6 @@ from lightserve.front_streams import (
 )
 from lightserve.log import get_logger
 from lightserve.messages import FinishReason, ReqDelta
-from lightserve.metrics import ReqTimer
 from lightserve.sampling import SamplingParams
 
 logger = get_logger(__name__)

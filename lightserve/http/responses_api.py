@@ -15,10 +15,9 @@ from typing import Any
 from fastapi import Request
 from starlette.responses import Response
 
-from lightserve.api_schema import StrictModel
-from lightserve.chat_messages import normalize_message
-from lightserve.chat_output import ChatOutput, ToolPlan
-from lightserve.front import (
+from lightserve.chat.messages import normalize_message
+from lightserve.chat.output import ChatOutput, ToolPlan
+from lightserve.http.front import (
     ApiError,
     ApiRouter,
     Front,
@@ -31,7 +30,15 @@ from lightserve.front import (
     read_json,
     request_params,
 )
-from lightserve.front_streams import (
+from lightserve.http.responses_input import (
+    ResponseStore,
+    chat_tool_choice,
+    chat_tools,
+    input_messages,
+    text_format,
+)
+from lightserve.http.schema import StrictModel
+from lightserve.http.streams import (
     EventStream,
     generate_one,
     relay,
@@ -40,13 +47,6 @@ from lightserve.front_streams import (
     until_disconnect,
 )
 from lightserve.messages import FinishReason, ReqDelta
-from lightserve.responses_input import (
-    ResponseStore,
-    chat_tool_choice,
-    chat_tools,
-    input_messages,
-    text_format,
-)
 
 router = ApiRouter(generation=True)
 

@@ -18,10 +18,17 @@ from torch import Tensor
 
 from lightserve.config import KernelBackend
 from lightserve.kernels.backend import runs_triton
-from lightserve.kernels.kv_store import KV_KIND, KVScale, c_scale_args, gather_kv
+from lightserve.kernels.kv_store import (
+    KV_KIND,
+    QUANT_KV_DTYPES,
+    KVScale,
+    c_kv_layout,
+    c_scale_args,
+    gather_kv,
+    triton_kv_args,
+)
 from lightserve.kernels.prefill_attention import (
     attention_scores,
-    c_kv_layout,
     dot_precision,
     fits_in_smem,
     load_kv_tile,
@@ -81,14 +88,14 @@ def decode_attention_ref(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, scale_stride, k_scale, v_scale, mid_o_ptr, mid_lse_ptr,
     req_to_token_ptr, req_rows_ptr, seq_lens_ptr,
     qk_scale, window, softcap_scale, softcap_out,
     q_stride_b, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, r2t_stride,
     num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     # int64 program ids: every offset below is computed in 64 bits.
     req = tl.program_id(0).to(tl.int64)
@@ -119,7 +126,8 @@ def _decode_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head,
-                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask)
+                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr,
+                            v_scales_ptr, scale_stride, k_scale, v_scale, KV_QUANT, q_ptr.dtype.element_ty)
         qk = attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION, USE_SOFTCAP)  # [BLOCK_G, BLOCK_N]
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # Every tile in the loop has a valid key, so the running max is finite.
@@ -171,19 +179,20 @@ def decode_attention_triton(
     num_kv_heads = k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
-    assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype in (q.dtype, *QUANT_KV_DTYPES), (q.dtype, k_cache.dtype, v_cache.dtype)
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
     assert head_dim % 8 == 0, head_dim  # 16-byte rows; any such head_dim is padded to BLOCK_D below
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype
     for meta in (req_rows, seq_lens):
         assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)
+    cache_args, kv_quant = triton_kv_args(k_cache, v_cache, k_scale, v_scale)  # fp8 as uint8 views
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     group = num_heads // num_kv_heads
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot needs at least 16 rows
-    default_n, num_stages = decode_blocks(head_dim, group, q.element_size())
+    default_n, num_stages = decode_blocks(head_dim, group, q.element_size(), k_cache.element_size())
     block_n = block_n or default_n
     if num_splits is None:
         keys = min(max_seq_len, window) if window > 0 else max_seq_len
@@ -193,12 +202,12 @@ def decode_attention_triton(
     mid_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E, window,
+        q, *cache_args, mid_o, mid_lse, req_to_token, req_rows, seq_lens, sm_scale * _LOG2E, window,
         *softcap_args(sm_scale, softcap), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0), num_heads,
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        PRECISION=dot_precision(q.dtype), USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0, num_warps=4,
-        num_stages=num_stages,
+        PRECISION=dot_precision(q.dtype), USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0, KV_QUANT=kv_quant,
+        num_warps=4, num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), num_heads,
@@ -230,13 +239,15 @@ def decode_attention_cpu(
     sm_scale: float, lib=None, window: int = 0, softcap: float = 0.0, k_scale: KVScale = None,
     v_scale: KVScale = None,
 ) -> Tensor | None:
-    """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather.
-    None when it cannot run here (no compiler, an unsupported dtype or shape): use the reference.
+    """The C kernel (kernels/cpu/decode_attention.c): reads each request's K/V rows in place, no gather; an 8-bit
+    cache is dequantized in registers (k_scale / v_scale as kernels/kv_store.py has them).
+    None when it cannot run here (no compiler, an unsupported dtype, shape or scale layout): use the reference.
     `lib`: a loaded kernel library other than the default build (tests of the portable C path)."""
     from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
-    if lib is None or not c_kv_layout(k_cache, v_cache):
+    if lib is None or not c_kv_layout(k_cache, v_cache) or v_cache.dtype != k_cache.dtype \
+            or not _c_scales(k_cache, k_scale, v_scale):
         return None
     batch, num_heads, head_dim = q.shape
     # float32 and bfloat16 q are read in place (a view of qkv); the output comes back in q's dtype.
@@ -269,26 +280,30 @@ def decode_attention_c_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_
             torch.get_num_threads())
 
 
-def decode_blocks(head_dim: int, group: int, elem_size: int) -> tuple[int, int]:
+def decode_blocks(head_dim: int, group: int, elem_size: int, kv_elem_size: int | None = None) -> tuple[int, int]:
     """(BLOCK_N, num_stages) of the split kernel: the longest key tile whose shared memory estimate fits next to
-    the group's query tile (prefill_attention.fits_in_smem). float32 at head_dim 256 gets 32 (64 would need about
-    276 KB)."""
+    the group's query tile (prefill_attention.fits_in_smem; kv_elem_size: the cache's, 1 for 8 bits, defaults to q's
+    elem_size). float32 at head_dim 256 gets 32 (64 would need about 276 KB)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(16, triton.next_power_of_2(group))
     num_stages = 2
-    block_n = next((n for n in (64, 32) if fits_in_smem(block_g, n, block_d, num_stages, elem_size)), 16)
+    block_n = next((n for n in (64, 32) if fits_in_smem(block_g, n, block_d, num_stages, elem_size,
+                                                         kv_elem_size=kv_elem_size)), 16)
     return block_n, num_stages
 
 
 def warm_up_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, req_to_token: Tensor, req_rows: Tensor,
-                             seq_lens: Tensor, variants: set[tuple[int, float]] = frozenset({(0, 0.0)})) -> None:
+                             seq_lens: Tensor, variants: set[tuple[int, float]] = frozenset({(0, 0.0)}),
+                             k_scale: KVScale = None, v_scale: KVScale = None) -> None:
     """Compile both kernels for every split count an eager step can pick, with the model's q/K/V shapes
-    and dtype (q [B, Hq, D]; the other arguments as decode_attention's), once per (window, softcap) the
-    model's layers use (each on/off combination is its own compile). The outputs are discarded."""
+    and dtype (q [B, Hq, D]; the other arguments, an 8-bit cache's scales included, as decode_attention's), once per
+    (window, softcap) the model's layers use (each on/off combination is its own compile). The outputs are
+    discarded."""
     for window, softcap in variants:
         for num_splits in SPLIT_BUCKETS:
             decode_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, seq_lens,
-                                    int(req_to_token.shape[1]), 1.0, window, softcap, num_splits=num_splits)
+                                    int(req_to_token.shape[1]), 1.0, window, softcap, num_splits=num_splits,
+                                    k_scale=k_scale, v_scale=v_scale)
 
 
 def _default_num_splits(device: torch.device, num_programs: int, num_tiles: int) -> int:
@@ -303,3 +318,14 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter in tests: any small number works
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _c_scales(k_cache: Tensor, k_scale: KVScale, v_scale: KVScale) -> bool:
+    """Whether the scales are what the C kernel reads for k_cache's format: int8's [rows, Hk] float32 contiguous
+    tensors, fp8's Python floats, nothing for a float cache."""
+    if k_cache.dtype == torch.int8:
+        return all(isinstance(s, Tensor) and s.dtype == torch.float32 and s.is_contiguous()
+                   and s.shape == k_cache.shape[:2] for s in (k_scale, v_scale))
+    if k_cache.dtype in QUANT_KV_DTYPES:
+        return isinstance(k_scale, float) and isinstance(v_scale, float)
+    return True

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightserve.kernels.kv_store import KV_KIND, QUANT_KV_DTYPES, KVScale, c_kv_layout, c_scale_args
 from lightserve.kernels.linear import PAIR_MAX_M, PackedLinear, PrepackedLinear
-from lightserve.kernels.prefill_attention import c_kv_layout
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -27,7 +27,8 @@ class LayerArgs(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_attn_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _P),
                 ("qkv_bias", _P), ("o_proj", _P), ("o_bias", _P), ("gate_up", _P), ("down", _P), ("qkv_f", _P),
                 ("qkv_bias_f", _P), ("o_proj_f", _P), ("o_bias_f", _P), ("gate_up_f", _P), ("down_f", _P),
-                ("k_cache", _P), ("v_cache", _P), ("cos_sin", _P), ("cos_sin_row", _I64), ("window", _I32)]
+                ("k_cache", _P), ("v_cache", _P), ("cos_sin", _P), ("cos_sin_row", _I64), ("window", _I32),
+                ("k_scales", _P), ("v_scales", _P), ("k_scale", _F32), ("v_scale", _F32)]
 
 
 class ModelDims(ctypes.Structure):
@@ -36,7 +37,7 @@ class ModelDims(ctypes.Structure):
     _fields_ = [("num_layers", _I32), ("hidden", _I32), ("num_heads", _I32), ("num_kv_heads", _I32),
                 ("head_dim", _I32), ("inter", _I32), ("bf16", _I32), ("widened", _I32), ("eps", _F32),
                 ("sm_scale", _F32), ("softcap", _F32), ("kv_rows", _I64), ("kc_row", _I64), ("vc_row", _I64),
-                ("kc_head", _I64), ("vc_head", _I64)]
+                ("kc_head", _I64), ("vc_head", _I64), ("kv_kind", _I32)]
 
 
 class StepArgs(ctypes.Structure):
@@ -154,10 +155,12 @@ class CpuDecoderLayers:
 
     def run(self, residual: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], req_to_token: Tensor,
             positions: Tensor, kv_locs: Tensor, num_decode: int, decode_rows: Tensor, decode_lens: Tensor,
-            extend_rows: Tensor, extend_q_start: Tensor, extend_prefix_lens: Tensor, extend_lens: Tensor) -> Tensor:
+            extend_rows: Tensor, extend_q_start: Tensor, extend_prefix_lens: Tensor, extend_lens: Tensor,
+            k_scales: list[KVScale] | None = None, v_scales: list[KVScale] | None = None) -> Tensor:
         """residual [T, H]: the embeddings, updated in place into the residual stream; returns the last layer's MLP
         output [T, H] (the model's final add + RMSNorm takes both). Token order and attention metadata as the
-        model's AttentionInputs: decode tokens first; extend q starts count from the first prefill token."""
+        model's AttentionInputs: decode tokens first; extend q starts count from the first prefill token.
+        k_scales / v_scales: an 8-bit cache's scales per layer (KVCache.k_scales; None: a float cache)."""
         from lightserve.kernels.cpu import active_kernel_times, profiled
 
         sh, es = self.shape, residual.element_size()
@@ -166,7 +169,8 @@ class CpuDecoderLayers:
         assert self.takes(tokens), (tokens, self.max_tokens)
         if tokens == 0:
             return torch.empty_like(residual)
-        dims, layer_args = self._bind(k_caches, v_caches)
+        no_scales = [None] * len(k_caches)
+        dims, layer_args = self._bind(k_caches, v_caches, k_scales or no_scales, v_scales or no_scales)
         meta = [_int32(t) for t in (decode_rows, decode_lens, extend_rows, extend_q_start, extend_prefix_lens,
                                     extend_lens)]
         pos = positions if positions.dtype == torch.int64 and positions.is_contiguous() \
@@ -205,36 +209,44 @@ class CpuDecoderLayers:
                     times[label] += sec
         return hidden
 
-    def model_dims(self, kv_rows: int, k_strides: tuple[int, int], v_strides: tuple[int, int]) -> ModelDims:
+    def model_dims(self, kv_rows: int, k_strides: tuple[int, int], v_strides: tuple[int, int],
+                   kv_dtype: torch.dtype | None = None) -> ModelDims:
         """The C side's ModelDims of these layers over a KV cache of kv_rows rows with (row, head) strides
-        k_strides / v_strides (zeros: the shapes alone, as decoder_layers_supported reads them)."""
+        k_strides / v_strides (zeros: the shapes alone, as decoder_layers_supported reads them), stored as kv_dtype
+        (None: the activations' dtype)."""
         sh = self.shape
         return ModelDims(len(self.layers), sh.hidden, sh.num_heads, sh.num_kv_heads, sh.head_dim, sh.inter,
                          int(self.dtype == torch.bfloat16), int(self.widened), sh.eps, sh.sm_scale, sh.softcap,
-                         kv_rows, k_strides[0], v_strides[0], k_strides[1], v_strides[1])
+                         kv_rows, k_strides[0], v_strides[0], k_strides[1], v_strides[1],
+                         KV_KIND[kv_dtype or self.dtype])
 
-    def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor]) -> tuple[ModelDims, ctypes.Array]:
+    def _bind(self, k_caches: list[Tensor], v_caches: list[Tensor], k_scales: list[KVScale],
+              v_scales: list[KVScale]) -> tuple[ModelDims, ctypes.Array]:
         """The dims and layer array for this KV cache: built when the model is first handed its lists of per-layer
         tensors (a KVCache makes them once), then reused."""
         if self._bound is not None and self._bound[0] is k_caches and self._bound[1] is v_caches:
             return self._bound[2], self._bound[3]
         sh = self.shape
         k0 = k_caches[0]
+        float_cache = k0.dtype not in QUANT_KV_DTYPES
         for k, v in zip(k_caches, v_caches, strict=True):
-            if not (c_kv_layout(k, v) and k.dtype == v.dtype == self.dtype and k.shape == v.shape == k0.shape
-                    and k.stride() == k0.stride() and k.shape[1:] == (sh.num_kv_heads, sh.head_dim)):
+            if not (c_kv_layout(k, v) and k.dtype == v.dtype == (self.dtype if float_cache else k0.dtype)
+                    and k.shape == v.shape == k0.shape and k.stride() == k0.stride()
+                    and k.shape[1:] == (sh.num_kv_heads, sh.head_dim)):
                 raise ValueError(f"decoder_layers: a KV cache layer of another layout ({k.shape}, {k.dtype})")
-        assert len(k_caches) == len(self.layers), (len(k_caches), len(self.layers))
+        assert len(k_caches) == len(self.layers) == len(k_scales) == len(v_scales), (len(k_caches), len(self.layers))
         layer_args = (LayerArgs * len(self.layers))(*(
-            _layer_args(layer, biases, k, v)
-            for layer, biases, k, v in zip(self.layers, self.float_biases, k_caches, v_caches, strict=True)))
-        dims = self.model_dims(k0.shape[0], k0.stride()[:2], v_caches[0].stride()[:2])
+            _layer_args(layer, biases, k, v, c_scale_args(ks, vs))
+            for layer, biases, k, v, ks, vs in zip(self.layers, self.float_biases, k_caches, v_caches, k_scales,
+                                                   v_scales, strict=True)))
+        dims = self.model_dims(k0.shape[0], k0.stride()[:2], v_caches[0].stride()[:2], k0.dtype)
         self._bound = (k_caches, v_caches, dims, layer_args)
         return dims, layer_args
 
 
 def _layer_args(layer: DecoderLayer, float_biases: tuple[Tensor | None, Tensor | None], k_cache: Tensor,
-                v_cache: Tensor) -> LayerArgs:
+                v_cache: Tensor, scale_args: tuple) -> LayerArgs:
+    """scale_args: the layer's (k_scales, v_scales, k_scale, v_scale) as kv_store.c_scale_args gives them."""
     def ptr(t: Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
@@ -247,7 +259,7 @@ def _layer_args(layer: DecoderLayer, float_biases: tuple[Tensor | None, Tensor |
                      widened(layer.qkv), ptr(float_biases[0]), widened(layer.o_proj), ptr(float_biases[1]),
                      widened(layer.gate_up), widened(layer.down),
                      k_cache.data_ptr(), v_cache.data_ptr(), layer.cos_sin.data_ptr(), layer.cos_sin.stride(0),
-                     layer.window)
+                     layer.window, *scale_args)
 
 
 def _weight_ptr(w: PackedLinear | PrepackedLinear) -> int:

@@ -16,7 +16,17 @@ from torch import Tensor
 
 from lightserve.config import KernelBackend
 from lightserve.kernels.backend import runs_triton
-from lightserve.kernels.kv_store import KV_KIND, KVScale, c_scale_args, gather_kv
+from lightserve.kernels.kv_store import (
+    KV_KIND,
+    QUANT_KV_DTYPES,
+    KVScale,
+    c_kv_layout,
+    c_scale_args,
+    c_scales_fit,
+    dequantize_tile,
+    gather_kv,
+    triton_kv_args,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -82,14 +92,27 @@ def _softcap_log2(qk, softcap_scale, softcap_out):
 
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head, kc_stride_row,
-                 kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask):
+                 kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr, v_scales_ptr, scale_stride,
+                 k_scale, v_scale, KV_QUANT: tl.constexpr, DTYPE: tl.constexpr):
     # One KV head's K (transposed, [BLOCK_D, BLOCK_N]) and V ([BLOCK_N, BLOCK_D]) at a request's positions offs_n, read
     # through its req_to_token row; masked positions and padding lanes load 0. Shared with the decode kernel.
+    # An 8-bit cache (KV_QUANT, kernels/kv_store.py's triton_kv_args) is dequantized here, in registers, to DTYPE (q's):
+    # int8 with the [BLOCK_N] scales of the tile's rows for this head, fp8 with the per-tensor k_scale / v_scale.
     locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
     k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
     v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
-    return (tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0.0),
-            tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0))
+    k = tl.load(k_ptrs, mask=d_mask[:, None] & n_mask[None, :], other=0)
+    v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0)
+    if KV_QUANT == 1:
+        scale_offs = locs * scale_stride + kv_head  # [BLOCK_N] rows of the [rows, Hk] scales
+        k_row_scales = tl.load(k_scales_ptr + scale_offs, mask=n_mask, other=0.0)
+        v_row_scales = tl.load(v_scales_ptr + scale_offs, mask=n_mask, other=0.0)
+        k = dequantize_tile(k, k_row_scales[None, :], KV_QUANT).to(DTYPE)
+        v = dequantize_tile(v, v_row_scales[:, None], KV_QUANT).to(DTYPE)
+    elif KV_QUANT != 0:
+        k = dequantize_tile(k, k_scale, KV_QUANT).to(DTYPE)
+        v = dequantize_tile(v, v_scale, KV_QUANT).to(DTYPE)
+    return k, v
 
 
 @triton.jit
@@ -129,13 +152,14 @@ def online_softmax_step(qk, v, m_i, l_i, acc, PRECISION: tl.constexpr, EMPTY_ROW
 
 @triton.jit
 def _prefill_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, scale_stride, k_scale, v_scale, out_ptr,
     req_to_token_ptr, req_rows_ptr, q_start_ptr, prefix_lens_ptr, extend_lens_ptr,
     qk_scale, window, softcap_scale, softcap_out,
     q_stride_t, q_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, o_stride_t, o_stride_h,
     r2t_stride,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -166,7 +190,8 @@ def _prefill_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head,
-                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask)
+                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr,
+                            v_scales_ptr, scale_stride, k_scale, v_scale, KV_QUANT, q_ptr.dtype.element_ty)
         qk = attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION, USE_SOFTCAP)  # [BLOCK_M, BLOCK_N]
         visible = (offs_n[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
         if USE_WINDOW:
@@ -193,10 +218,11 @@ def prefill_attention_triton(
     num_kv_heads = k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
-    assert q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in _DTYPES, (q.dtype, k_cache.dtype)
+    assert q.dtype in _DTYPES and k_cache.dtype in (q.dtype, *QUANT_KV_DTYPES), (q.dtype, k_cache.dtype)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
     assert head_dim % 8 == 0, head_dim  # 16-byte rows; any such head_dim is padded to BLOCK_D below
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype
+    cache_args, kv_quant = triton_kv_args(k_cache, v_cache, k_scale, v_scale)  # fp8 as uint8 views
     batch = req_rows.shape[0]
     for meta in (req_rows, q_start_locs, prefix_lens, extend_lens):
         assert meta.shape == (batch,) and meta.dtype == torch.int32 and meta.is_contiguous(), (meta.shape, meta.dtype)
@@ -204,47 +230,54 @@ def prefill_attention_triton(
     if batch == 0 or max_extend_len == 0:
         return out
     block_d = max(16, triton.next_power_of_2(head_dim))
-    default_m, default_n, num_warps, num_stages = prefill_blocks(head_dim, q.element_size())
+    default_m, default_n, num_warps, num_stages = prefill_blocks(head_dim, q.element_size(), k_cache.element_size())
     block_m, block_n = block_m or default_m, block_n or default_n
     grid = (batch, num_heads, triton.cdiv(max_extend_len, block_m))
     _prefill_attention_kernel[grid](
-        q, k_cache, v_cache, out, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
+        q, *cache_args, out, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
         sm_scale * _LOG2E, window, *softcap_args(sm_scale, softcap),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), req_to_token.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=dot_precision(q.dtype), USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0,
+        PRECISION=dot_precision(q.dtype), USE_WINDOW=window > 0, USE_SOFTCAP=softcap > 0, KV_QUANT=kv_quant,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
-def prefill_blocks(head_dim: int, elem_size: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for a head_dim and element size: the
-    largest tiles whose shared memory estimate fits (fits_in_smem). float32 at head_dim 192 or 256 (BLOCK_D 256)
-    gets 32 x 32 tiles; 64 x 64 would need about 336 KB."""
+def prefill_blocks(head_dim: int, elem_size: int, kv_elem_size: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for a head_dim and element size (q's; the
+    cache's kv_elem_size, 1 for an 8-bit cache, defaults to it): the largest tiles whose shared memory estimate fits
+    (fits_in_smem). float32 at head_dim 192 or 256 (BLOCK_D 256) gets 32 x 32 tiles; 64 x 64 would need about
+    336 KB."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_warps, num_stages = (4 if block_d <= 64 else 8), 2
     tiles = ((128 if block_d <= 64 else 64, 64), (64, 32), (32, 32), (16, 16))
-    block_m, block_n = next((t for t in tiles if fits_in_smem(*t, block_d, num_stages, elem_size)), tiles[-1])
+    block_m, block_n = next((t for t in tiles if fits_in_smem(*t, block_d, num_stages, elem_size,
+                                                              kv_elem_size=kv_elem_size)), tiles[-1])
     return block_m, block_n, num_warps, num_stages
 
 
 def attention_smem_bytes(block_m: int, block_n: int, block_d: int, num_stages: int, elem_size: int,
-                         block_dv: int | None = None) -> int:
+                         block_dv: int | None = None, kv_elem_size: int | None = None) -> int:
     """Estimated shared memory of one program of a flash-attention kernel (prefill, decode, MLA decode): the query
     tile (block_m x block_d, loaded once), num_stages buffers of the key and value tiles the software pipeline keeps
     in flight (block_n x (block_d + block_dv); block_dv defaults to block_d, 0 where V is the key's own tile, as in
-    MLA) and P (block_m x block_n) staged for the second dot, all of elem_size bytes."""
+    MLA) and P (block_m x block_n) staged for the second dot, all of elem_size bytes. An 8-bit cache
+    (kv_elem_size 1; it defaults to elem_size) keeps its in-flight tiles at that size, plus one copy of the
+    dequantized tiles in elem_size, the dots' operands."""
     block_dv = block_d if block_dv is None else block_dv
-    return elem_size * (block_m * block_d + num_stages * block_n * (block_d + block_dv) + block_m * block_n)
+    kv_elem_size = elem_size if kv_elem_size is None else kv_elem_size
+    kv_tiles = block_n * (block_d + block_dv)
+    used = elem_size * (block_m * block_d + block_m * block_n) + num_stages * kv_tiles * kv_elem_size
+    return used + (kv_tiles * elem_size if kv_elem_size != elem_size else 0)
 
 
 def fits_in_smem(block_m: int, block_n: int, block_d: int, num_stages: int, elem_size: int,
-                 block_dv: int | None = None) -> bool:
+                 block_dv: int | None = None, kv_elem_size: int | None = None) -> bool:
     """Whether attention_smem_bytes leaves SMEM_SLACK_BYTES of SMEM_LIMIT_BYTES free (Triton's own scratch: layout
     conversions, reductions). A kernel past the limit fails to launch ("out of resource: shared memory")."""
-    used = attention_smem_bytes(block_m, block_n, block_d, num_stages, elem_size, block_dv)
+    used = attention_smem_bytes(block_m, block_n, block_d, num_stages, elem_size, block_dv, kv_elem_size)
     return used + SMEM_SLACK_BYTES <= SMEM_LIMIT_BYTES
 
 
@@ -274,12 +307,14 @@ def prefill_attention_cpu(
     k_scale: KVScale = None, v_scale: KVScale = None,
 ) -> Tensor | None:
     """The C kernel (kernels/cpu/prefill_attention.c): every request of the step in one parallel loop,
-    K/V read in place. None when it cannot run here (no compiler, an unsupported dtype or shape): use
-    the reference. `lib`: a loaded kernel library other than the default build (tests of the portable path)."""
+    K/V read in place (an 8-bit cache dequantized a block of rows at a time). None when it cannot run here (no
+    compiler, an unsupported dtype or shape): use the reference. `lib`: a loaded kernel library other than the
+    default build (tests of the portable path)."""
     from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
-    if lib is None or not c_kv_layout(k_cache, v_cache):
+    if lib is None or not c_kv_layout(k_cache, v_cache) or v_cache.dtype != k_cache.dtype \
+            or not c_scales_fit(k_cache, k_scale, v_scale):
         return None
     num_tokens, num_heads, head_dim = q.shape
     # float32 and bfloat16 q are read in place (a view of qkv); the output comes back in q's dtype.
@@ -298,14 +333,6 @@ def prefill_attention_cpu(
     if rc != 0:
         return None
     return out.to(q.dtype)
-
-
-def c_kv_layout(k_cache: Tensor, v_cache: Tensor) -> bool:
-    """Whether the CPU C attention kernels (decode and prefill) take this KV cache: float32 or
-    bfloat16 [rows, Hk, D] with contiguous head rows (any row and head strides: token-major, or the head-major
-    view a CPU KVCache makes) and the same strides for K and V. Shared with decode_attention and store_kv."""
-    return k_cache.dim() == 3 and k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.stride(-1) == 1 \
-        and v_cache.stride() == k_cache.stride()
 
 
 def softcap_args(sm_scale: float, softcap: float) -> tuple[float, float]:

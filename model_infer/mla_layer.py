@@ -29,6 +29,7 @@ from torch import Tensor
 from lightserve import kernels
 from lightserve.config import KernelBackend
 from lightserve.kernels.backend import resolve_kernel_backend
+from lightserve.kernels.kv_store import KVScale
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.kernels.mla_attention import (
     mla_decode,
@@ -138,7 +139,8 @@ class MLAAttention:
                                           if getattr(weights, n) is not None})
         self.weights = weights
 
-    def forward(self, x: Tensor, batch: ForwardBatch, latent_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, batch: ForwardBatch, latent_cache: Tensor, latent_scale: KVScale = None) -> Tensor:
+        """`latent_scale`: an 8-bit cache's scales of this layer (LatentKVCache.latent_scales)."""
         cfg, w = self.config, self.weights
         num_tokens, heads = x.shape[0], self.num_heads
         nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
@@ -154,14 +156,15 @@ class MLAAttention:
         c_kv = kernels.rmsnorm(kv_a[:, :rank], w.kv_a_norm, cfg.rms_norm_eps, self.backend)  # [T, R]
         k_pe = kv_a[:, rank:].unsqueeze(1)  # [T, 1, Dr] view
         kernels.rotary_emb(q_pe, k_pe, batch.positions, self.cos_sin, self.backend)  # in place, into q and kv_a
-        store_latent(c_kv, k_pe, latent_cache, batch.kv_locs)
+        store_latent(c_kv, k_pe, latent_cache, batch.kv_locs, latent_scale=latent_scale)
 
         nd = batch.num_decode
         parts = []  # decode outputs first, then extend outputs: the batch's token order
         if nd > 0:
             parts.append(mla_decode(
                 q_nope[:nd], q_pe[:nd], latent_cache, w.w_kc, w.w_vc, batch.req_to_token, batch.req_rows[:nd],
-                batch.seq_lens[:nd], batch.max_seq_len, self.sm_scale, self.backend))  # [num_decode, H, Dv]
+                batch.seq_lens[:nd], batch.max_seq_len, self.sm_scale, self.backend,
+                latent_scale=latent_scale))  # [num_decode, H, Dv]
         if batch.num_reqs > nd:
             # The prefill lays out its keys on the host: its metadata comes from the host copy the batch carries
             # (no device->host sync per layer).
@@ -169,7 +172,7 @@ class MLAAttention:
             parts.append(mla_prefill_attention(
                 q_nope[nd:], q_pe[nd:], latent_cache, w.kv_b_proj, cfg.v_head_dim, batch.req_to_token,
                 host.req_rows[nd:], host.q_start_locs[nd:] - nd, host.prefix_lens[nd:], host.extend_lens[nd:],
-                self.sm_scale, self.backend))  # [T - num_decode, H, Dv]
+                self.sm_scale, self.backend, latent_scale=latent_scale))  # [T - num_decode, H, Dv]
         o = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(num_tokens, heads * cfg.v_head_dim)
         if self.tp_size == 1:
             return kernels.linear(o, w.o_proj, w.o_bias)  # [T, hidden]

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 CPU_KV_MEMORY_FRACTION = 0.35   # of MemAvailable, after the weights are loaded
-CPU_KV_DEFAULT_MAX = 65536      # tokens; a CPU serves few long sequences, and zeroing the cache costs start-up time
+# A CPU serves few long sequences, and zeroing the cache costs start-up time: at most the bytes of this many tokens in
+# the activation dtype, so an 8-bit cache holds about twice the tokens in the same memory.
+CPU_KV_DEFAULT_MAX = 65536
 # Of the device memory still free once the weights are loaded and what the steps need beside the KV cache
 # (`reserved_bytes`) is set aside: the rest of the slack is the allocator's fragmentation, NCCL's and cuBLAS's own.
 GPU_KV_MEMORY_FRACTION = 0.9
@@ -43,12 +45,15 @@ class ModelRunner:
     def __init__(self, model_dir: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  tp_rank: int, tp_size: int, tp_group, num_req_rows: int, max_req_total_len: int,
                  kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0,
-                 kernel_backend: KernelBackend | None = None, max_step_tokens: int | None = None):
+                 kernel_backend: KernelBackend | None = None, max_step_tokens: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         """`kernel_backend`: --kernel_backend as resolved (None = by device): TRITON on a CPU device runs the GPU
         code path under Triton's interpreter, with no warm-up or graphs (nothing compiles there).
         `max_req_total_len` is capped at the model's context (its rope table's rows). `max_step_tokens`:
         --batch_max_tokens (None: DEFAULT_STEP_TOKENS); on CUDA the activations of a step that large are set aside
-        before the KV cache takes the rest of the device (`reserved_bytes`)."""
+        before the KV cache takes the rest of the device (`reserved_bytes`). `kv_dtype`: --kv_cache_dtype as resolved
+        (None = the activation dtype); the cache's size counts bytes, so an 8-bit cache holds about twice the
+        tokens."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -57,7 +62,8 @@ class ModelRunner:
                                 tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, backend=kernel_backend)
         self.staging = HostStaging(device)
         # The model says which cache its attention reads (K/V per head, or DeepSeek-V3's latent rows) and its size.
-        per_token = self.model.kv_bytes_per_token()
+        self.kv_dtype = kv_dtype or dtype
+        per_token = self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.kv_dtype)
         graph_batch = min(cuda_graph_max_batch, num_req_rows) if device.type == "cuda" else 0
         if kv_size:
             self.kv_size = kv_size
@@ -72,9 +78,9 @@ class ModelRunner:
                         ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in reserved.items()),
                         100 * GPU_KV_MEMORY_FRACTION)
         else:
-            self.kv_size = _cpu_kv_size(per_token, ranks_per_node)
+            self.kv_size = _cpu_kv_size(per_token, ranks_per_node, self.model.kv_bytes_per_token(dtype))
         # One row past the router's range: scratch for padded CUDA-graph entries.
-        self.kv_cache = self.model.make_kv_cache(self.kv_size + 1, num_req_rows, self.max_req_total_len)
+        self.kv_cache = self.model.make_kv_cache(self.kv_size + 1, num_req_rows, self.max_req_total_len, self.kv_dtype)
         self.tp_barrier = _tp_barrier(tp_group, tp_size, device)
         self.graph_runner = None
         if device.type == "cuda":
@@ -84,9 +90,14 @@ class ModelRunner:
         if graph_batch > 0:
             self.graph_runner = CudaGraphRunner(self.model, self.kv_cache, graph_batch, self.max_req_total_len,
                                                 pad_kv_loc=self.kv_size, barrier=self.tp_barrier)
-        logger.info("KV cache: %s of %d tokens, %d bytes per token (%.1f MiB), %s on %s, %s kernels",
-                    type(self.kv_cache).__name__, self.kv_size, per_token, self.kv_size * per_token / 2**20, dtype,
-                    device, self.model.backend.value)
+        logger.info("KV cache: %s of %d tokens, %d bytes per token in %s (%.1f MiB); activations %s on %s, %s kernels",
+                    type(self.kv_cache).__name__, self.kv_size, per_token, str(self.kv_dtype).removeprefix("torch."),
+                    self.kv_size * per_token / 2**20, dtype, device, self.model.backend.value)
+        if self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scales = getattr(self.model.weights, "kv_scales", None)
+            logger.info("fp8 KV cache: %s", "the checkpoint's k_scale / v_scale per layer" if scales else
+                        "scale 1.0 (the checkpoint carries no k_scale / v_scale); values beyond the format's range "
+                        "saturate")
 
     @torch.inference_mode()
     def forward(self, plan: BatchPlan, argmax_only: bool = False) -> torch.Tensor:
@@ -143,7 +154,7 @@ class ModelRunner:
         vocab, max_len = self.model_config.vocab_size, self.max_req_total_len
         plan = _largest_step_plan(step_tokens, max_len)
         scratch_row = max(step_tokens, graph_batch)
-        cache = self.model.make_kv_cache(scratch_row + 1, plan.shm_indices.size, max_len)
+        cache = self.model.make_kv_cache(scratch_row + 1, plan.shm_indices.size, max_len, self.kv_dtype)
         step = make_forward_batch(plan, cache.req_to_token, self.staging)
         sizes = {"largest step": peak_bytes(lambda: self.model.forward(step, cache))}
         if graph_batch > 0:
@@ -168,8 +179,11 @@ def gpu_kv_size(free_bytes: int, bytes_per_token: int, reserved_bytes: int) -> i
     return tokens
 
 
-def _cpu_kv_size(bytes_per_token: int, ranks_per_node: int) -> int:
-    budget = min(memory_bytes() * CPU_KV_MEMORY_FRACTION / ranks_per_node, CPU_KV_DEFAULT_MAX * bytes_per_token)
+def _cpu_kv_size(bytes_per_token: int, ranks_per_node: int, activation_bytes_per_token: int) -> int:
+    """KV tokens of a CPU rank: CPU_KV_MEMORY_FRACTION of the memory available, at most CPU_KV_DEFAULT_MAX tokens'
+    bytes in the activation dtype (`activation_bytes_per_token`), in the cache's own `bytes_per_token`."""
+    budget = min(memory_bytes() * CPU_KV_MEMORY_FRACTION / ranks_per_node,
+                 CPU_KV_DEFAULT_MAX * activation_bytes_per_token)
     return max(int(budget // bytes_per_token), MIN_KV_TOKENS)
 
 

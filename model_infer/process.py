@@ -31,7 +31,9 @@ TP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    """A --data_type or resolved --kv_cache_dtype value as a torch dtype."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
+            "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
 
 
 def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
@@ -52,6 +54,7 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                              max_req_total_len=config.max_req_total_len,
                              kv_size=config.max_total_token_num, ranks_per_node=config.ranks_per_node,
                              kernel_backend=config.kernel_backend, max_step_tokens=config.batch_max_tokens,
+                             kv_dtype=torch_dtype(config.kv_cache_dtype.value),
                              cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.
@@ -72,7 +75,7 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
         # for their argmax alone; elsewhere rank 0 does not look (about 50 us of a 64-row step). Which row counts the
         # head screens, argmax_logits decides.
         ask_argmax = writer is not None and runner.model.argmax_head is not None
-        report_ready(ready, {"kv_size": runner.kv_size})
+        report_ready(ready, {"kv_size": runner.kv_size, "kv_bytes_per_token": runner.kv_bytes_per_token})
         try:
             while not stop.is_set():
                 if not plans.poll(POLL_MS):

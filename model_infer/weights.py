@@ -109,6 +109,24 @@ class ModelWeights:
     layers: list[LayerWeights]         # a family with other layers keeps its own type (models/deepseek.py)
     final_norm: torch.Tensor            # [hidden]
     lm_head: torch.Tensor               # [Vp, hidden]; the same tensor as embed when tied
+    # An fp8 KV cache's per-tensor (k_scale, v_scale) of every layer, where the checkpoint carries them
+    # (read_kv_scales); None: 1.0.
+    kv_scales: list[tuple[float, float]] | None = None
+
+
+def read_kv_scales(reader: CheckpointReader, num_layers: int) -> list[tuple[float, float]] | None:
+    """The per-tensor K and V scales an fp8-KV checkpoint stores per layer, under the names vLLM and LightLLM read:
+    `model.layers.N.self_attn.k_scale` / `.v_scale` (compressed-tensors, ModelOpt), or one `.kv_scale` for both
+    (older AutoFP8 files). None when layer 0 has neither: the cache then uses 1.0."""
+    def scale(name: str) -> float:
+        return float(reader[name].float().reshape(-1)[0])
+
+    prefix = "model.layers.{}.self_attn."
+    if reader.has(prefix.format(0) + "k_scale"):
+        return [(scale(prefix.format(i) + "k_scale"), scale(prefix.format(i) + "v_scale")) for i in range(num_layers)]
+    if reader.has(prefix.format(0) + "kv_scale"):
+        return [(scale(prefix.format(i) + "kv_scale"),) * 2 for i in range(num_layers)]
+    return None
 
 
 def vocab_rows(reader: CheckpointReader, name: str, config: ModelConfig, sh: TPShards) -> torch.Tensor:

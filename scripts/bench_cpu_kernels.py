@@ -8,6 +8,7 @@ layer, the KV bytes it read, its GB/s, and that as a share of the bandwidth read
 time kernels that compute more than they read instead (ms, and GFLOP/s for prefill attention).
 
     python scripts/bench_cpu_kernels.py                          # SmolLM2's heads, bf16 and float32 KV
+    python scripts/bench_cpu_kernels.py --kv-dtypes auto int8 fp8_e4m3 fp8_e5m2   # and the same over 8-bit KV
     python scripts/bench_cpu_kernels.py --heads 32 8 128 --layers 8 --dtypes bfloat16
     python scripts/bench_cpu_kernels.py --variants native avx2 portable   # the same source, narrower builds
     python scripts/bench_cpu_kernels.py --cached --shapes 64x384  # the same kernel with its KV in cache
@@ -26,6 +27,7 @@ turns between the builds rep by rep, and each build's output is checked against 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -40,9 +42,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightserve.engine_procs import preload_tcmalloc
+from lightserve.engine.host_tuning import preload_tcmalloc
 from lightserve.kernels.cpu import BUILD_VARIANTS, TUNABLES, c_compiler, library, variant_library
 from lightserve.kernels.decode_attention import decode_attention_c_args, decode_attention_ref
+from lightserve.kernels.kv_store import FP8_MAX, quantize_kv_ref
 from lightserve.kernels.linear import cpu_pack_for, linear, onednn_bf16_available, pairs_take_every_m
 from lightserve.kernels.prefill_attention import prefill_attention_cpu
 from lightserve.model_infer.sampler import greedy_cpu
@@ -51,6 +54,9 @@ SCRIPTS = Path(__file__).resolve().parent
 
 # (batch, context): a full decode batch, a mid batch of long requests, one long request.
 DECODE_SHAPES = [(64, 384), (16, 1100), (1, 2000)]
+# --kv-dtypes: the KV cache formats decode attention reads, as --kv_cache_dtype spells them; auto = the activation
+# dtype (--dtypes).
+KV_DTYPES = {"auto": None, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def cpu_caption() -> str:
@@ -84,20 +90,31 @@ def kv_layout(kv: torch.Tensor, token_major: bool) -> torch.Tensor:
 
 
 def decode_case(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype, layers: int,
-                scatter: bool, seed: int = 0, cached: bool = False, token_major: bool = False) -> dict:
+                scatter: bool, seed: int = 0, cached: bool = False, token_major: bool = False,
+                kv_dtype: torch.dtype | None = None) -> dict:
     """KV caches for `layers` layers, each request's tokens in its own run of rows (as a fresh server
     allocates them) or scattered (--scatter); q and the request tables. cached (--cached): every request reads the
     same `context` rows (`layers` x context rows in all: 9 MB at SmolLM2's 30 layers x 384 in bf16, which the caches
-    hold), so the kernel runs without waiting on memory. K/V in kv_layout's layout."""
+    hold), so the kernel runs without waiting on memory. K/V in kv_layout's layout, stored as kv_dtype (None: dtype;
+    int8 or fp8: quantized as store_kv writes them, with their scales per layer in k_scale / v_scale)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     rows = context if cached else batch * context
-    k, v = (kv_layout(torch.randn(layers, rows, num_kv_heads, head_dim, generator=gen).to(dtype), token_major)
-            for _ in range(2))
+    kv_dtype = kv_dtype or dtype
+    scales = {}
+    kv = []
+    for name in ("k_scale", "v_scale"):
+        x = torch.randn(layers * rows, num_kv_heads, head_dim, generator=gen)  # [layers * rows, Hk, D]
+        stored, row_scales = quantize_kv_ref(x, kv_dtype)  # fp8's per-tensor scale: 1.0, as without a checkpoint's
+        kv.append(kv_layout(stored.view(layers, rows, num_kv_heads, head_dim), token_major))
+        # int8: [layers, rows, Hk] float32, token-major whatever the cache's layout; fp8: 1.0; a float cache: None
+        scales[name] = list(row_scales.view(layers, rows, num_kv_heads).unbind(0)) if row_scales is not None \
+            else [1.0 if kv_dtype in FP8_MAX else None] * layers
+    k, v = kv
     order = torch.randperm(rows, generator=gen) if scatter else torch.arange(rows)
     req_to_token = (order.repeat(batch) if cached else order).view(batch, context).to(torch.int32).contiguous()
     return {
-        "k": k, "v": v, "req_to_token": req_to_token,
+        "k": k, "v": v, **scales, "req_to_token": req_to_token,
         "req_rows": torch.arange(batch, dtype=torch.int32),
         "seq_lens": torch.full((batch,), context, dtype=torch.int32),
         "q": torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype),
@@ -132,10 +149,12 @@ def time_decode(case: dict, libs: dict, reps: int) -> dict[str, tuple[float, lis
     out = torch.empty_like(q)  # [B, Hq, D]
     scale = q.shape[-1] ** -0.5
     calls = [decode_attention_c_args(q, case["k"][i], case["v"][i], case["req_to_token"], case["req_rows"],
-                                     case["seq_lens"], scale, out)
+                                     case["seq_lens"], scale, out, k_scale=case["k_scale"][i],
+                                     v_scale=case["v_scale"][i])
              for i in range(case["k"].shape[0])]
     want = decode_attention_ref(q, case["k"][-1], case["v"][-1], case["req_to_token"], case["req_rows"],
-                                case["seq_lens"], int(case["seq_lens"].max()), scale).float()
+                                case["seq_lens"], int(case["seq_lens"].max()), scale, k_scale=case["k_scale"][-1],
+                                v_scale=case["v_scale"][-1]).float()
     tol = 2e-2 if q.dtype == torch.bfloat16 else 1e-5  # tests/kernels/kernel_cases.py's TOL
 
     def one_pass(lib) -> float:
@@ -336,6 +355,8 @@ def main() -> None:
                     help="query heads, KV heads, head dim (default SmolLM2's)")
     ap.add_argument("--layers", type=int, default=30, help="layers of KV to cycle through (default SmolLM2's 30)")
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--kv-dtypes", nargs="+", default=["auto"], choices=list(KV_DTYPES),
+                    help="decode attention over KV stored in these formats (--kv_cache_dtype's; auto: as --dtypes)")
     ap.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in DECODE_SHAPES], help="BATCHxCONTEXT")
     ap.add_argument("--variants", nargs="+", default=["native"], choices=list(BUILD_VARIANTS))
     ap.add_argument("--define", nargs="+", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
@@ -393,33 +414,37 @@ def main() -> None:
     # its share is the median over the reps of the rep's GB/s over the reading after it.
     bws = []
     results = []
-    for dtype_name in args.dtypes:
+    for dtype_name, kv_name, shape in itertools.product(args.dtypes, args.kv_dtypes, args.shapes):
         dtype = getattr(torch, dtype_name)
-        for shape in args.shapes:
-            batch, context = map(int, shape.split("x"))
-            case = decode_case(batch, context, tuple(args.heads), dtype, args.layers, args.scatter,
-                               cached=args.cached, token_major=args.token_major)
-            kv_bytes = 2 * batch * context * args.heads[1] * args.heads[2] * case["k"].element_size()
-            for name in [name for name, lib in libs.items() if lib is None]:
-                print(f"{name}: this CPU cannot run that build")
-            timed = time_decode(case, {name: lib for name, lib in libs.items() if lib is not None}, args.reps)
-            for name, (sec, pairs) in timed.items():
-                readings = [bw for _, bw in pairs]
-                bws += readings
-                gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 / s / bw for s, bw in pairs)
-                results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "batch": batch,
-                                "context": context, "cached": args.cached, "heads": list(args.heads),
-                                "kv_layout": layout_name(args),
-                                "ms_per_layer": 1e3 * sec, "gbps": gbps,
-                                "rep_ms_per_layer": [1e3 * s for s, _ in pairs], "read_gbps": readings,
-                                "share_of_bandwidth": share})
-                base = name.split("+")[0]  # a --define build against its variant's own, timed in turn with it
-                against = f"; {sec / timed[base][0]:.2f}x {base}'s time" if base != name and base in timed else ""
-                print(f"decode attention {dtype_name:8s} B={batch:<3d} L={context:<5d} {layout_name(args)} {name:9s} "
-                      f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * share:5.1f}% "
-                      f"of the read bandwidth (median over reps, each against the reading after it; "
-                      f"{min(readings):.1f}-{max(readings):.1f} GB/s{against})")
-            del case
+        batch, context = map(int, shape.split("x"))
+        case = decode_case(batch, context, tuple(args.heads), dtype, args.layers, args.scatter,
+                           cached=args.cached, token_major=args.token_major, kv_dtype=KV_DTYPES[kv_name])
+        kv_label = str(case["k"].dtype).removeprefix("torch.")
+        # A layer's K and V rows, and int8's float32 scale per row and KV head.
+        row_bytes = args.heads[2] * case["k"].element_size() + (4 if case["k"].dtype == torch.int8 else 0)
+        kv_bytes = 2 * batch * context * args.heads[1] * row_bytes
+        for name in [name for name, lib in libs.items() if lib is None]:
+            print(f"{name}: this CPU cannot run that build")
+        timed = time_decode(case, {name: lib for name, lib in libs.items() if lib is not None}, args.reps)
+        for name, (sec, pairs) in timed.items():
+            readings = [bw for _, bw in pairs]
+            bws += readings
+            gbps, share = kv_bytes / sec / 1e9, statistics.median(kv_bytes / 1e9 / s / bw for s, bw in pairs)
+            results.append({"op": "decode_attention", "variant": name, "dtype": dtype_name, "kv_dtype": kv_label,
+                            "kv_bytes": kv_bytes, "batch": batch,
+                            "context": context, "cached": args.cached, "heads": list(args.heads),
+                            "kv_layout": layout_name(args),
+                            "ms_per_layer": 1e3 * sec, "gbps": gbps,
+                            "rep_ms_per_layer": [1e3 * s for s, _ in pairs], "read_gbps": readings,
+                            "share_of_bandwidth": share})
+            base = name.split("+")[0]  # a --define build against its variant's own, timed in turn with it
+            against = f"; {sec / timed[base][0]:.2f}x {base}'s time" if base != name and base in timed else ""
+            print(f"decode attention {dtype_name:8s} KV {kv_label:13s} B={batch:<3d} L={context:<5d} "
+                  f"{layout_name(args)} {name:9s} "
+                  f"{1e3 * sec:7.3f} ms/layer  {kv_bytes / 1e6:6.1f} MB  {gbps:6.1f} GB/s  {100 * share:5.1f}% "
+                  f"of the read bandwidth (median over reps, each against the reading after it; "
+                  f"{min(readings):.1f}-{max(readings):.1f} GB/s{against})")
+        del case
     if bws:
         print(f"streaming read bandwidth (torch.sum, 256 MB), {len(bws)} readings: median {statistics.median(bws):.1f}"
               f" GB/s (range {min(bws):.1f}-{max(bws):.1f})")

@@ -8,8 +8,11 @@
 //
 // Shapes (row-major, strides in elements):
 //   q            [B, Hq, D]            float32 or bfloat16 (act_bf16), token stride q_tok, head stride q_head
-//   k_cache      [rows, Hk, D]         float32 or bfloat16, row stride kc_row, head stride kc_head
+//   k_cache      [rows, Hk, D]         kv_kind (kernels.h): float32, bfloat16, int8, fp8 e4m3 or e5m2; row stride
+//                                      kc_row, head stride kc_head
 //   v_cache      [rows, Hk, D]         same dtype as k_cache, row stride vc_row, head stride vc_head
+//   k_scales     [rows, Hk]            int8's scales: float32, contiguous (token-major whatever the cache's strides)
+//   v_scales     [rows, Hk]            the same for V; fp8 takes the per-tensor floats k_scale / v_scale instead
 //   req_to_token [num_rows, max_len]   int32, KV row of token t of a request, row stride r2t_row
 //   req_rows     [B]                   int32, each request's row in req_to_token
 //   seq_lens     [B]                   int32, tokens to attend to (>= 1)
@@ -42,6 +45,9 @@
 // gained as much there but cost 15-26% at 1 x 300 (3 tasks on 2 threads: one thread took two), where this build runs
 // as before.
 // Vectors are vec.h's `vf`: 16 lanes on AVX-512 CPUs, 8 on AVX2 ones, from this one source.
+// An 8-bit cache (int8, fp8 e4m3 / e5m2; kernels/kv_store.py) is read the same way at a byte an element: load_row
+// widens each row to floats in registers, and the scales apply to the scores and the weights (int8's per row) or fold
+// into the score scale and the merge (fp8's per tensor). The bf16-only paths (DPBF16) never take it.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -56,6 +62,9 @@
 // 16 float lanes, so K needs no widening and half the multiply instructions. Only for bf16 queries
 // (the bf16 model): their products are exact in float, as in the widening path. Zen 4 (bf16, batch
 // 64 x 384, 3 KV heads x 64): 1.03 -> 0.84 ms a layer, 18 -> 22 GB/s.
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // vload_i8's widening loads
+#endif
 #if defined(__AVX512BF16__) && VL == 16
 #include <immintrin.h>
 #define DPBF16 1
@@ -166,10 +175,51 @@ typedef struct {
 // Claims the next task: its index in queue->order, or num_tasks when none is left.
 static int claim(const Queue *queue) { return __atomic_fetch_add(queue->claimed, 1, __ATOMIC_RELAXED); }
 
-// One K or V row of one head (dim elements) as dim / VL vectors; bf16 rows in vec.h's even/odd order.
-static inline __attribute__((always_inline)) void load_row(const void *p, int bf16, int dim, vf *r) {
-    if (bf16) {
+// The compiled element formats of the cache (TASK_TABLE's first index): kernels.h's kinds, except that fp8 e4m3 and
+// e5m2 share one, KIND_FP8, their exponent width a run-time shift (fp8_shift below) that costs the same instructions.
+#define KIND_F32 0
+#define KIND_BF16 1
+#define KIND_INT8 2
+#define KIND_FP8 3
+#define NUM_KINDS 4
+
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+// VL int8 values at any address, sign-extended to 32-bit lanes: one vpmovsxbd. gcc compiles the same written as a
+// vector conversion of a VL-byte vector type one byte at a time (a scalar load and insert per lane).
+static inline vi vload_i8(const int8_t *p) {
+#if VL == 16
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vi x;
+    for (int k = 0; k < VL; k++) x[k] = p[k];
+    return x;
+#endif
+}
+
+// One K or V row of one head (dim elements) as dim / VL float vectors: bf16 rows in vec.h's even/odd order, the
+// others in element order. 8-bit rows are widened, not yet scaled: int8 to its integer value (the row's scale is
+// applied to the scores and weights), fp8 to its value times 2^-120 (e4m3) or 2^-112 (e5m2), the power folded into
+// the per-tensor scales (see decode_attention). The fp8 byte is sign-extended to 32 bits and shifted left by fp8_shift (20 for e4m3, 21 for
+// e5m2), which puts its exponent and mantissa bits at the top of a float32's exponent and mantissa and copies of the
+// sign above them; the mask keeps the sign at bit 31 and the shifted 7 bits. The float32 read from those bits is exact,
+// subnormals included (an fp8 subnormal is a float32 subnormal), as kernels/kv_store.py's contract says.
+// Their products with the query and the weights would be float32 subnormals wherever a term is small (a product under
+// 2^-6 in e4m3's units), each a microcode assist on Intel cores: so the query is multiplied by FP8_LIFT as it is
+// copied and the weights before the V pass, both exact, and only the rest of the power goes into the scales. An fp8
+// subnormal itself (under 2^-6 of the per-tensor scale: rare) stays a subnormal input.
+#define FP8_LIFT 0x1p64f
+static inline __attribute__((always_inline)) void load_row(const void *p, int kind, int fp8_shift, int dim, vf *r) {
+    if (kind == KIND_BF16) {
         for (int c = 0; c < dim / (2 * VL); c++) vload_bf16_pairs((const uint16_t *)p + 2 * VL * c, &r[2 * c], &r[2 * c + 1]);
+    } else if (kind == KIND_INT8) {
+        for (int i = 0; i < dim / VL; i++) r[i] = __builtin_convertvector(vload_i8((const int8_t *)p + i * VL), vf);
+    } else if (kind == KIND_FP8) {
+        const vu mask = (vu){0} + (0x80000000u | 0x7Fu << fp8_shift);
+        for (int i = 0; i < dim / VL; i++)
+            r[i] = (vf)(((vu)vload_i8((const int8_t *)p + i * VL) << fp8_shift) & mask);
     } else {
         for (int i = 0; i < dim / VL; i++) r[i] = vload((const float *)p + i * VL);
     }
@@ -270,19 +320,25 @@ static void pack_query(const uint16_t *q, int64_t q_head, int num_heads, int gro
 }
 #endif
 
-// One task. qp: [Hq, dim], the request's query in load_row's element order; scores are scaled by `scale`.
+// One task. qp: [Hq, dim], the request's query in load_row's element order; scores are scaled by `scale` (for fp8
+// with the per-tensor k_scale and load_row's power of two folded in).
 // locs: the request's KV rows by token; the task reads tokens [lo, hi). Its last blocks claim the thread's next
 // task from `queue` and prefetch that task's first rows; returns the claimed index (num_tasks: none left).
 // qb: [Hq, dim], the query as bf16 in its own order, for the DPBF16 scores (qp is then unset), or with groups of
 // PACK_MIN_GROUP or more as pack_query packs it; NULL: widen K.
-// state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi).
-// bf16, dim and group are compile-time constants in the instances below (a runtime group works too).
+// state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi); for fp8,
+// acc is in load_row's units times FP8_LIFT (the merge multiplies by v_scale and the rest of the power of two).
+// k_scales, v_scales: int8's [rows, Hk] float32 scales (token-major whatever the cache's layout), else unused;
+// fp8_shift: load_row's.
+// kind (KIND_*), dim and group are compile-time constants in the instances below (a runtime group works too).
 static inline __attribute__((always_inline)) int attend(
     const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo,
     int hi, const Queue *queue, int num_kv_heads, int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,
-    float scale, float softcap, float *state, const int bf16, const int dim, const int group) {
+    float scale, float softcap, float *state, const float *k_scales, const float *v_scales, int fp8_shift,
+    const int kind, const int dim, const int group) {
     enum { NV_MAX = MAX_DIM / VL };
-    const int nv = dim / VL, esize = bf16 ? 2 : 4;
+    const int bf16 = kind == KIND_BF16, int8 = kind == KIND_INT8;
+    const int nv = dim / VL, esize = kind == KIND_F32 ? 4 : bf16 ? 2 : 1;
     // The V pass's tile: cv vectors of each output row (a chunk of its dims, at least the 2 a bf16 load gives) for gc
     // heads, gc * cv + cv + 1 <= REGS. Every head of the group in one tile where some chunk allows it: each V row is
     // then loaded (and widened from bf16) once, in chunks, rather than once per few heads. Constant expressions, so
@@ -318,8 +374,10 @@ static inline __attribute__((always_inline)) int attend(
     for (int t0 = lo; t0 < hi; t0 += BLOCK) {
         const int n = hi - t0 < BLOCK ? hi - t0 : BLOCK;
         const char *kr[BLOCK], *vr[BLOCK];
+        int64_t rows[BLOCK];
         for (int j = 0; j < BLOCK; j++) {  // rows past n repeat the last one: scored, then masked
             int64_t loc = locs[t0 + (j < n ? j : n - 1)];
+            rows[j] = loc;
             kr[j] = kc + loc * k_step;
             vr[j] = vc + loc * v_step;
         }
@@ -354,7 +412,20 @@ static inline __attribute__((always_inline)) int attend(
                 }
                 pk[j] = loc >= 0 ? kc + loc * k_step + (int64_t)hp * kc_head * esize : NULL;
                 pv[j] = loc >= 0 ? vc + loc * v_step + (int64_t)hp * vc_head * esize : NULL;
+                // int8: the row's scales too, a line apart from its K and V (all heads' scales of a row in one).
+                if (int8 && loc >= 0) {
+                    PREFETCH(k_scales + loc * num_kv_heads);
+                    PREFETCH(v_scales + loc * num_kv_heads);
+                }
             }
+            // int8: the block's K scales times `scale` (the scores') and V scales, by token; rows past n repeat the
+            // last one, as kr and vr do.
+            float ksc[BLOCK] __attribute__((aligned(64))), vsc[BLOCK] __attribute__((aligned(64)));
+            if (int8)
+                for (int j = 0; j < BLOCK; j++) {
+                    ksc[j] = k_scales[rows[j] * num_kv_heads + h] * scale;
+                    vsc[j] = v_scales[rows[j] * num_kv_heads + h];
+                }
             const float *qh = qp + (int64_t)h * group * dim;
             // Scores: each K row is loaded once for the group's G query heads, head-packed where that applies.
             // Otherwise part[g][j] holds the per-lane products of head g and token j, and one fold per VL tokens
@@ -388,7 +459,7 @@ static inline __attribute__((always_inline)) int attend(
                 }
 #endif
                 vf kv[NV_MAX];
-                load_row(kr[j] + head_off, bf16, dim, kv);
+                load_row(kr[j] + head_off, kind, fp8_shift, dim, kv);
                 for (int g = 0; g < group; g++) {
                     const float *qg = qh + g * dim;
                     vf a = vload(qg) * kv[0];
@@ -400,7 +471,8 @@ static inline __attribute__((always_inline)) int attend(
             for (int g = 0; g < group; g++) {
                 const int hg = h * group + g;
                 if (!packed)
-                    for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vreduce_lanes(&part[g][j0]) * scale);
+                    for (int j0 = 0; j0 < BLOCK; j0 += VL)
+                        vstore(&p[g][j0], vreduce_lanes(&part[g][j0]) * (int8 ? vload(&ksc[j0]) : vbroadcast(scale)));
                 if (softcap > 0.0f)
                     for (int j = 0; j < BLOCK; j++) p[g][j] = tanhf(p[g][j] / softcap) * softcap;
                 // Rows j >= n repeat row n - 1 (see the loads above), so the whole block's maximum is
@@ -418,6 +490,12 @@ static inline __attribute__((always_inline)) int attend(
                 vf s = vload(p[g]);
                 for (int j0 = VL; j0 < BLOCK; j0 += VL) s += vload(&p[g][j0]);
                 lsum[hg] = lsum[hg] * alpha[g] + s;
+                // int8: V rows are added as integers, so each weight takes its row's scale (after the sum above,
+                // which is over the softmax weights themselves); fp8: FP8_LIFT (see load_row).
+                if (int8)
+                    for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vload(&p[g][j0]) * vload(&vsc[j0]));
+                else if (kind == KIND_FP8)
+                    for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vload(&p[g][j0]) * FP8_LIFT);
             }
 #if DPBF16
             _Static_assert(BLOCK == 2 * VL, "a head's block of weights is one vcvtne2ps2bf16 of two vectors");
@@ -464,7 +542,7 @@ static inline __attribute__((always_inline)) int attend(
                         if (c0 == 0 && g0 == 0 && pv[j])
                             for (int o = 0; o < dim * esize; o += 64) PREFETCH(pv[j] + o);
                         vf vv[NV_MAX];
-                        load_row(vr[j] + vhead_off + (int64_t)c0 * VL * esize, bf16, cv * VL, vv);
+                        load_row(vr[j] + vhead_off + (int64_t)c0 * VL * esize, kind, fp8_shift, cv * VL, vv);
                         for (int g = 0; g < ng; g++) {
                             vf pj = vbroadcast(p[g0 + g][j]);
                             for (int i = 0; i < cv; i++) o[g][i] += pj * vv[i];
@@ -486,29 +564,32 @@ static inline __attribute__((always_inline)) int attend(
 }
 
 typedef int (*task_fn)(const float *, const uint16_t *, const void *, const void *, const int32_t *, int, int,
-                       const Queue *, int, int64_t, int64_t, int64_t, int64_t, float, float, float *, int);
+                       const Queue *, int, int64_t, int64_t, int64_t, int64_t, float, float, float *, const float *,
+                       const float *, int, int);
 
-#define TASK(BF, DIM, G)                                                                                  \
-    static int task_##BF##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc, const int32_t *locs, \
-                                       int lo, int hi, const Queue *queue, int hk,                            \
-                                       int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,      \
-                                       float scale, float softcap, float *state, int group) {                 \
+#define TASK(KIND, DIM, G)                                                                                    \
+    static int task_##KIND##_##DIM##_##G(const float *qp, const uint16_t *qb, const void *kc, const void *vc,   \
+                                         const int32_t *locs, int lo, int hi, const Queue *queue, int hk,         \
+                                         int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,        \
+                                         float scale, float softcap, float *state, const float *k_scales,         \
+                                         const float *v_scales, int fp8_shift, int group) {                       \
         return attend(qp, qb, kc, vc, locs, lo, hi, queue, hk, kc_row, vc_row, kc_head, vc_head, scale, softcap, \
-                      state, BF, DIM, G ? G : group);                                                      \
+                      state, k_scales, v_scales, fp8_shift, KIND, DIM, G ? G : group);                           \
     }
 // Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
-#define TASKS(BF, DIM) TASK(BF, DIM, 0) TASK(BF, DIM, 1) TASK(BF, DIM, 2) TASK(BF, DIM, 3) TASK(BF, DIM, 4) \
-    TASK(BF, DIM, 5) TASK(BF, DIM, 6) TASK(BF, DIM, 7) TASK(BF, DIM, 8)
-TASKS(0, 64)
-TASKS(0, 128)
-TASKS(0, 256)
-TASKS(1, 64)
-TASKS(1, 128)
-TASKS(1, 256)
-#define ROW(BF, DIM) {task_##BF##_##DIM##_0, task_##BF##_##DIM##_1, task_##BF##_##DIM##_2, task_##BF##_##DIM##_3, \
-    task_##BF##_##DIM##_4, task_##BF##_##DIM##_5, task_##BF##_##DIM##_6, task_##BF##_##DIM##_7, task_##BF##_##DIM##_8}
-static const task_fn TASK_TABLE[2][3][9] = {{ROW(0, 64), ROW(0, 128), ROW(0, 256)},
-                                            {ROW(1, 64), ROW(1, 128), ROW(1, 256)}};
+#define TASKS(KIND, DIM) TASK(KIND, DIM, 0) TASK(KIND, DIM, 1) TASK(KIND, DIM, 2) TASK(KIND, DIM, 3)           \
+    TASK(KIND, DIM, 4) TASK(KIND, DIM, 5) TASK(KIND, DIM, 6) TASK(KIND, DIM, 7) TASK(KIND, DIM, 8)
+#define KIND_TASKS(KIND) TASKS(KIND, 64) TASKS(KIND, 128) TASKS(KIND, 256)
+KIND_TASKS(KIND_F32)
+KIND_TASKS(KIND_BF16)
+KIND_TASKS(KIND_INT8)
+KIND_TASKS(KIND_FP8)
+#define ROW(KIND, DIM) {task_##KIND##_##DIM##_0, task_##KIND##_##DIM##_1, task_##KIND##_##DIM##_2,               \
+    task_##KIND##_##DIM##_3, task_##KIND##_##DIM##_4, task_##KIND##_##DIM##_5, task_##KIND##_##DIM##_6,         \
+    task_##KIND##_##DIM##_7, task_##KIND##_##DIM##_8}
+#define KIND_ROWS(KIND) {ROW(KIND, 64), ROW(KIND, 128), ROW(KIND, 256)}
+static const task_fn TASK_TABLE[NUM_KINDS][3][9] = {KIND_ROWS(KIND_F32), KIND_ROWS(KIND_BF16), KIND_ROWS(KIND_INT8),
+                                                    KIND_ROWS(KIND_FP8)};
 
 static int longest_first(const void *a, const void *b) {
     const Task *x = a, *y = b;
@@ -528,9 +609,18 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                      const int32_t *seq_lens, void *out, int batch, int num_heads, int num_kv_heads, int dim,
                      int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head, int64_t r2t_row, float scale,
                      int window, float softcap, int num_threads) {
-    if (!decode_attention_supported(num_heads, num_kv_heads, dim) || kv_kind > KV_BF16) return -1;
-    (void)k_scales, (void)v_scales, (void)k_scale, (void)v_scale;
+    if (!decode_attention_supported(num_heads, num_kv_heads, dim) || kv_kind < KV_F32 || kv_kind > KV_FP8_E5M2
+        || (kv_kind == KV_INT8 && (!k_scales || !v_scales)))
+        return -1;
     const int kv_is_bf16 = kv_kind == KV_BF16;
+    const int kind = kv_kind == KV_FP8_E5M2 ? KIND_FP8 : kv_kind;  // KV_F32 .. KV_FP8_E4M3 are KIND_F32 .. KIND_FP8
+    // fp8: load_row's shift, and the power of two its floats are short of the values less the query's and the
+    // weights' FP8_LIFT, folded with the per-tensor scales into the score scale and into v_mul, which the merge
+    // multiplies each output by (1 for the other kinds).
+    const int fp8_shift = kv_kind == KV_FP8_E5M2 ? 21 : 20;
+    const float fp8_pow = (kv_kind == KV_FP8_E5M2 ? 0x1p112f : 0x1p120f) / FP8_LIFT;
+    const float v_mul = kind == KIND_FP8 ? v_scale * fp8_pow : 1.0f;
+    if (kind == KIND_FP8) scale *= k_scale * fp8_pow;
     int group = num_heads / num_kv_heads;
     // Request b reads its tokens [lo_b, seq_lens[b]): all of them, or the window's.
 #define WINDOW_LO(b) (window > 0 && seq_lens[b] > window ? seq_lens[b] - window : 0)
@@ -558,7 +648,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
     first[batch] = num_tasks;
     memcpy(order, tasks, sizeof(Task) * (size_t)num_tasks);
     qsort(order, (size_t)num_tasks, sizeof(Task), longest_first);  // long tasks first: even finish
-    const task_fn fn = TASK_TABLE[kv_is_bf16 != 0][dim == 64 ? 0 : dim == 128 ? 1 : 2][group <= 8 ? group : 0];
+    const task_fn fn = TASK_TABLE[kind][dim == 64 ? 0 : dim == 128 ? 1 : 2][group <= 8 ? group : 0];
 
     int claimed = 0;
     const Queue queue = {order, num_tasks, &claimed, req_to_token, req_rows, r2t_row};
@@ -591,6 +681,8 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                     float qrow[MAX_DIM];
                     for (int d = 0; d < dim; d++)
                         qrow[d] = act_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
+                    if (kind == KIND_FP8)
+                        for (int d = 0; d < dim; d++) qrow[d] *= FP8_LIFT;
                     if (kv_is_bf16)
                         bf16_order(qrow, qp + hg * dim, dim);
                     else
@@ -601,7 +693,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
             int slot = first[b] + (int)((tk.lo - WINDOW_LO(b)) / chunk);
             i = fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo,
                    tk.hi, &queue, num_kv_heads, kc_row, vc_row, kc_head, vc_head, scale, softcap,
-                   state + slot * state_len, group);
+                   state + slot * state_len, k_scales, v_scales, fp8_shift, group);
         }
 #pragma omp barrier
         // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).
@@ -618,7 +710,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                     const float *a = st + 2 * num_heads + (int64_t)hg * dim;
                     for (int d = 0; d < dim; d++) o[d] += a[d] * w;
                 }
-                float inv = 1.0f / lsum, ordered[MAX_DIM];
+                float inv = v_mul / lsum, ordered[MAX_DIM];
                 for (int d = 0; d < dim; d++) o[d] *= inv;
                 if (kv_is_bf16) bf16_unorder(o, ordered, dim);
                 const float *src = kv_is_bf16 ? ordered : o;

@@ -15,6 +15,7 @@
 //   with q/k norms (Qwen3): q, k = RMSNorm over D of each head of q and of k, into their own buffers
 //                                                                         [T, Hq, D], [T, Hk, D]
 //   rotary on q and k (views of qkv, or those buffers), k and v written to the layer's KV cache at kv_locs
+//              (quantized there in an 8-bit cache)
 //   attn     = decode attention of the first num_decode tokens, prefill attention of the rest   [T, Hq D]
 //   hidden   = attn . w_o^T (+ b)                                         [T, H]
 //   x        = residual += hidden, rmsnorm(residual)                      [T, H]
@@ -51,6 +52,10 @@ typedef struct LayerArgs {
     const float *cos_sin;                     // [max_pos, D] float32 (cos | sin), row stride cos_sin_row
     int64_t cos_sin_row;
     int32_t window;                           // attention window in tokens, 0 for none
+    // An 8-bit cache's scales (kernels.h, KV_INT8 .. KV_FP8_E5M2): int8 [kv_rows, Hk] float32 each, else NULL;
+    // fp8 the per-tensor floats, else 1
+    float *k_scales, *v_scales;
+    float k_scale, v_scale;
 } LayerArgs;
 
 // The model's shapes, the same for every layer and step.
@@ -59,6 +64,7 @@ typedef struct ModelDims {
     int32_t widened;  // bf16: GEMMs over PAIR_MAX_M rows run the layers' float32 panels
     float eps, sm_scale, softcap;
     int64_t kv_rows, kc_row, vc_row, kc_head, vc_head;
+    int32_t kv_kind;  // the KV cache's format, KV_F32 .. KV_FP8_E5M2 (kernels.h); a float cache is the activations'
 } ModelDims;
 
 // One step's batch: token order is the decode tokens, then each prefill chunk's.
@@ -94,12 +100,14 @@ static const struct {
     FIELD_AT(LayerArgs, qkv_f), FIELD_AT(LayerArgs, qkv_bias_f), FIELD_AT(LayerArgs, o_proj_f),
     FIELD_AT(LayerArgs, o_bias_f), FIELD_AT(LayerArgs, gate_up_f), FIELD_AT(LayerArgs, down_f),
     FIELD_AT(LayerArgs, k_cache), FIELD_AT(LayerArgs, v_cache), FIELD_AT(LayerArgs, cos_sin),
-    FIELD_AT(LayerArgs, cos_sin_row), FIELD_AT(LayerArgs, window),
+    FIELD_AT(LayerArgs, cos_sin_row), FIELD_AT(LayerArgs, window), FIELD_AT(LayerArgs, k_scales),
+    FIELD_AT(LayerArgs, v_scales), FIELD_AT(LayerArgs, k_scale), FIELD_AT(LayerArgs, v_scale),
     SIZE_OF(ModelDims), FIELD_AT(ModelDims, num_layers), FIELD_AT(ModelDims, hidden), FIELD_AT(ModelDims, num_heads),
     FIELD_AT(ModelDims, num_kv_heads), FIELD_AT(ModelDims, head_dim), FIELD_AT(ModelDims, inter),
     FIELD_AT(ModelDims, bf16), FIELD_AT(ModelDims, widened), FIELD_AT(ModelDims, eps), FIELD_AT(ModelDims, sm_scale),
     FIELD_AT(ModelDims, softcap), FIELD_AT(ModelDims, kv_rows), FIELD_AT(ModelDims, kc_row),
     FIELD_AT(ModelDims, vc_row), FIELD_AT(ModelDims, kc_head), FIELD_AT(ModelDims, vc_head),
+    FIELD_AT(ModelDims, kv_kind),
     SIZE_OF(StepArgs), FIELD_AT(StepArgs, tokens), FIELD_AT(StepArgs, num_decode), FIELD_AT(StepArgs, num_extend),
     FIELD_AT(StepArgs, locs_i64), FIELD_AT(StepArgs, positions), FIELD_AT(StepArgs, kv_locs),
     FIELD_AT(StepArgs, req_to_token), FIELD_AT(StepArgs, r2t_row), FIELD_AT(StepArgs, decode_rows),
@@ -158,6 +166,8 @@ static int linear(const ModelDims *d, const Scratch *buf, const void *x, int M, 
 
 // 1 when decoder_layers takes this model: shapes its kernels take (the bf16 pair GEMMs need an even K).
 int decoder_layers_supported(const ModelDims *d) {
+    // A float cache holds the activations' dtype; an 8-bit one any format the attention kernels read.
+    if (d->kv_kind < KV_INT8 && d->kv_kind != (d->bf16 ? KV_BF16 : KV_F32)) return 0;
     if (d->bf16 && (d->hidden % 2 || d->inter % 2 || (d->num_heads * d->head_dim) % 2)) return 0;
     return decode_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim)
         && prefill_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim) && d->head_dim % 2 == 0;
@@ -205,15 +215,15 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         toc(&t, T_ROTARY);
         tic(&t);
         if (store_kv(k, k_tok, D, v, qkv_w, D, w->k_cache, d->kc_row, d->kc_head, w->v_cache, d->vc_row, d->vc_head,
-                     d->kv_rows, s->kv_locs, s->locs_i64, T, hk, D, bf16, bf16 ? KV_BF16 : KV_F32, NULL, NULL,
-                     1.0f, 1.0f, threads))
+                     d->kv_rows, s->kv_locs, s->locs_i64, T, hk, D, bf16, d->kv_kind, w->k_scales, w->v_scales,
+                     w->k_scale, w->v_scale, threads))
             FAIL(l, T_STORE_KV);
         toc(&t, T_STORE_KV);
 
         if (nd > 0) {
             tic(&t);
-            if (decode_attention(q, q_tok, D, bf16, w->k_cache, w->v_cache, bf16 ? KV_BF16 : KV_F32, NULL, NULL, 1.0f,
-                                 1.0f, s->req_to_token, s->decode_rows,
+            if (decode_attention(q, q_tok, D, bf16, w->k_cache, w->v_cache, d->kv_kind, w->k_scales, w->v_scales,
+                                 w->k_scale, w->v_scale, s->req_to_token, s->decode_rows,
                                  s->decode_lens, attn, nd, hq, hk, D, d->kc_row, d->vc_row, d->kc_head, d->vc_head,
                                  s->r2t_row, d->sm_scale, w->window, d->softcap, threads))
                 FAIL(l, T_DECODE);
@@ -222,7 +232,7 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         if (s->num_extend > 0) {
             tic(&t);
             if (prefill_attention(q + (int64_t)nd * q_tok * es, q_tok, D, bf16, w->k_cache, w->v_cache,
-                                  bf16 ? KV_BF16 : KV_F32, NULL, NULL, 1.0f, 1.0f,
+                                  d->kv_kind, w->k_scales, w->v_scales, w->k_scale, w->v_scale,
                                   s->req_to_token, s->r2t_row, s->extend_rows, s->extend_q_start,
                                   s->extend_prefix_lens, s->extend_lens, attn + (int64_t)nd * hq * D * es,
                                   s->num_extend, hq, hk, D, d->kc_row, d->vc_row, d->kc_head, d->vc_head, d->sm_scale,

@@ -19,7 +19,10 @@
 //                 positions [T] int64; cos_sin [max_pos, D] float32 (cos | sin halves), row stride cs_row.
 //   store_kv:     k, v [T, H, D] (views of qkv), token strides k_tok / v_tok, head strides k_head / v_head;
 //                 k_cache, v_cache [rows, H, D], row strides kc_row / vc_row, head strides kc_head / vc_head;
-//                 locs [T] int32 or int64: k_cache[locs[t]] = k[t], v_cache[locs[t]] = v[t].
+//                 locs [T] int32 or int64: k_cache[locs[t]] = k[t], v_cache[locs[t]] = v[t]. The cache's
+//                 kv_kind (kernels.h) is the source's dtype, or an 8-bit format the rows are quantized to:
+//                 int8 also writes k_scales / v_scales [rows, H] float32 at each loc; fp8 divides by the
+//                 per-tensor k_scale / v_scale. Cache strides are in the cache's elements (bytes for 8 bits).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -194,19 +197,99 @@ void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t head
     }
 }
 
+// The 8-bit formats' writes (kernels/kv_store.py quantize_kv_ref is the spec, matched byte for byte).
+// x as fp8 e4m3fn (e5m2 = 0) or e5m2 bits, rounded to nearest even; |x| at most the format's max (the caller
+// clamps), NaN gives 0x7F with x's sign as torch's cast does. Subnormals (below 2^-6, 2^-14) are multiples of
+// 2^-9 (2^-16): rint of the scaled value, which also rounds up into the smallest normal exactly. Normals: the
+// float32 bits rounded at the fp8 mantissa's last bit (bit 20, 21), then the exponent rebiased (127 -> 7, 15).
+static inline uint8_t fp8_encode(float x, const int e5m2) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint32_t sign = (bits >> 24) & 0x80u, mag = bits & 0x7fffffffu;
+    const int shift = e5m2 ? 21 : 20;
+    const uint32_t min_normal = (e5m2 ? 127u - 14 : 127u - 6) << 23;
+    uint32_t q;
+    if (mag > 0x7f800000u) {
+        q = 0x7f;
+    } else if (mag < min_normal) {
+        float ax;
+        memcpy(&ax, &mag, sizeof ax);
+        q = (uint32_t)rintf(ax * (e5m2 ? 65536.0f : 512.0f));
+    } else {
+        const uint32_t rounded = (mag + (1u << (shift - 1)) - 1 + ((mag >> shift) & 1u)) >> shift;
+        q = rounded - ((e5m2 ? 112u : 120u) << (23 - shift));
+    }
+    return (uint8_t)(sign | q);
+}
+
+// One head row x [dim] (float32 or bf16 by `bf16`, a constant at each call) into the cache's bytes.
+// int8: symmetric over the row, *row_scale = amax / 127 and q = rint(x * (1 / amax * 127)), all zeros for amax 0.
+// fp8: x / scale (the per-tensor scale) clamped to +-max, then fp8_encode.
+static inline __attribute__((always_inline)) void quantize_head(const void *x, uint8_t *dst, int64_t dim, int kind,
+                                                                float *row_scale, float scale, const int bf16) {
+    if (kind == KV_INT8) {
+        float amax = 0.0f;
+        for (int64_t d = 0; d < dim; d++) {
+            const float a = fabsf(ld(x, d, bf16));
+            amax = a > amax ? a : amax;
+        }
+        // 1 / amax times 127, two roundings: the reference's `127.0 / amax` is torch's __rtruediv__, which is
+        // reciprocal() * 127; the one-division quotient differs in the last bit for some amax, and so would q.
+        const float inv = amax > 0.0f ? (1.0f / amax) * 127.0f : 0.0f;
+        for (int64_t d = 0; d < dim; d++) {
+            float q = rintf(ld(x, d, bf16) * inv);
+            q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+            ((int8_t *)dst)[d] = (int8_t)q;
+        }
+        *row_scale = amax / 127.0f;
+        return;
+    }
+    const int e5m2 = kind == KV_FP8_E5M2;
+    const float bound = e5m2 ? 57344.0f : 448.0f;
+    for (int64_t d = 0; d < dim; d++) {
+        float y = ld(x, d, bf16) / scale;
+        y = y > bound ? bound : y < -bound ? -bound : y;  // compares, not fminf: NaN stays NaN, as torch's clamp
+        dst[d] = fp8_encode(y, e5m2);
+    }
+}
+
 // The KV write of a step: torch's index_copy_ took 14 us a call for 64 decode tokens (24 KB), two calls a layer.
-// Returns 0, or -1 (nothing written) when a loc is outside [0, rows): the caller then runs index_copy_, which
-// raises.
+// Returns 0, or -1 (nothing written) when a loc is outside [0, rows), or the kind is neither the source's dtype
+// nor an 8-bit one (int8 without its scales included): the caller then runs the reference, which raises or casts.
 int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
              void *k_cache, int64_t kc_row, int64_t kc_head, void *v_cache, int64_t vc_row, int64_t vc_head,
              int64_t rows, const void *locs, int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16,
              int kv_kind, float *k_scales, float *v_scales, float k_scale, float v_scale, int num_threads) {
-    if (kv_kind != (bf16 ? KV_BF16 : KV_F32)) return -1;
-    (void)k_scales, (void)v_scales, (void)k_scale, (void)v_scale;
+    const int quant = kv_kind == KV_INT8 || kv_kind == KV_FP8_E4M3 || kv_kind == KV_FP8_E5M2;
+    if (!quant && kv_kind != (bf16 ? KV_BF16 : KV_F32)) return -1;
+    if (kv_kind == KV_INT8 && (!k_scales || !v_scales)) return -1;
     const int es = bf16 ? 2 : 4;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t loc = locs_i64 ? ((const int64_t *)locs)[t] : ((const int32_t *)locs)[t];
         if (loc < 0 || loc >= rows) return -1;
+    }
+    if (quant) {
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMS)
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t loc = locs_i64 ? ((const int64_t *)locs)[t] : ((const int32_t *)locs)[t];
+            for (int64_t h = 0; h < heads; h++) {
+                const char *kt = (const char *)k + (t * k_tok + h * k_head) * es;
+                const char *vt = (const char *)v + (t * v_tok + h * v_head) * es;
+                uint8_t *kc = (uint8_t *)k_cache + loc * kc_row + h * kc_head;
+                uint8_t *vc = (uint8_t *)v_cache + loc * vc_row + h * vc_head;
+                float unused;
+                float *ks = k_scales ? k_scales + loc * heads + h : &unused;
+                float *vs = v_scales ? v_scales + loc * heads + h : &unused;
+                if (bf16) {
+                    quantize_head(kt, kc, dim, kv_kind, ks, k_scale, 1);
+                    quantize_head(vt, vc, dim, kv_kind, vs, v_scale, 1);
+                } else {
+                    quantize_head(kt, kc, dim, kv_kind, ks, k_scale, 0);
+                    quantize_head(vt, vc, dim, kv_kind, vs, v_scale, 0);
+                }
+            }
+        }
+        return 0;
     }
     const size_t head_bytes = (size_t)dim * es;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMS)

@@ -10,8 +10,11 @@
 // Shapes (strides in elements):
 //   q            [T, Hq, D]          float32 or bfloat16 (act_bf16), token stride q_tok, head stride q_head
 //                                    (a view of qkv)
-//   k_cache      [rows, Hk, D]       float32 or bfloat16, row stride kc_row, head stride kc_head
-//   v_cache      [rows, Hk, D]       same dtype, row stride vc_row, head stride vc_head
+//   k_cache      [rows, Hk, D]       kv_kind (kernels.h): float32, bfloat16, int8 or fp8 e4m3 / e5m2, row stride
+//                                    kc_row, head stride kc_head
+//   v_cache      [rows, Hk, D]       same kind, row stride vc_row, head stride vc_head
+//   k_scales, v_scales [rows, Hk]    float32, int8 only: row r's head h is q * scales[r * Hk + h]
+//   k_scale, v_scale                 fp8 only: the per-tensor scales
 //   req_to_token [num_rows, max_len] int32, row stride r2t_row
 //   req_rows, q_start, prefix_lens, extend_lens  [B] int32
 //   out          [T, Hq, D]          q's dtype, contiguous
@@ -28,6 +31,9 @@
 //   O[row] += P[row][key] V[key]                   (register tile: 6 rows x 2 vectors of the head dim)
 // Scores are computed transposed so that both tiles read K and V rows in place: one broadcast per
 // K element and contiguous V loads, with only Q (once per task) transposed.
+// A bf16 or 8-bit cache's rows of a block are first widened into float buffers (one block: [BN][D] each), the
+// 8-bit ones dequantized on the way (dequant_row), so the tiles are the float32 cache's; the whole cache is never
+// copied.
 // bf16 q and KV on an AVX512-BF16 CPU (the native build's DPBF16): the same tiles with vdpbf16ps, over pairs
 // of the head dim (scores, K read as bf16 in place) and of keys (P V, P rounded to bf16); see
 // score_tile_bf16. Zen 4, 2 threads, 16 requests x 48 new tokens after a 1,024-token prefix, 9/3 heads of 64:
@@ -156,7 +162,10 @@ static void pv_tile_bf16(const uint32_t *pp, int mr, const uint32_t *vp, int dim
 typedef struct {
     const void *q;
     const void *k_cache, *v_cache;
-    int kv_bf16, act_bf16;
+    int kv_kind, kv_bf16, act_bf16;
+    const float *k_scales, *v_scales;  // int8: [rows, num_kv_heads]
+    float k_mul, v_mul;                // fp8: the per-tensor scale times 2^120 or 2^112 (dequant_row)
+    int num_kv_heads;
     const int32_t *req_to_token, *req_rows, *q_start, *prefix_lens, *extend_lens;
     void *out;
     int num_heads, dim, group, bq;
@@ -170,10 +179,34 @@ typedef struct {
     float *qt;   // [dim][MAXR]: the task's queries, transposed and pre-scaled
     float *st;   // [BN + KT][MAXR]: scores, then probabilities, of one key block (KT spare key rows)
     float *o;    // [MAXR][dim]: output accumulators
-    float *kf;   // [BN + KT][dim]: a bf16 block's K rows in float32 (unused for float32 caches);
+    float *kf;   // [BN + KT][dim]: a bf16 or 8-bit block's K rows in float32 (unused for float32 caches);
                  // the DPBF16 path: the block's P as bf16 pairs of keys, [BN / 2][MAXR] uint32
     float *vf;   // [BN][dim]: the same for V; the DPBF16 path: V rows interleaved in pairs, [BN / 2][dim] uint32
 } Scratch;
+
+// Head row `off` (in elements) of a bf16 or 8-bit cache as dim floats, the value gather_kv gives in float32:
+// bf16 widened; int8 q * mul (the row's scale); fp8 decoded from its bits without a table: sign to bit 31, the
+// other 7 bits to bits 20 .. 26 (e4m3; 21 .. 27 for e5m2) make a float32 2^120 (2^112) times the fp8 value, exact
+// for subnormals too, and mul carries that power of two times the per-tensor scale. (The NaN and inf codes decode as
+// large finite values; store_kv never writes them, it saturates.)
+static inline void dequant_row(int kind, const void *cache, int64_t off, float mul, int dim, float *dst) {
+    if (kind == KV_BF16) {
+        const uint16_t *p = (const uint16_t *)cache + off;
+        for (int d = 0; d < dim; d++) dst[d] = bf16_to_f32(p[d]);
+    } else if (kind == KV_INT8) {
+        const int8_t *p = (const int8_t *)cache + off;
+        for (int d = 0; d < dim; d++) dst[d] = (float)p[d] * mul;
+    } else {
+        const uint8_t *p = (const uint8_t *)cache + off;
+        const int shift = kind == KV_FP8_E5M2 ? 21 : 20;
+        for (int d = 0; d < dim; d++) {
+            const uint32_t b = p[d], bits = (b & 0x80u) << 24 | (b & 0x7fu) << shift;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            dst[d] = f * mul;
+        }
+    }
+}
 
 // One task: request b, KV head h, new tokens t0 .. t0 + nt - 1.
 static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
@@ -235,17 +268,22 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
         {
             for (int j = 0; j < nb; j++) {
                 int64_t loc = locs[n0 + j];
-                if (a->kv_bf16) {
-                    const uint16_t *kk = (const uint16_t *)a->k_cache + loc * a->kc_row + (int64_t)h * a->kc_head;
-                    const uint16_t *vv = (const uint16_t *)a->v_cache + loc * a->vc_row + (int64_t)h * a->vc_head;
-                    for (int d = 0; d < dim; d++) s->kf[j * dim + d] = bf16_to_f32(kk[d]);
-                    for (int d = 0; d < dim; d++) s->vf[j * dim + d] = bf16_to_f32(vv[d]);
-                    kr[j] = s->kf + j * dim;
-                    vr[j] = s->vf + j * dim;
-                } else {
+                if (a->kv_kind == KV_F32) {
                     kr[j] = (const float *)a->k_cache + loc * a->kc_row + (int64_t)h * a->kc_head;
                     vr[j] = (const float *)a->v_cache + loc * a->vc_row + (int64_t)h * a->vc_head;
+                    continue;
                 }
+                float k_mul = a->k_mul, v_mul = a->v_mul;
+                if (a->kv_kind == KV_INT8) {
+                    k_mul = a->k_scales[loc * a->num_kv_heads + h];
+                    v_mul = a->v_scales[loc * a->num_kv_heads + h];
+                }
+                dequant_row(a->kv_kind, a->k_cache, loc * a->kc_row + (int64_t)h * a->kc_head, k_mul, dim,
+                            s->kf + j * dim);
+                dequant_row(a->kv_kind, a->v_cache, loc * a->vc_row + (int64_t)h * a->vc_head, v_mul, dim,
+                            s->vf + j * dim);
+                kr[j] = s->kf + j * dim;
+                vr[j] = s->vf + j * dim;
             }
             for (int j = nb; j < nb + KT; j++) kr[j] = kr[nb - 1];  // spare keys of the last tile
             // 6 keys x 2 vectors of rows where the rows fill them (as pv_tile), 16 rows at a time after.
@@ -363,15 +401,21 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
                       const int32_t *extend_lens, void *out,
                       int batch, int num_heads, int num_kv_heads, int dim, int64_t kc_row, int64_t vc_row,
                       int64_t kc_head, int64_t vc_head, float scale, int window, float softcap, int num_threads) {
-    if (!prefill_attention_supported(num_heads, num_kv_heads, dim) || kv_kind > KV_BF16) return -1;
-    (void)k_scales, (void)v_scales, (void)k_scale, (void)v_scale;
+    if (!prefill_attention_supported(num_heads, num_kv_heads, dim) || kv_kind < KV_F32 || kv_kind > KV_FP8_E5M2
+        || (kv_kind == KV_INT8 && (!k_scales || !v_scales)))
+        return -1;
     const int kv_bf16 = kv_kind == KV_BF16;
+    // fp8: 2^120 (e4m3) or 2^112 (e5m2) folded into the scales (dequant_row); a scale so large that the product
+    // is not a float is left to the reference.
+    const float fp8_pow2 = kv_kind == KV_FP8_E5M2 ? 0x1p112f : 0x1p120f;
+    const float k_mul = k_scale * fp8_pow2, v_mul = v_scale * fp8_pow2;
+    if ((kv_kind == KV_FP8_E4M3 || kv_kind == KV_FP8_E5M2) && !(isfinite(k_mul) && isfinite(v_mul))) return -1;
     const int group = num_heads / num_kv_heads;
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;
-    Args a = {q, k_cache, v_cache, kv_bf16, act_bf16, req_to_token, req_rows, q_start, prefix_lens, extend_lens, out,
-              num_heads, dim, group, bq, q_tok, q_head, kc_row, vc_row, kc_head, vc_head, r2t_row, scale, window,
-              softcap};
+    Args a = {q, k_cache, v_cache, kv_kind, kv_bf16, act_bf16, k_scales, v_scales, k_mul, v_mul, num_kv_heads,
+              req_to_token, req_rows, q_start, prefix_lens, extend_lens, out, num_heads, dim, group, bq, q_tok, q_head,
+              kc_row, vc_row, kc_head, vc_head, r2t_row, scale, window, softcap};
     // Tasks, the longest first (the last token block of each request sees the most keys), so the
     // dynamic schedule does not end with one long task on one thread.
     int64_t ntasks = 0;

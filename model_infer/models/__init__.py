@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from lightserve.log import get_logger
 from lightserve.model_infer.models import deepseek, gemma, llama, moe, phi3
-from lightserve.model_infer.weights import CheckpointReader
+from lightserve.model_infer.weights import CheckpointReader, read_kv_scales
 
 if TYPE_CHECKING:
     import torch
@@ -117,6 +117,7 @@ def load_weights(
     reader = CheckpointReader(Path(model_dir), dtype, device)
     try:
         weights = family.read_weights(reader, config, shards)
+        weights.kv_scales = read_kv_scales(reader, config.num_layers)
     finally:
         reader.close()
     logger.info("loaded weights (tp %d/%d, %s) in %.1fs", tp_rank, tp_size, dtype, time.perf_counter() - start)

@@ -96,14 +96,18 @@ class DecoderLM:
     def __call__(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         return self.forward(batch, kv_cache)
 
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes on this rank, over all layers (the worker sizes its cache by it)."""
-        return KVCache.bytes_per_token(self.config, self.num_kv_heads, self.dtype)
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+        """Bytes of KV cache one token takes on this rank, over all layers (the worker sizes its cache by it), in a
+        cache of `kv_dtype` (--kv_cache_dtype; None = the activation dtype)."""
+        return KVCache.bytes_per_token(self.config, self.num_kv_heads, kv_dtype or self.dtype)
 
-    def make_kv_cache(self, num_kv_rows: int, num_req_rows: int, max_req_total_len: int) -> KVCache:
-        """The KV cache this model's forward reads and writes: K and V of this rank's KV heads, every layer."""
+    def make_kv_cache(self, num_kv_rows: int, num_req_rows: int, max_req_total_len: int,
+                      kv_dtype: torch.dtype | None = None) -> KVCache:
+        """The KV cache this model's forward reads and writes: K and V of this rank's KV heads, every layer, stored
+        as `kv_dtype` (None = the activation dtype; fp8 with the checkpoint's k_scale / v_scale where it has them)."""
         return KVCache(self.config.num_layers, num_kv_rows, self.num_kv_heads, self.head_dim, num_req_rows,
-                       max_req_total_len, self.dtype, self.device, head_major=self.backend is KernelBackend.CPU)
+                       max_req_total_len, kv_dtype or self.dtype, self.device,
+                       head_major=self.backend is KernelBackend.CPU, fp8_scales=self.weights.kv_scales)
 
     def warm_up_attention(self, kv_cache: KVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Compile decode attention at every split count and for every (window, softcap) of the layers, with
@@ -114,7 +118,7 @@ class DecoderLM:
         qkv = torch.zeros(1, (hq + 2 * hk) * d, dtype=self.dtype, device=self.device)
         q = qkv[:, :hq * d].view(1, hq, d)
         warm_up_decode_attention(q, kv_cache.k_caches[0], kv_cache.v_caches[0], kv_cache.req_to_token, req_rows,
-                                 seq_lens, self.attention_variants())
+                                 seq_lens, self.attention_variants(), kv_cache.k_scales[0], kv_cache.v_scales[0])
 
     def warm_up_kernels(self, kv_cache: KVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Compile the Triton kernel variants a warm-up step does not reach at every shape (ModelRunner.warm_up
@@ -139,6 +143,7 @@ class DecoderLM:
         num_tokens = x.shape[0]
         hq, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache.k_caches[i], kv_cache.v_caches[i]
+        scales = {"k_scale": kv_cache.k_scales[i], "v_scale": kv_cache.v_scales[i]}  # an 8-bit cache's
         qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.view(num_tokens, hq, d)  # [T, Hq, D], strided view into qkv
@@ -149,7 +154,7 @@ class DecoderLM:
             q = kernels.rmsnorm(q.reshape(-1, d), layer.q_norm, eps, be).view(num_tokens, hq, d)
             k = kernels.rmsnorm(k.reshape(-1, d), layer.k_norm, eps, be).view(num_tokens, hk, d)
         kernels.rotary_emb(q, k, batch.positions, self.layer_rope[i], self.backend)
-        kernels.store_kv(k, v, k_cache, v_cache, batch.kv_locs, self.backend)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.kv_locs, self.backend, **scales)
 
         window, softcap = self.config.window(i), self.config.attn_softcap
         nd = batch.num_decode
@@ -157,13 +162,13 @@ class DecoderLM:
         if nd > 0:
             parts.append(kernels.decode_attention(
                 q[:nd], k_cache, v_cache, batch.req_to_token, attn.decode_req_rows, attn.decode_seq_lens,
-                batch.max_seq_len, self.sm_scale, window, softcap, self.backend,
+                batch.max_seq_len, self.sm_scale, window, softcap, self.backend, **scales,
             ))  # [num_decode, Hq, D]
         if attn.has_extend:
             parts.append(kernels.prefill_attention(
                 q[nd:], k_cache, v_cache, batch.req_to_token, attn.extend_req_rows, attn.extend_q_start_locs,
                 attn.extend_prefix_lens, attn.extend_lens, batch.max_extend_len, self.sm_scale, window, softcap,
-                self.backend,
+                self.backend, **scales,
             ))  # [T - num_decode, Hq, D]
         o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
         o = o.reshape(num_tokens, hq * d)  # [T, Hq * D]

@@ -176,20 +176,21 @@ class DeepseekV3ForCausalLM(llama.LlamaForCausalLM):
 
     def _attention(self, i: int, layer: DeepseekLayerWeights, x: torch.Tensor, batch: ForwardBatch,
                    attn: AttentionInputs, kv_cache: LatentKVCache) -> torch.Tensor:
-        return self.mla_layers[i](x, batch, kv_cache.latent_caches[i])  # [T, hidden], all-reduced
+        return self.mla_layers[i](x, batch, kv_cache.latent_caches[i], kv_cache.latent_scales[i])  # [T, hidden]
 
     def _ffn(self, i: int, layer: DeepseekLayerWeights, x: torch.Tensor) -> torch.Tensor:
         block = self.moe_blocks.get(i)
         return self._mlp(layer, x) if block is None else block(x)
 
-    def kv_bytes_per_token(self) -> int:
-        return LatentKVCache.bytes_per_token(self.config.num_layers, self.latent_dim, self.dtype)
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype | None = None) -> int:
+        return LatentKVCache.bytes_per_token(self.config.num_layers, self.latent_dim, kv_dtype or self.dtype)
 
-    def make_kv_cache(self, num_kv_rows: int, num_req_rows: int, max_req_total_len: int) -> LatentKVCache:
+    def make_kv_cache(self, num_kv_rows: int, num_req_rows: int, max_req_total_len: int,
+                      kv_dtype: torch.dtype | None = None) -> LatentKVCache:
         """The latent rows MLAAttention reads and writes, every rank all of them (the heads split, the latents
-        do not)."""
+        do not), stored as `kv_dtype` (None = the activation dtype)."""
         return LatentKVCache(self.config.num_layers, num_kv_rows, self.latent_dim, num_req_rows, max_req_total_len,
-                             self.dtype, self.device)
+                             kv_dtype or self.dtype, self.device)
 
     def warm_up_attention(self, kv_cache: LatentKVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Compile the MLA decode kernel at every split count, with the shapes and strides mla_decode passes."""
@@ -200,7 +201,7 @@ class DeepseekV3ForCausalLM(llama.LlamaForCausalLM):
         # q_pe is the rope part of the [1, H, Dn + Dr] query projection.
         q_pe = torch.zeros(1, heads, nope + rope, dtype=self.dtype, device=self.device)[..., nope:]
         warm_up_mla_decode_attention(q_latent, q_pe, kv_cache.latent_caches[0], kv_cache.req_to_token, req_rows,
-                                     seq_lens)
+                                     seq_lens, kv_cache.latent_scales[0])
 
     def warm_up_kernels(self, kv_cache: LatentKVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """MLA decode at every split count (warm_up_attention), plus the MoE blocks' grouped GEMMs at both block

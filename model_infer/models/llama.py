@@ -160,7 +160,8 @@ class LlamaForCausalLM(DecoderLM):
             hidden = self.cpu_layers.run(
                 residual, kv_cache.k_caches, kv_cache.v_caches, batch.req_to_token, batch.positions, batch.kv_locs,
                 batch.num_decode, attn.decode_req_rows, attn.decode_seq_lens, attn.extend_req_rows,
-                attn.extend_q_start_locs, attn.extend_prefix_lens, attn.extend_lens)  # [T, hidden]
+                attn.extend_q_start_locs, attn.extend_prefix_lens, attn.extend_lens, kv_cache.k_scales,
+                kv_cache.v_scales)  # [T, hidden]
         for i, layer in enumerate(() if one_call else w.layers):  # the loop the C call replaces
             if i == 0:
                 x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, self.backend)

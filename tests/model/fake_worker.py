@@ -13,9 +13,11 @@ from lightserve.model_infer.models.base import DecoderLM
 
 
 class FakeWorker:
-    def __init__(self, model: DecoderLM, num_kv_rows: int = 1024, num_req_rows: int = 8, max_len: int = 256):
+    def __init__(self, model: DecoderLM, num_kv_rows: int = 1024, num_req_rows: int = 8, max_len: int = 256,
+                 kv_dtype: torch.dtype | None = None):
+        """kv_dtype: the cache's storage (--kv_cache_dtype; None = the model's dtype)."""
         self.model = model
-        self.kv_cache = model.make_kv_cache(num_kv_rows, num_req_rows, max_len)  # as the worker's ModelRunner
+        self.kv_cache = model.make_kv_cache(num_kv_rows, num_req_rows, max_len, kv_dtype)  # as the worker's ModelRunner
         self.staging = HostStaging(model.device)
         self.next_kv_loc = 1  # row 0 is never used, as a worker would keep it for padding
         self.kv_locs: dict[int, list[int]] = {}  # req_row -> KV row of each cached token

@@ -1,7 +1,8 @@
 """The server's warm-up launches every Triton specialization that serving does: on tiny llama3, mixtral and
 deepseek_v3 checkpoints under the Triton backend (compiled on a GPU, the interpreter on CPU), the keys of the
 steps of batches of 1 to 9 requests, prefill-only, decode-only and mixed, are all keys `ModelRunner.warm_up`
-launched. A key first seen while serving is a 1-3 s compile in the middle of a step on a GPU.
+launched; also over an 8-bit KV cache (llama3 with int8, deepseek_v3's latent rows in fp8 e4m3), whose kernels are
+variants of their own. A key first seen while serving is a 1-3 s compile in the middle of a step on a GPU.
 
 On CPU the warm-up runs in Triton's interpreter for real, and the serving steps' launches are recorded without
 running the kernel bodies: a key depends only on the launch's arguments (dtypes, pointer alignment, ints,
@@ -33,12 +34,17 @@ SHAPES = {"llama3": {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_
           "deepseek_v3": {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}}
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
+# (family, KV cache dtype: None = the activations')
+CASES = [(arch, None) for arch in SHAPES] + [("llama3", torch.int8), ("deepseek_v3", torch.float8_e4m3fn)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{str(c[1]).removeprefix('torch.')}")
 def runner(request, tmp_path_factory):
-    model_dir = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param), **SHAPES[request.param])
+    arch, kv_dtype = request.param
+    model_dir = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **SHAPES[arch])
     return ModelRunner(str(model_dir), read_model_config(model_dir), torch.float32, DEVICE, 0, 1, None,
                        num_req_rows=MAX_BATCH + 1, max_req_total_len=48, kv_size=1024,
-                       kernel_backend=KernelBackend.TRITON)
+                       kernel_backend=KernelBackend.TRITON, kv_dtype=kv_dtype)
 
 
 def _serve(runner: ModelRunner) -> tuple[set, set[int]]:

@@ -35,3 +35,13 @@ def test_tp_that_does_not_divide_heads_is_refused(tmp_path):
     assert "--tp 2 cannot split this model: 2 ranks do not divide the model's 9 attention heads" in proc.stderr, \
         proc.stderr[-2000:]
     assert "worker-tp" not in proc.stderr  # refused before any rank started
+
+
+def test_tp2_over_an_int8_kv_cache_matches_tp1(tiny_model_dir, tmp_path):
+    """Each rank quantizes and reads the rows of its own KV heads (a scale per token and head, so a head's rows do
+    not depend on which rank holds it): --tp 2 with --kv_cache_dtype int8 gives --tp 1's tokens over the same cache."""
+    flags = ("--model_dir", str(tiny_model_dir), "--kv_cache_dtype", "int8")
+    ref = run_server(tmp_path / "tp1.log", PROMPTS, TINY_NEW_TOKENS, *flags)
+    got = run_server(tmp_path / "tp2.log", PROMPTS, TINY_NEW_TOKENS, *flags, "--tp", "2")
+    assert any(len(ids) > 1 for ids in ref)
+    assert got == ref

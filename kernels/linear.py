@@ -3,29 +3,21 @@
 On GPU it is F.linear (cuBLAS). On CPU, for float32 models, the weights are packed once at load
 (`pack_linear_weight`: panels of two vectors' worth of output features, k-major) and a C kernel
 (kernels/cpu/linear.c, a register tile of 6 or 8 rows by 2 vectors at the CPU's vector width) runs every M, decode
-and prefill alike. For bfloat16 models the weights are laid out once at load (`prepack_weight`):
+and prefill alike: it beats MKL's sgemm at every M measured, most at small M. For bfloat16 models the weights are
+laid out once at load (`prepack_weight`):
 - linear.c's pair layout (each 64-byte row is 16 output features times a pair of k, what vdpbf16ps multiplies
   against a broadcast pair of x) runs every M where the C build has vdpbf16ps (AVX512-BF16) and the CPU has no
-  AMX: a 12-row by 32-feature register tile above PAIR_MAX_M rows, a weight stream at or below it. Zen 4, 2 threads,
-  SmolLM2's four projections over 30 layers plus the lm_head, weights from DRAM, GFLOP/s against oneDNN's prepacked
-  GEMM in the same run (scripts/bench_cpu_kernels.py --linears): M=8 241 / 130, M=64 415 / 328, M=512 432 / 413
-  (the CPU's vdpbf16ps ceiling measured 446); at M=1 the stream reads 32-35 GB/s against oneDNN's 17-23.
+  AMX: a 12-row by 32-feature register tile above PAIR_MAX_M rows, a weight stream at or below it. Measured faster
+  than oneDNN's prepacked GEMM at every M on Zen 4, near the CPU's vdpbf16ps ceiling at large M.
 - On AMX CPUs oneDNN's blocked layout runs M over PAIR_MAX_M (about twice the vdpbf16ps rate), and the pair
   layout, a second copy, the decode of one to four requests (its builds without vdpbf16ps widen each pair by a
   shift and a mask).
 - Where oneDNN does not multiply bf16 natively (`onednn_bf16_dot`: no AVX512-BF16 or AMX-BF16, as on AVX2-only
   EPYCs and Skylake-SP to Ice Lake Xeons), a float32 copy in the C GEMM's panels runs M over PAIR_MAX_M on x
-  widened to float32, the output rounded to bf16: the float32 GEMM's rate. oneDNN's bf16 GEMM ran about a third of
-  it there (AVX-512 without AVX512-BF16) or has no bf16 path at all (AVX2: its weight reorder raises); torch's own
-  bf16 matmul on AVX2 ran 3-8x slower than float32 (Zen 3: 15-18 GFLOP/s against 60-120).
-torch's F.linear on plain bf16 weights repacks them on every call: on Zen 5, gate_up at M=64 took 0.456 ms a layer
-against 0.292 prepacked.
-Measured on 2 AVX2 cores (Zen 3), float32, SmolLM2-135M's shapes, weights streamed from DRAM as in
-the forward; GFLOP/s, medians, MKL's sgemm (F.linear) in the same run:
-  gate_up [3072 x 576]  M=1: MKL 2.4, C 5.0 (memory-bound: 10 GB/s)   M=16: 25 / 70
-                        M=256: 73 / 106-121   M=2048: 68 / 125
-  down    [576 x 1536]  M=1: 5.9 / 6.1   M=64: 80 / 100   M=1024: 113 / 135
-  qkv     [960 x 576]   M=4: 7.1 / 26   M=512: 101 / 134
+  widened to float32, the output rounded to bf16: the float32 GEMM's rate. oneDNN's bf16 GEMM runs far slower there
+  or has no bf16 path at all (AVX2: its weight reorder raises), and so does torch's own bf16 matmul.
+torch's F.linear on plain bf16 weights repacks them on every call, so every bf16 layout above is made once at load.
+Measurements: docs/benchmarks.md, "Measured while writing the CPU kernels".
 There is no Triton version: on GPU the GEMMs belong to cuBLAS.
 """
 from __future__ import annotations

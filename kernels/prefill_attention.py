@@ -95,7 +95,7 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, of
                  kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr, v_scales_ptr, scale_stride,
                  k_scale, v_scale, KV_QUANT: tl.constexpr, DTYPE: tl.constexpr):
     # One KV head's K (transposed, [BLOCK_D, BLOCK_N]) and V ([BLOCK_N, BLOCK_D]) at a request's positions offs_n, read
-    # through its req_to_token row; masked positions and padding lanes load 0. Shared with the decode kernel.
+    # through its req_to_token row; masked positions and padding lanes load 0. Called by score_kv_tile.
     # An 8-bit cache (KV_QUANT, kernels/kv_store.py's triton_kv_args) is dequantized here, in registers, to DTYPE (q's):
     # int8 with the [BLOCK_N] scales of the tile's rows for this head, fp8 with the per-tensor k_scale / v_scale.
     locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
@@ -124,6 +124,24 @@ def attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION: tl.c
     else:
         qk = qk * qk_scale
     return qk
+
+
+@triton.jit
+def score_kv_tile(q, start_n, end, k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, kv_head, kc_stride_row,
+                  kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr, v_scales_ptr, scale_stride,
+                  k_scale, v_scale, qk_scale, softcap_scale, softcap_out, BLOCK_N: tl.constexpr,
+                  KV_QUANT: tl.constexpr, PRECISION: tl.constexpr, USE_SOFTCAP: tl.constexpr):
+    # One step of the prefill and decode kernels' key loop: the key tile [start_n, start_n + BLOCK_N) of a request's
+    # KV head, cut at `end`, loaded (load_kv_tile, an 8-bit cache dequantized to q's dtype) and scored against
+    # q [M, BLOCK_D] (attention_scores). Returns offs_n, n_mask [BLOCK_N], qk [M, BLOCK_N] (masked keys not yet
+    # -inf: each kernel has its own visibility rule) and v [BLOCK_N, BLOCK_D].
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < end
+    k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head,
+                        kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr,
+                        v_scales_ptr, scale_stride, k_scale, v_scale, KV_QUANT, q.dtype)
+    qk = attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION, USE_SOFTCAP)
+    return offs_n, n_mask, qk, v
 
 
 @triton.jit
@@ -187,12 +205,10 @@ def _prefill_attention_kernel(
     if USE_WINDOW:  # the block's first row sees nothing before prefix_len + start_m - window + 1
         kv_start = tl.maximum(prefix_len + start_m - window + 1, 0)
     for start_n in range(kv_start, kv_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, offs_n, n_mask, kv_head,
-                            kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr,
-                            v_scales_ptr, scale_stride, k_scale, v_scale, KV_QUANT, q_ptr.dtype.element_ty)
-        qk = attention_scores(q, k, qk_scale, softcap_scale, softcap_out, PRECISION, USE_SOFTCAP)  # [BLOCK_M, BLOCK_N]
+        offs_n, n_mask, qk, v = score_kv_tile(  # qk [BLOCK_M, BLOCK_N]
+            q, start_n, kv_end, k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, kv_head, kc_stride_row,
+            kc_stride_h, vc_stride_row, vc_stride_h, offs_d, d_mask, k_scales_ptr, v_scales_ptr, scale_stride, k_scale,
+            v_scale, qk_scale, softcap_scale, softcap_out, BLOCK_N, KV_QUANT, PRECISION, USE_SOFTCAP)
         visible = (offs_n[None, :] <= prefix_len + offs_m[:, None]) & n_mask[None, :]
         if USE_WINDOW:
             visible = visible & (offs_n[None, :] > prefix_len + offs_m[:, None] - window)

@@ -25,8 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-COMMON = ["--backend", "openai", "--temperature", "0", "--ignore-eos"]
+from bench_rows import add_common_args, chosen_workloads, median, run_side  # scripts/, beside this file
+
 WORKLOADS = {
     "W1": "--dataset random --num-prompts 128 --input-len-min 128 --input-len-max 512 --output-len 128 "
           "--max-concurrency 64",
@@ -45,19 +45,6 @@ W1_REQUEST_TOKENS = 448  # a W1 request at its end: 320 prompt tokens on average
 EIGHT_GIB = 8 << 30
 
 
-def run_side(server_flags: str, bench: str, runs: int) -> list[dict]:
-    """bench_server.py's JSON rows for one server and one workload."""
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_server.py"), f"--server={server_flags}", "--runs", str(runs),
-           "--", *COMMON, *shlex.split(bench)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-
-def median(rows: list[dict], key: str) -> float:
-    values = sorted(float(r[key]) for r in rows if r.get(key) is not None)
-    return values[len(values) // 2] if values else float("nan")
-
-
 def bytes_per_token(kv: str, server_flags: str) -> int:
     """The worker's KV bytes a token for this cache format (the model's own rule, model_infer/kv_cache.py)."""
     code = ("import sys, torch; from lightserve.cli import parse_args; from lightserve.resolve_config import "
@@ -74,17 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", default="", help="lightserve flags every server gets (one string)")
     ap.add_argument("--kv", default="auto,int8,fp8_e4m3", help="--kv_cache_dtype values, the first the baseline")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--runs", type=int, default=1, help="measured runs per server and workload (after a warm-up)")
-    ap.add_argument("--smoke", action="store_true", help="tiny workloads: checks the script, measures nothing")
-    ap.add_argument("--out", help="write the result JSON here")
+    add_common_args(ap, WORKLOADS)
     args = ap.parse_args(argv)
-    table = SMOKE if args.smoke else WORKLOADS
-    names = [w for w in args.workloads.split(",") if w]
+    table, names = chosen_workloads(ap, args, WORKLOADS, SMOKE)
     kvs = [k for k in args.kv.split(",") if k]
-    unknown = [w for w in names if w not in table]
-    if unknown:
-        ap.error(f"unknown workloads {unknown} (known: {', '.join(table)})")
     result: dict = {"server": args.server, "capacity": {}, "workloads": {}}
     for kv in kvs:
         per_token = bytes_per_token(kv, args.server)

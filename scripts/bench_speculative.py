@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-COMMON = ["--backend", "openai", "--temperature", "0", "--ignore-eos"]
+from bench_rows import add_common_args, chosen_workloads, median, run_side  # scripts/, beside this file
+
 WORKLOADS = {
     "W4-b1": "--dataset copy-edit --num-prompts 4 --input-len 1000 --output-len 256 --max-concurrency 1",
     "W4-b8": "--dataset copy-edit --num-prompts 16 --input-len 1000 --output-len 256 --max-concurrency 8",
@@ -42,34 +40,14 @@ TARGETS = (("W4-b1", "tpot_p50_ms", "<=", 0.5), ("W4-b8", "output_tok_s", ">=", 
            ("W2", "output_tok_s", ">=", 0.95), ("W1", "output_tok_s", ">=", 0.95))
 
 
-def run_side(server_flags: str, bench: str, runs: int) -> list[dict]:
-    """bench_server.py's JSON rows for one server and one workload."""
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_server.py"), f"--server={server_flags}", "--runs", str(runs),
-           "--", *COMMON, *shlex.split(bench)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-
-
-def median(rows: list[dict], key: str) -> float:
-    values = sorted(float(r[key]) for r in rows if r.get(key) is not None)
-    return values[len(values) // 2] if values else float("nan")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", default="", help="lightserve flags both servers get (one string)")
     ap.add_argument("--speculative", default="--speculative_algorithm ngram --num_speculative_tokens 4",
                     help="the flags that turn speculation on")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--runs", type=int, default=1, help="measured runs per server and workload (after a warm-up)")
-    ap.add_argument("--smoke", action="store_true", help="tiny workloads: checks the script, measures nothing")
-    ap.add_argument("--out", help="write the result JSON here")
+    add_common_args(ap, WORKLOADS)
     args = ap.parse_args(argv)
-    table = SMOKE if args.smoke else WORKLOADS
-    names = [w for w in args.workloads.split(",") if w]
-    unknown = [w for w in names if w not in table]
-    if unknown:
-        ap.error(f"unknown workloads {unknown} (known: {', '.join(table)})")
+    table, names = chosen_workloads(ap, args, WORKLOADS, SMOKE)
     result = {}
     for name in names:
         off = run_side(args.server, table[name], args.runs)

@@ -30,20 +30,16 @@
 // G query heads from one load of each K row, updates the online softmax once per block, and adds the
 // block's V rows into the G output rows, which stay in registers (a tile at a time). Meanwhile it
 // prefetches the next block's K rows while it scores and its V rows while it adds V, a few lines per
-// row it touches: the rows are a gather the hardware prefetchers follow only partly. Measured with scripts/bench_cpu_kernels.py on Zen 5, bf16
-// KV, batch 64 x 384: 21 GB/s without, 25-28 with (24 against 11 when a request's rows are scattered);
-// all of the next block's lines requested at once at the block's start gained nothing (too many
-// requests in flight at once, so most were dropped). The prefetches go to L2 (PF_LOCALITY below).
-// Issuing the V rows' prefetches from the V pass instead of the score pass keeps memory busy through
-// both passes: on Zen 4 (batch 64 x 384 and 16 x 1,100, bf16 and float32) 9-12% faster.
+// row it touches: the rows are a gather the hardware prefetchers follow only partly (measured faster on Zen 5;
+// requesting all of the next block's lines at once gained nothing, too many requests in flight). The prefetches go
+// to L2 (PF_LOCALITY below). The V rows' prefetches are issued from the V pass, not the score pass, which keeps
+// memory busy through both passes (measured faster on Zen 4).
 // A thread claims its next task when the rows it prefetches pass the current one's end (its last block, or last two
 // where it prefetches two blocks ahead), and those blocks prefetch the next task's first rows, so a task never starts
 // on rows nobody asked for: each thread's tasks are one stream to the prefetches, and the claim comes late enough to
-// keep the balance of claiming on completion. Zen 4, raw kernel calls, SmolLM2's heads, the two builds alternated in
-// one process, medians of 3 pairs: bf16 KV at 64 x 384 0.894 -> 0.745 ms a layer, 16 x 1,100 0.611 -> 0.581,
-// 1 x 2,000 0.092 -> 0.083; float32 at 64 x 384 1.79 -> 1.40. Claiming at the start of the current task instead
-// gained as much there but cost 15-26% at 1 x 300 (3 tasks on 2 threads: one thread took two), where this build runs
-// as before.
+// keep the balance of claiming on completion (measured faster on Zen 4; claiming at the start of the current task
+// instead cost a batch of few tasks, where one thread then takes two).
+// The measurements behind this file's choices: docs/benchmarks.md, "Measured while writing the CPU kernels".
 // Vectors are vec.h's `vf`: 16 lanes on AVX-512 CPUs, 8 on AVX2 ones, from this one source.
 // An 8-bit cache (int8, fp8 e4m3 / e5m2; kernels/kv_store.py) is read the same way at a byte an element: load_row
 // widens each row to floats in registers, and the scales apply to the scores and the weights (int8's per row) or fold
@@ -60,8 +56,8 @@
 // AVX512-BF16 (Zen 4/5, Sapphire Rapids and later, in the native build of such a CPU): bf16 K rows
 // are scored with vdpbf16ps against a bf16 query, each instruction 32 products summed in pairs into
 // 16 float lanes, so K needs no widening and half the multiply instructions. Only for bf16 queries
-// (the bf16 model): their products are exact in float, as in the widening path. Zen 4 (bf16, batch
-// 64 x 384, 3 KV heads x 64): 1.03 -> 0.84 ms a layer, 18 -> 22 GB/s.
+// (the bf16 model): their products are exact in float, as in the widening path. Measured faster on Zen 4: see
+// docs/benchmarks.md, "Measured while writing the CPU kernels".
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>  // vload_i8's widening loads
 #endif
@@ -76,10 +72,7 @@
 // folding them to one score cost as many shuffles and adds as the products; packed, each instruction takes four K
 // pairs broadcast to every lane against four pairs of each of four heads, and four tokens' results fold to their
 // scores in three in-lane steps. With 1 or 2 heads in a group half the lanes or more would multiply zeros.
-// Zen 5, raw kernel calls, bf16 KV from memory, the two builds alternated (this with the inline rescale exponential in
-// attend and the V pass's register limit): SmolLM2's 9 x 3 x 64 heads at batch 64 x 384
-// 0.630 -> 0.588 ms a layer, 16 x 1,100 0.480 -> 0.387, 1 x 2,000 0.071 -> 0.054; groups of 8 (24 x 3 x 64) at 64 x 384
-// 1.086 -> 0.861 ms.
+// Measured faster on Zen 5 for SmolLM2's groups of 3 and for groups of 8 (docs/benchmarks.md, as above).
 #ifndef PACK_MIN_GROUP  // PACK_MIN_GROUP, PF_DIST and PF_LOCALITY: a build may set them
 #define PACK_MIN_GROUP 3   // (kernels/cpu/__init__.py TUNABLES, scripts/bench_cpu_kernels.py --define)
 #endif
@@ -89,57 +82,42 @@ _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 // block before the next block; each head's softmax state is its own either way. A token's K (and V) row holds all
 // heads, so head by head a thread reads two strided streams (a head's part of each row) rather than 2 x Hk
 // interleaved ones; with a head-major cache (head stride rows x D: kc_head / vc_head, as a CPU KVCache lays it out)
-// the two are contiguous. Zen 4, raw kernel calls from memory, SmolLM2's 9 x 3 x 64 heads, the four combinations
-// alternated in one process, four runs, times against block by block over a token-major cache: the native build in
-// bf16, a head at a time over the head-major cache 0.88-0.97x at 64 x 384, 0.92-0.98x at 16 x 1,100 and 0.97-0.98x at
-// 1 x 2,000 (block by block there 0.94-0.96x, 0.96-1.04x and 1.03-1.11x; a head at a time over the token-major cache
-// 0.94-1.05x, 0.88-0.97x and 1.00-1.12x); float32 KV, one run, 0.94-1.03x. The AVX2 build, head-major: a head at a
-// time 1.07-1.23x with this CPU's L2 prefetches, but 0.78x with prefetcht0 (PF_LOCALITY=3, how a Zen 3 fills, per
-// AMD), block by block 1.02-1.21x and 0.91-0.97x. So on where vdpbf16ps scores, off elsewhere until a Zen 3 is
-// measured; a build may set it.
+// the two are contiguous. Measured on Zen 4: a head at a time over the head-major cache is the fastest of the four
+// combinations in the native bf16 build; in the AVX2 build it is slower with L2 prefetches and faster with
+// prefetcht0 (how a Zen 3 fills). So on where vdpbf16ps scores, off elsewhere until a Zen 3 is measured; a build may
+// set it.
 #ifndef HEAD_OUTER
 #define HEAD_OUTER DPBF16
 #endif
 #ifndef SHARE_K
 #define SHARE_K 1  // head-packed passes two at a time from one load of each K pair (scores_packed)
 #endif
-// Zen 4, raw kernel calls from memory, the builds alternated (--define SHARE_K=0 against this), two runs: groups of 7
-// and 8 at head_dim 128 (28 x 4 x 128, 32 x 4 x 128) took 1.04-1.21x the time with each pass loading its own K, groups
-// of 5 (40 x 8 x 128) 1.05-1.13x, groups of 8 at 64 (24 x 3 x 64) 1.04-1.06x; with the KV in cache 1.07-1.14x. Groups
-// of 16 (32 x 2 x 128, four passes as two pairs) 1.01-1.08x in one run.
+// Each pass loading its own K measured slower on Zen 4 for every group size tried, most at groups of 7 and 8 at
+// head_dim 128.
 // The V pass as vdpbf16ps (DPBF16, groups of DPV_MIN_GROUP or more query heads): the block's weights rounded to bf16
 // pairs (token j, j + 1) and two V rows interleaved into the same pairs, so each instruction adds two tokens where the
 // widening pass needs an FMA per token. The interleave (a shift and a 16-bit blend per 32 elements) costs what the
-// widening did; the multiplies halve, and pay where there are many per V row. Zen 4, raw kernel calls from memory, the
-// builds alternated (bench_cpu_kernels.py --define DPV_MIN_GROUP=17 against this), batch 64 x 384 / 16 x 1,100 /
-// 1 x 2,000: the widening pass took 1.03 / 1.13 / 1.13x the time at 32 x 8 x 128 (groups of 4), 1.14 / 1.19 / 1.20x
-// at 28 x 4 x 128 (7), 1.17 / 1.11 / 1.11x at 32 x 4 x 128 (8); 0.98-0.99x at 32 x 8 x 64; SmolLM2's groups of 3
-// at 64 measured 0.93-1.07x (and 5-8% slower in an earlier form), so they stay widening. The weights' rounding to bf16
-// is within the bf16 model's tolerance (its KV and output are bf16).
+// widening did; the multiplies halve, and pay where there are many per V row: measured faster on Zen 4 for groups of
+// 4 to 8 at head_dim 128, no better for SmolLM2's groups of 3 at 64, which stay widening. The weights' rounding to
+// bf16 is within the bf16 model's tolerance (its KV and output are bf16).
 #ifndef DPV_MIN_GROUP
 #define DPV_MIN_GROUP 4
 #endif
 
 #define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
 // How many tokens ahead the rows are prefetched: the next block, or two blocks where the scores run fastest against
-// the fewest bytes, the DPBF16 scores of 128-byte head rows (bf16 at head_dim 64). Zen 4, raw kernel calls, the builds
-// alternated (scripts/bench_cpu_kernels.py --define PF_DIST=...), SmolLM2's 3 KV heads x 64 in bf16: the native build
-// 0.85-0.95x the time at 48-80 tokens ahead against 32, at 64 x 384 and 16 x 1,100 (1.00-1.02x at 1 x 2,000), neutral
-// with 8 KV heads x 64; but the AVX2 build, whose scores take longer, 1.06-1.08x. With 256-byte head rows (float32 at
-// 64, bf16 at 128) 16 tokens ahead cost 1.02-1.30x and 64 1.00-1.13x. On Zen 5, 2-4 blocks ahead measured no better
-// than one (SmolLM2's heads, bf16). A build may fix the distance (PF_DIST).
+// the fewest bytes, the DPBF16 scores of 128-byte head rows (bf16 at head_dim 64): measured faster on Zen 4 there,
+// slower in the AVX2 build (whose scores take longer) and with 256-byte head rows; on Zen 5 no better than one block.
+// A build may fix the distance (PF_DIST; scripts/bench_cpu_kernels.py --define PF_DIST=...).
 #ifdef PF_DIST
 #define PF_TOKENS(dp_scores, head_bytes) PF_DIST
 #else
 #define PF_TOKENS(dp_scores, head_bytes) ((dp_scores) && (head_bytes) <= 128 ? 2 * BLOCK : BLOCK)
 #endif
 // Prefetch into L2, not L1 (prefetcht2): a block's K and V rows plus the next block's are ~49 KB in
-// bf16 at 3 KV heads x 64, more than a 32 KB L1. On Zen 4 (bf16, batch 64 x 384) 13 -> 20 GB/s. There,
-// prefetcht0 (into L1) is as slow as no software prefetch at all, whatever the block size: AVX2 build, raw
-// calls at 64 x 384, float32 1.71 ms a layer with prefetcht2, 3.61 with prefetcht0 (3.56 with 16-token
-// blocks); in a second run 1.85 with prefetcht2, 3.31 without prefetches. AMD documents the fill into L2
-// for T1/T2 as new in Zen 4: on Zen 3 and earlier every prefetch hint fills L1, the likely reason the
-// kernel reads only ~11 GB/s there (not measured on a Zen 3 yet).
+// bf16 at 3 KV heads x 64, more than a 32 KB L1: measured faster on Zen 4, where prefetcht0 (into L1) is as slow
+// as no software prefetch at all, whatever the block size. AMD documents the fill into L2 for T1/T2 as new in
+// Zen 4: on Zen 3 and earlier every prefetch hint fills L1, the likely reason the kernel reads less there.
 #ifndef PF_LOCALITY
 #define PF_LOCALITY 1  // the hint: 0 = prefetchnta, 1 = prefetcht2, 2 = prefetcht1, 3 = prefetcht0
 #endif
@@ -149,8 +127,8 @@ _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 #define PREFETCH(p) __builtin_prefetch((p), 0, PF_LOCALITY)
 #endif
 #define MAX_GROUP 16
-// Head dims 64, 128 and 256 (Gemma's) are compiled in. Gemma-shaped bf16 KV (8/4 heads x 256, batch 16 x 1,000,
-// Zen 4): 2.63 ms a layer here against 35.6 in the gathering torch reference it used to fall back to.
+// Head dims 64, 128 and 256 (Gemma's) are compiled in: Gemma's heads would otherwise fall back to the gathering torch
+// reference, measured over ten times slower.
 #define MAX_DIM 256
 #define MAX_HEADS 128
 #define MIN_CHUNK 128   // tokens: a shorter chunk costs more in its merge than it balances

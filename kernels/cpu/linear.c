@@ -4,7 +4,7 @@
 // Why C: on this kind of CPU MKL's sgemm reaches about half the machine's read bandwidth when M is
 // a handful of rows (decode), and 70-115 GFLOP/s when M is large (prefill). This kernel runs one
 // register tile for all M: it streams the weights once per 48 rows of x, which is bandwidth-bound
-// at small M and near the FMA ceiling at large M (measured in kernels/linear.py's docstring).
+// at small M and near the FMA ceiling at large M (docs/benchmarks.md, "Measured while writing the CPU kernels").
 //
 // Weight layout: packed once at load time (kernels/linear.py, pack_linear_weight) into panels of
 // NR output features (two vectors: 32 on AVX-512 CPUs, 16 on AVX2 ones), k-major inside a panel:
@@ -124,6 +124,21 @@ static int tile_rows(int M) {
     return (M + MR_TALL - 1) / MR_TALL * MR_TALL <= (M + MR - 1) / MR * MR ? MR_TALL : MR;
 }
 
+// The loops every GEMM here runs: M cut into row blocks of MC rows (row_block), and within a block the weight panels
+// [0, panels) shared out among the caller's num_threads threads (share.h), each panel then meeting every tile of ROWS
+// rows of the block before the next panel is read. BODY runs once for each (block, panel), with m0 and mc (the
+// block's first row and its row count), tiles (its tile count) and `p` (the panel) in scope. A macro rather than a
+// function taking a callback, so that the always_inline tile functions BODY calls are still inlined into the
+// parallel loop.
+#define FOR_BLOCK_PANELS(M, MC, ROWS, panels, p, ...)                                               \
+    for (int m0 = 0; m0 < (M); m0 += (MC)) {                                                        \
+        const int mc = (M) - m0 < (MC) ? (M) - m0 : (MC), tiles = (mc + (ROWS) - 1) / (ROWS);       \
+        Shares shares;                                                                              \
+        shares_init(&shares, (panels), num_threads);                                                \
+        _Pragma("omp parallel num_threads(num_threads)")                                            \
+        for (int64_t p; (p = shares_take(&shares)) >= 0;) { __VA_ARGS__ }                           \
+    }
+
 // num_threads: torch's (the OpenMP pool is shared). Returns 0, or -1 for arguments this kernel
 // does not take (the caller then runs the torch path).
 int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, int N,
@@ -132,26 +147,17 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
     int64_t panels = ((int64_t)N + NR - 1) / NR;
     const int rows = tile_rows(M);
     const int MC = row_block(M, (int64_t)K * 4, X_BLOCK_BYTES, rows);
-    for (int m0 = 0; m0 < M; m0 += MC) {
-        const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + rows - 1) / rows;
-        const float *xb = x + (int64_t)m0 * x_row;
-        float *ob = out + (int64_t)m0 * out_row;
-        Shares shares;
-        shares_init(&shares, panels, num_threads);
-        #pragma omp parallel num_threads(num_threads)
-        for (int64_t p; (p = shares_take(&shares)) >= 0;) {
-            int64_t n = p * NR;
-            int ncols = N - n < NR ? (int)(N - n) : NR;
-            const float *b = wp + p * (int64_t)K * NR;
-            for (int i = 0; i < mc; i += rows) {
-                const int mr = mc - i < rows ? mc - i : rows;
-                const float *xi = xb + (int64_t)i * x_row, *bias_n = bias ? bias + n : 0;
-                float *oi = ob + (int64_t)i * out_row + n;
-                tile_of(rows, xi, x_row, mr, b, K, oi, out_row, ncols, bias_n,
-                        next_panel(wp, p, panels, i / rows, tiles, K), tiles);
-            }
-        }
-    }
+    FOR_BLOCK_PANELS(M, MC, rows, panels, p,
+        int64_t n = p * NR;
+        int ncols = N - n < NR ? (int)(N - n) : NR;
+        const float *b = wp + p * (int64_t)K * NR;
+        for (int i = 0; i < mc; i += rows) {
+            const int mr = mc - i < rows ? mc - i : rows;
+            const float *xi = x + (int64_t)(m0 + i) * x_row, *bias_n = bias ? bias + n : 0;
+            float *oi = out + (int64_t)(m0 + i) * out_row + n;
+            tile_of(rows, xi, x_row, mr, b, K, oi, out_row, ncols, bias_n,
+                    next_panel(wp, p, panels, i / rows, tiles, K), tiles);
+        })
     return 0;
 }
 
@@ -173,26 +179,19 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
     const int64_t half = inter / NR;  // gate panels; up panel p is p + half
     const int rows = tile_rows(M);
     const int MC = row_block(M, (int64_t)K * 4, X_BLOCK_BYTES, rows);
-    for (int m0 = 0; m0 < M; m0 += MC) {
-        const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + rows - 1) / rows;
-        Shares shares;
-        shares_init(&shares, half, num_threads);
-        #pragma omp parallel num_threads(num_threads)
-        for (int64_t p; (p = shares_take(&shares)) >= 0;) {
-            const float *bg = wp + p * (int64_t)K * NR, *bu = wp + (p + half) * (int64_t)K * NR;
-            float g[MR_TALL * NR], u[MR_TALL * NR];  // [rows, NR]
-            for (int i = 0; i < mc; i += rows) {
-                const int mr = mc - i < rows ? mc - i : rows;
-                const float *xi = x + (int64_t)(m0 + i) * x_row;
-                tile_of(rows, xi, x_row, mr, bg, K, g, NR, NR, NULL,
-                        next_panel(wp, p, half, i / rows, tiles, K), tiles);
-                tile_of(rows, xi, x_row, mr, bu, K, u, NR, NR, NULL,
-                        next_panel(wp, p + half, 2 * half, i / rows, tiles, K), tiles);
-                for (int m = 0; m < mr; m++)
-                    silu_and_mul_row(g + m * NR, u + m * NR, out + (int64_t)(m0 + i + m) * inter + p * NR, NR, 0);
-            }
-        }
-    }
+    FOR_BLOCK_PANELS(M, MC, rows, half, p,
+        const float *bg = wp + p * (int64_t)K * NR, *bu = wp + (p + half) * (int64_t)K * NR;
+        float g[MR_TALL * NR], u[MR_TALL * NR];  // [rows, NR]
+        for (int i = 0; i < mc; i += rows) {
+            const int mr = mc - i < rows ? mc - i : rows;
+            const float *xi = x + (int64_t)(m0 + i) * x_row;
+            tile_of(rows, xi, x_row, mr, bg, K, g, NR, NR, NULL,
+                    next_panel(wp, p, half, i / rows, tiles, K), tiles);
+            tile_of(rows, xi, x_row, mr, bu, K, u, NR, NR, NULL,
+                    next_panel(wp, p + half, 2 * half, i / rows, tiles, K), tiles);
+            for (int m = 0; m < mr; m++)
+                silu_and_mul_row(g + m * NR, u + m * NR, out + (int64_t)(m0 + i + m) * inter + p * NR, NR, 0);
+        })
     return 0;
 }
 
@@ -355,32 +354,25 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
     const int64_t pstride = (int64_t)kp * PAIR_PW;
     const int64_t pairs = ((int64_t)N + 2 * PAIR_PW - 1) / (2 * PAIR_PW);  // wp has 2 * pairs panels
     const int MC = row_block(M, (int64_t)K * 2, GEMM_X_BLOCK_BYTES, GEMM_MR);
-    for (int m0 = 0; m0 < M; m0 += MC) {
-        const int mc = M - m0 < MC ? M - m0 : MC, tiles = (mc + GEMM_MR - 1) / GEMM_MR;
-        Shares shares;
-        shares_init(&shares, pairs, num_threads);
-        #pragma omp parallel num_threads(num_threads)
-        for (int64_t g; (g = shares_take(&shares)) >= 0;) {
-            const uint32_t *w = wp + 2 * g * pstride;
-            const int64_t n0 = 2 * g * PAIR_PW;
-            const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
-            float acc[GEMM_MR * 2 * PAIR_PW];
-            for (int i0 = 0; i0 < mc; i0 += GEMM_MR) {
-                const int mr = mc - i0 < GEMM_MR ? mc - i0 : GEMM_MR;
-                const uint16_t *xb = x + (int64_t)(m0 + i0) * x_row;
-                // As in the float32 GEMM (next_panel): tile i fetches the i-th slice of the next pair's k pairs.
-                const uint32_t *next =
-                    g + 1 < pairs ? w + 2 * pstride + slice_start(i0 / GEMM_MR, tiles, kp) * PAIR_PW : 0;
-                switch (mr) {
-                    GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4) GEMM_CASE(5) GEMM_CASE(6) GEMM_CASE(7)
-                    GEMM_CASE(8) GEMM_CASE(9) GEMM_CASE(10) GEMM_CASE(11)
-                    default: gemm_tile(xb, x_row, GEMM_MR, kp, w, pstride, next, tiles, acc); break;
-                }
-                const int64_t at = (int64_t)(m0 + i0) * out_row;
-                gemm_store(acc, mr, bias, outf ? NULL : out + at, outf ? outf + at : NULL, out_row, n0, ncols);
+    FOR_BLOCK_PANELS(M, MC, GEMM_MR, pairs, g,
+        const uint32_t *w = wp + 2 * g * pstride;
+        const int64_t n0 = 2 * g * PAIR_PW;
+        const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
+        float acc[GEMM_MR * 2 * PAIR_PW];
+        for (int i0 = 0; i0 < mc; i0 += GEMM_MR) {
+            const int mr = mc - i0 < GEMM_MR ? mc - i0 : GEMM_MR;
+            const uint16_t *xb = x + (int64_t)(m0 + i0) * x_row;
+            // As in the float32 GEMM (next_panel): tile i fetches the i-th slice of the next pair's k pairs.
+            const uint32_t *next =
+                g + 1 < pairs ? w + 2 * pstride + slice_start(i0 / GEMM_MR, tiles, kp) * PAIR_PW : 0;
+            switch (mr) {
+                GEMM_CASE(1) GEMM_CASE(2) GEMM_CASE(3) GEMM_CASE(4) GEMM_CASE(5) GEMM_CASE(6) GEMM_CASE(7)
+                GEMM_CASE(8) GEMM_CASE(9) GEMM_CASE(10) GEMM_CASE(11)
+                default: gemm_tile(xb, x_row, GEMM_MR, kp, w, pstride, next, tiles, acc); break;
             }
-        }
-    }
+            const int64_t at = (int64_t)(m0 + i0) * out_row;
+            gemm_store(acc, mr, bias, outf ? NULL : out + at, outf ? outf + at : NULL, out_row, n0, ncols);
+        })
 }
 #endif
 

@@ -7,6 +7,7 @@ which the front renders as a 400.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from lightserve.chat.output import template_takes_tools, with_calls_in_text, with_tool_prompt
@@ -49,6 +50,17 @@ def normalize_messages(messages: Any, param: str = "messages") -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise ParamError(param, "must be a non-empty list of messages")
     return [normalize_message(msg, f"{param}.{i}") for i, msg in enumerate(messages)]
+
+
+def function_tools(tools: Any, what: str, function_of: Callable[[Any, str], dict]) -> list[dict] | None:
+    """An API's `tools` in the chat form that chat.output.plan_tools reads ({"type": "function", "function": ...}),
+    each tool's function read by `function_of(tool, "tools.<i>")`; None when not given. `what` names the list's items
+    in the error for a `tools` that is not a list. Raises ParamError naming the field."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ParamError("tools", f"must be a list of {what}")
+    return [{"type": "function", "function": function_of(tool, f"tools.{i}")} for i, tool in enumerate(tools)]
 
 
 def normalize_message(msg: Any, where: str) -> dict:

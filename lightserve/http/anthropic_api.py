@@ -26,16 +26,22 @@ from lightserve.http.front import (
     anthropic_error,
     chat_grammar,
     check_model,
-    get_front,
     json_response,
     make_checked,
-    parse_model,
-    read_json,
+    read_request,
     request_params,
     stop_list,
 )
 from lightserve.http.schema import StrictModel
-from lightserve.http.streams import EventStream, generate_one, relay, sse_event, start_stream, until_disconnect
+from lightserve.http.streams import (
+    DeltaBlocks,
+    EventStream,
+    generate_one,
+    relay,
+    sse_event,
+    start_stream,
+    until_disconnect,
+)
 from lightserve.messages import FinishReason, ReqDelta
 from lightserve.sampling import GrammarKind
 
@@ -79,8 +85,7 @@ class MessagesRequest(CountTokensRequest):
 
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
-    front = get_front(request)
-    req = parse_model(MessagesRequest, await read_json(request))
+    front, req = await read_request(request, MessagesRequest)
     chat = await _chat(front, req)
     kind, grammar = chat.grammar
     # Agents ask for more than a small model's context holds (Claude Code: 32000): max_tokens is capped
@@ -120,8 +125,8 @@ async def create_message(request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
-    front = get_front(request)
-    chat = await _chat(front, parse_model(CountTokensRequest, await read_json(request)))
+    front, req = await read_request(request, CountTokensRequest)
+    chat = await _chat(front, req)
     return json_response({"input_tokens": len(chat.prompt_ids)})
 
 
@@ -145,34 +150,25 @@ async def _chat(front: Front, req: CountTokensRequest) -> _Chat:
     return _Chat(plan, prompt, prompt_ids, grammar)
 
 
-class _MessageBuilder:
+class _MessageBuilder(DeltaBlocks):
     """Content blocks built from ChatOutput's delta fields, each step also returned as Anthropic
     stream events. Blocks open and close in order: thinking (only when the client asked for it),
     text, tool_use (a text after a call opens a new text block)."""
+
+    REASONING, TEXT = "thinking", "text"
 
     def __init__(self, model_name: str, prompt_len: int, thinking: bool, capped: bool):
         self.message: dict[str, Any] = {
             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": model_name,
             "content": [], "stop_reason": None, "stop_sequence": None, "usage": _usage(prompt_len, 0, 0)}
         self._prompt_len = prompt_len
-        self._thinking = thinking
+        self.show_reasoning = thinking
         self._capped = capped  # max_tokens was cut to the context: a length stop is the context's
         self._open: dict | None = None
 
     def start(self, cached_len: int) -> list[bytes]:
         self.message["usage"] = _usage(self._prompt_len, cached_len, 0)
         return [self._event("message_start", message=self.message), _PING]
-
-    def add(self, fields: dict) -> list[bytes]:
-        events = []
-        if fields.get("reasoning_content") and self._thinking:
-            events += self._text("thinking", fields["reasoning_content"])
-        if fields.get("content"):
-            events += self._text("text", fields["content"])
-        for call in fields.get("tool_calls", ()):
-            events += self._close()
-            events += self._tool_use(call["id"], call["function"]["name"], call["function"]["arguments"])
-        return events
 
     def finish(self, output: ChatOutput, finish: FinishReason, stop_sequence: str | None, num_output: int,
                cached_len: int) -> list[bytes]:
@@ -200,7 +196,7 @@ class _MessageBuilder:
                                   delta={"type": f"{kind}_delta", kind: delta}))
         return events
 
-    def _tool_use(self, call_id: str, name: str, arguments: str) -> list[bytes]:
+    def _call(self, call_id: str, name: str, arguments: str) -> list[bytes]:
         # The call's id in Anthropic's spelling: toolu_ for call_; a client sends it back as is.
         block = {"type": "tool_use", "id": "toolu_" + call_id.removeprefix("call_"), "name": name, "input": {}}
         events = self._start_block(block)

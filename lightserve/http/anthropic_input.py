@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightserve.chat.messages import function_tools
 from lightserve.sampling import ParamError
 
 # Block types that carry media or documents: refused by name, since this server serves text models.
@@ -51,26 +52,7 @@ def chat_messages(system: Any, messages: Any) -> list[dict]:
 
 def chat_tools(tools: Any) -> list[dict] | None:
     """Anthropic's client tools ({"name", "description", "input_schema"}) in the chat form."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise ParamError("tools", "must be a list of tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise ParamError(f"tools.{i}", "must be an object with name and input_schema")
-        if tool.get("type") not in (None, "custom"):
-            raise ParamError(f"tools.{i}.type", f"{tool['type']!r} is one of Anthropic's server tools; only "
-                                                "client tools (name, description, input_schema) are supported")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise ParamError(f"tools.{i}.name", "must be a non-empty string")
-        if not isinstance(tool.get("input_schema"), dict):
-            raise ParamError(f"tools.{i}.input_schema", "is required: the JSON schema of the tool's input")
-        fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
-        out.append({"type": "function", "function": fn})
-    return out
+    return function_tools(tools, "tools", _client_tool)
 
 
 def chat_tool_choice(choice: Any) -> tuple[Any, bool | None]:
@@ -144,6 +126,22 @@ def _text(block: Any, where: str, allowed: tuple[str, ...] = ("text",)) -> str:
     if not isinstance(block.get("text"), str):
         raise ParamError(f"{where}.text", "must be a string")
     return block["text"]
+
+
+def _client_tool(tool: Any, where: str) -> dict:
+    if not isinstance(tool, dict):
+        raise ParamError(where, "must be an object with name and input_schema")
+    if tool.get("type") not in (None, "custom"):
+        raise ParamError(f"{where}.type", f"{tool['type']!r} is one of Anthropic's server tools; only "
+                                          "client tools (name, description, input_schema) are supported")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise ParamError(f"{where}.name", "must be a non-empty string")
+    if not isinstance(tool.get("input_schema"), dict):
+        raise ParamError(f"{where}.input_schema", "is required: the JSON schema of the tool's input")
+    fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    if isinstance(tool.get("description"), str):
+        fn["description"] = tool["description"]
+    return fn
 
 
 def _user_turn(blocks: list, where: str, call_ids: set[str]) -> list[dict]:

@@ -162,6 +162,11 @@ async def read_json(request: Request) -> dict:
     return data
 
 
+async def read_request(request: Request, cls: type[M]) -> tuple[Front, M]:
+    """What a generation route opens with: the app's Front and the body parsed as `cls` (a 400 naming the field)."""
+    return get_front(request), parse_model(cls, await read_json(request))
+
+
 def parse_model(cls: type[M], data: dict) -> M:
     try:
         return cls.model_validate(data)

@@ -23,12 +23,10 @@ from lightserve.http.front import (
     check_model,
     check_n,
     encode_text,
-    get_front,
     grammar_of,
     json_response,
     make_checked,
-    parse_model,
-    read_json,
+    read_request,
     request_params,
     samples_of,
     stop_list,
@@ -171,8 +169,7 @@ async def chat_completions(request: Request) -> Response:
 # ---- helpers ------------------------------------------------------------------------------------------
 async def _open_request(request: Request, model: type[_R]) -> tuple[Front, _R, int]:
     """What both routes open with: the body as `model`, its model name and n checked. Returns (front, req, n)."""
-    front = get_front(request)
-    req = parse_model(model, await read_json(request))
+    front, req = await read_request(request, model)
     check_model(front, req.model)
     return front, req, check_n(front, req.n, "n")
 

@@ -23,11 +23,9 @@ from lightserve.http.front import (
     Front,
     chat_grammar,
     check_model,
-    get_front,
     json_response,
     make_checked,
-    parse_model,
-    read_json,
+    read_request,
     request_params,
 )
 from lightserve.http.responses_input import (
@@ -39,6 +37,7 @@ from lightserve.http.responses_input import (
 )
 from lightserve.http.schema import StrictModel
 from lightserve.http.streams import (
+    DeltaBlocks,
     EventStream,
     generate_one,
     relay,
@@ -77,8 +76,7 @@ class ResponsesRequest(StrictModel):
 
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
-    front = get_front(request)
-    req = parse_model(ResponsesRequest, await read_json(request))
+    front, req = await read_request(request, ResponsesRequest)
     check_model(front, req.model)
     if req.background:
         raise ApiError(400, "background responses are not supported", "background")
@@ -125,10 +123,12 @@ async def create_response(request: Request) -> Response:
     return json_response(builder.head)
 
 
-class _OutputBuilder:
+class _OutputBuilder(DeltaBlocks):
     """Output items built from ChatOutput's delta fields, each step also returned as Responses
     stream events. Items open and close in order: reasoning, text, function calls (a text after a
     call opens a new message item)."""
+
+    REASONING, TEXT = "reasoning", "message"
 
     def __init__(self, head: dict):
         self.head = head           # the response object; head["output"] holds the items
@@ -138,17 +138,6 @@ class _OutputBuilder:
     def start(self) -> list[bytes]:
         return [self._event("response.created", response=self.head),
                 self._event("response.in_progress", response=self.head)]
-
-    def add(self, fields: dict) -> list[bytes]:
-        events = []
-        if fields.get("reasoning_content"):
-            events += self._text("reasoning", fields["reasoning_content"])
-        if fields.get("content"):
-            events += self._text("message", fields["content"])
-        for call in fields.get("tool_calls", ()):
-            events += self._close()
-            events += self._call(call["id"], call["function"]["name"], call["function"]["arguments"])
-        return events
 
     def finish(self, finish: FinishReason, usage: dict) -> list[bytes]:
         events = self._close()

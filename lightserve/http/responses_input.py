@@ -10,7 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from lightserve.chat.messages import normalize_message
+from lightserve.chat.messages import function_tools, normalize_message
 from lightserve.sampling import ParamError
 
 _ROLES = ("system", "developer", "user", "assistant")
@@ -52,17 +52,7 @@ def input_messages(value: Any) -> list[dict]:
 
 def chat_tools(tools: Any) -> list[dict] | None:
     """Responses' flat {"type": "function", "name", "parameters", ...} tools in the chat form."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise ParamError("tools", "must be a list of function tools")
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            raise ParamError(f"tools.{i}.type", "only function tools are supported (no built-in tools here)")
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+    return function_tools(tools, "function tools", _function_tool)
 
 
 def chat_tool_choice(choice: Any) -> Any:
@@ -120,6 +110,12 @@ class ResponseStore:
         now = time.monotonic()
         while self._items and next(iter(self._items.values())).expires <= now:
             self._items.popitem(last=False)
+
+
+def _function_tool(tool: Any, where: str) -> dict:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ParamError(f"{where}.type", "only function tools are supported (no built-in tools here)")
+    return {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
 
 
 def _function_call(item: dict, where: str) -> dict:

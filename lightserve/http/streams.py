@@ -193,3 +193,34 @@ async def _first(items: AsyncIterator[Item]) -> Item:
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+class DeltaBlocks:
+    """The order a streamed chat answer's parts open in, for the APIs that stream them as typed blocks (Anthropic's
+    content blocks, the Responses API's output items): ChatOutput's delta fields -> the reasoning block (where
+    `show_reasoning`), the text block, then a block per tool call, each call closing the block before it. Subclasses
+    name the two text kinds and build the events: `_text(kind, delta)`, `_call(call_id, name, arguments)`,
+    `_close()`, each returning the stream events (bytes) of that step."""
+
+    REASONING = TEXT = ""
+    show_reasoning = True
+
+    def add(self, fields: dict) -> list[bytes]:
+        events = []
+        if fields.get("reasoning_content") and self.show_reasoning:
+            events += self._text(self.REASONING, fields["reasoning_content"])
+        if fields.get("content"):
+            events += self._text(self.TEXT, fields["content"])
+        for call in fields.get("tool_calls", ()):
+            events += self._close()
+            events += self._call(call["id"], call["function"]["name"], call["function"]["arguments"])
+        return events
+
+    def _text(self, kind: str, delta: str) -> list[bytes]:
+        raise NotImplementedError
+
+    def _call(self, call_id: str, name: str, arguments: str) -> list[bytes]:
+        raise NotImplementedError
+
+    def _close(self) -> list[bytes]:
+        raise NotImplementedError

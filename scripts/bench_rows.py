@@ -1,0 +1,50 @@
+"""What the scripts that compare servers side by side share (bench_kv_cache.py, bench_speculative.py): their common
+flags and workload choice, one server's figures for one workload (bench_server.py run as a child with greedy
+OpenAI-client flags, its JSON rows read back), and the median of a field over the runs. Imported from scripts/,
+beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = ["--backend", "openai", "--temperature", "0", "--ignore-eos"]  # greedy, every output token counted
+
+
+def run_side(server_flags: str, bench: str, runs: int) -> list[dict]:
+    """bench_server.py's JSON rows for one server and one workload."""
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_server.py"), f"--server={server_flags}", "--runs", str(runs),
+           "--", *COMMON, *shlex.split(bench)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def median(rows: list[dict], key: str) -> float:
+    """The middle value of `key` over the rows that have it (the upper one of an even count); NaN if none do."""
+    values = sorted(float(r[key]) for r in rows if r.get(key) is not None)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def add_common_args(ap: argparse.ArgumentParser, workloads: dict[str, str]) -> None:
+    """--workloads (names of `workloads`, all by default), --runs, --smoke and --out."""
+    ap.add_argument("--workloads", default=",".join(workloads))
+    ap.add_argument("--runs", type=int, default=1, help="measured runs per server and workload (after a warm-up)")
+    ap.add_argument("--smoke", action="store_true", help="tiny workloads: checks the script, measures nothing")
+    ap.add_argument("--out", help="write the result JSON here")
+
+
+def chosen_workloads(ap: argparse.ArgumentParser, args: argparse.Namespace, workloads: dict[str, str],
+                     smoke: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """(the table to run from: `smoke` with --smoke, else `workloads`; the names --workloads chose, in its order).
+    An unknown name is a usage error."""
+    table = smoke if args.smoke else workloads
+    names = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in names if w not in table]
+    if unknown:
+        ap.error(f"unknown workloads {unknown} (known: {', '.join(table)})")
+    return table, names

@@ -26,12 +26,16 @@ FP8_BYTES_PER_TOKEN = 2 * 30 * 3 * 64
 
 
 @pytest.fixture(scope="module")
-def int8_servers(tmp_path_factory):
-    """(int8 with room for everything and n-gram drafts, int8 on 320 KV tokens with 32-token prefill chunks)."""
-    with servers_together(tmp_path_factory.mktemp("kv_int8"), ("--data_type", "float32", "--kv_cache_dtype", "int8"),
-                          roomy=("--max_total_token_num", "8192", "--speculative_algorithm", "ngram"),
-                          tight=("--max_total_token_num", "320", "--chunked_prefill_size", "32")) as pair:
-        yield pair
+def servers(tmp_path_factory):
+    """(int8 with room for everything and n-gram drafts, int8 on 320 KV tokens with 32-token prefill chunks, fp8 as
+    vLLM spells it), started together."""
+    with servers_together(tmp_path_factory.mktemp("kv_8bit"), ("--data_type", "float32"),
+                          roomy=("--kv_cache_dtype", "int8", "--max_total_token_num", "8192",
+                                 "--speculative_algorithm", "ngram"),
+                          tight=("--kv_cache_dtype", "int8", "--max_total_token_num", "320", "--chunked_prefill_size",
+                                 "32"),
+                          fp8=("--kv-cache-dtype", "fp8", "--max_total_token_num", "4096")) as procs:
+        yield procs
 
 
 def _bodies() -> list[dict]:
@@ -64,8 +68,8 @@ def _info(srv: ServerProc) -> dict:
     return httpx.get(srv.url + "/get_server_info", timeout=10).json()
 
 
-def test_int8_server_reports_its_cache(int8_servers):
-    roomy, tight = int8_servers
+def test_int8_server_reports_its_cache(servers):
+    roomy, tight, _ = servers
     for srv in (roomy, tight):
         info = _info(srv)
         assert info["kv_cache_dtype"] == "int8" and info["kv_bytes_per_token"] == INT8_BYTES_PER_TOKEN, info
@@ -73,8 +77,8 @@ def test_int8_server_reports_its_cache(int8_servers):
     assert _info(tight)["max_total_num_tokens"] == 320
 
 
-def test_int8_greedy_tokens_alone_batched_cached_speculated_and_paused(int8_servers):
-    roomy, tight = int8_servers
+def test_int8_greedy_tokens_alone_batched_cached_speculated_and_paused(servers):
+    roomy, tight, _ = servers
     bodies = _bodies()
     first = _run(roomy.url, bodies)
     assert first[0] == first[1]                       # alone == inside the batch
@@ -93,12 +97,11 @@ def test_int8_greedy_tokens_alone_batched_cached_speculated_and_paused(int8_serv
     assert m["lightserve_kv_tokens_free"] + m["lightserve_kv_tokens_cached"] == m["lightserve_kv_tokens_total"]
 
 
-def test_fp8_server_serves_the_same_tokens_alone_batched_and_cached(tmp_path):
-    with servers_together(tmp_path, ("--data_type", "float32"),
-                          fp8=("--kv-cache-dtype", "fp8", "--max_total_token_num", "4096")) as (srv,):
-        info = _info(srv)
-        assert info["kv_cache_dtype"] == "fp8_e4m3" and info["kv_bytes_per_token"] == FP8_BYTES_PER_TOKEN, info
-        assert "scale 1.0 (the checkpoint carries no k_scale / v_scale)" in srv.log_tail(20000)
-        bodies = _bodies()[:4]
-        first = _run(srv.url, bodies)
-        assert first[0] == first[1] and _run(srv.url, bodies) == first
+def test_fp8_server_serves_the_same_tokens_alone_batched_and_cached(servers):
+    srv = servers[2]
+    info = _info(srv)
+    assert info["kv_cache_dtype"] == "fp8_e4m3" and info["kv_bytes_per_token"] == FP8_BYTES_PER_TOKEN, info
+    assert "scale 1.0 (the checkpoint carries no k_scale / v_scale)" in srv.log_tail(20000)
+    bodies = _bodies()[:4]
+    first = _run(srv.url, bodies)
+    assert first[0] == first[1] and _run(srv.url, bodies) == first

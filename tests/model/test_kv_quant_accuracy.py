@@ -153,7 +153,7 @@ def tiny(request, tmp_path_factory):
     return request.param, hf, model
 
 
-@pytest.mark.parametrize("kv", list(KV_DTYPES))
+@pytest.mark.parametrize("kv", list(QUANT))
 def test_tiny_families_teacher_forced_against_transformers(tiny, kv):
     """Three random sequences of 24 tokens, the first 8 a prompt. Random weights give flatter distributions than a
     trained model's (closer runner-up logits), so this is the harder case for top-1."""

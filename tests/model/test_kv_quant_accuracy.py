@@ -9,8 +9,8 @@ model (SmolLM2-135M-Instruct, float32; its head_dim 64 takes the C attention) on
 measured: int8 top-1 1.000, |dlogprob| 0.021; fp8_e4m3 (scale 1.0) 0.922, 0.070; fp8_e5m2 0.891, 0.122. K's error
 is most of it (int8 K alone 0.022, V alone 0.005 over 104 of the positions: a few of SmolLM2's key channels run to
 |20|, so a head's one scale is coarse for the rest); fp8's 3 (e4m3) or 2 (e5m2) mantissa bits cost a relative error
-no scale removes. Tiny random checkpoints of every family (head_dim 16 or 24: the torch references, and MLA's latent
-rows), 48 positions each, with calibrated fp8 scales: int8 top-1 0.94-1.0, |dlogprob| 0.010-0.040; fp8_e4m3 0.67-1.0,
+no scale removes. Tiny random checkpoints of every family (FAMILIES; head_dim 16 or 24: the torch references, and
+MLA's latent rows), 48 positions each, with calibrated fp8 scales: int8 top-1 0.94-1.0, |dlogprob| 0.010-0.040; fp8_e4m3 0.67-1.0,
 0.046-0.23; e5m2 0.63-0.92, 0.09-0.25 (random weights leave flatter distributions than a trained model's). The bounds
 below sit above those figures: a broken kernel lands near chance (top-1 ~1/V).
 Also: a request's greedy tokens are the same alone and inside a batch (the quantization is per token, so a token's
@@ -23,6 +23,7 @@ import torch
 from lightserve.engine.model_prep import ensure_default_model
 
 from .fake_worker import FakeWorker
+from .smollm2_prompts import PROMPTS, one_thread  # noqa: F401 (an autouse fixture)
 from .tiny_models import ARCHS, load_model_dir, make_tiny_model
 
 QUANT = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -30,22 +31,7 @@ KV_DTYPES = {"float": None, **QUANT}
 # (min top-1 agreement, max mean |dlogprob|) by cache: the default model's, then the tiny random checkpoints'.
 BOUNDS = {"float": (1.0, 1e-4), "int8": (0.99, 0.03), "fp8_e4m3": (0.88, 0.10), "fp8_e5m2": (0.85, 0.16)}
 TINY_BOUNDS = {"float": (1.0, 1e-4), "int8": (0.9, 0.06), "fp8_e4m3": (0.6, 0.3), "fp8_e5m2": (0.55, 0.35)}
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a hash table is in one sentence.",
-]
 NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # NOTE: small shapes; a second OpenMP thread on a shared 2-core machine mostly waits (see test_model_smollm2).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def teacher_forced(model, sequences: list[list[int]], prompt_lens: list[int], kv_dtype) -> list[torch.Tensor]:
@@ -137,7 +123,13 @@ def write_kv_scales(model, model_dir, vocab: int) -> None:
     save_file(tensors, str(model_dir / "kv_scales.safetensors"))
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# One checkpoint of each forward the families run: Llama (with a window: Mistral's), Qwen3's q/k norms, Gemma 2 and 3,
+# Phi-3, the MoE blocks (Mixtral, Qwen3-MoE) and DeepSeek-V3's latent cache; the others are variants of these.
+FAMILIES = ("llama3", "mistral_window", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "deepseek_v3")
+assert set(FAMILIES) <= set(ARCHS)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tmp_path_factory):
     """(arch, transformers' model, ours): ours loaded with calibrated fp8 KV scales (write_kv_scales) except for
     DeepSeek-V3, whose latent cache takes scale 1.0 (its latents are RMS-normed, order 1)."""

@@ -10,26 +10,10 @@ from lightserve.kernels.cpu import kernel_times, library
 from tests.greedy_check import greedy_mismatch
 
 from .fake_worker import FakeWorker
+from .smollm2_prompts import PROMPTS, one_thread  # noqa: F401 (an autouse fixture)
 from .tiny_models import load_model_dir
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain what a hash table is in one sentence.",
-]
 NUM_NEW_TOKENS = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # NOTE: with 2 OpenMP threads on a 2-core machine shared with other test runs, every small matmul
-    # waits for a descheduled thread: measured 10x slower than 1 thread under load. These batch-4
-    # shapes gain little from a second thread anyway.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

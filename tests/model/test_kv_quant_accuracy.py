@@ -10,9 +10,9 @@ measured: int8 top-1 1.000, |dlogprob| 0.021; fp8_e4m3 (scale 1.0) 0.922, 0.070;
 is most of it (int8 K alone 0.022, V alone 0.005 over 104 of the positions: a few of SmolLM2's key channels run to
 |20|, so a head's one scale is coarse for the rest); fp8's 3 (e4m3) or 2 (e5m2) mantissa bits cost a relative error
 no scale removes. Tiny random checkpoints of every family (FAMILIES; head_dim 16 or 24: the torch references, and
-MLA's latent rows), 48 positions each, with calibrated fp8 scales: int8 top-1 0.94-1.0, |dlogprob| 0.010-0.040; fp8_e4m3 0.67-1.0,
-0.046-0.23; e5m2 0.63-0.92, 0.09-0.25 (random weights leave flatter distributions than a trained model's). The bounds
-below sit above those figures: a broken kernel lands near chance (top-1 ~1/V).
+MLA's latent rows), 48 positions each, with calibrated fp8 scales: int8 top-1 0.94-1.0, |dlogprob| 0.010-0.040;
+fp8_e4m3 0.67-1.0, 0.046-0.23; e5m2 0.63-0.92, 0.09-0.25 (random weights leave flatter distributions than a trained
+model's). The bounds below sit above those figures: a broken kernel lands near chance (top-1 ~1/V).
 Also: a request's greedy tokens are the same alone and inside a batch (the quantization is per token, so a token's
 rows do not depend on what else the step holds)."""
 from __future__ import annotations

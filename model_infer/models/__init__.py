@@ -7,7 +7,9 @@ A family module (one file here) owns everything model-specific:
   read_weights(reader, config, shards)  its HF tensor names and how a rank's slices are cut
   Model                                  its forward (a `models.base.DecoderLM`), which packs its CPU weights
 Adding a family = its module + one entry in FAMILIES. The launcher reads the config once
-(`read_model_config`) and checks the TP size (`check_tp`); the worker builds the model (`load_model`).
+(`read_model_config`) and checks the TP size (`check_tp`) and a GGUF file (`check_gguf`); the worker builds the
+model (`load_model`). The weights are the folder's *.safetensors, or else its one .gguf file (`gguf_weights`; read
+by gguf_reader.GGUFCheckpointReader, quantized tensors kept in their GGML blocks).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from lightserve.log import get_logger
+from lightserve.model_infer.gguf_reader import GGUFCheckpointReader
+from lightserve.model_infer.gguf_reader import check_gguf as check_gguf  # the launcher's look at a GGUF file
 from lightserve.model_infer.models import deepseek, gemma, llama, moe, phi3
 from lightserve.model_infer.weights import CheckpointReader, read_kv_scales
 
@@ -108,13 +112,19 @@ def load_weights(
     """Load this rank's shard of every weight, cast to `dtype`, on `device`, with the family's own HF names
     and TP rules (its `tp_shards` and `read_weights`).
 
-    Raises ValueError for a tp_size the head counts do not allow, FileNotFoundError when the folder
-    has no *.safetensors, KeyError naming a missing tensor.
+    `model_dir`: a folder of *.safetensors, a folder whose weights are one .gguf file, or a .gguf file.
+    Raises ValueError for a tp_size the head counts do not allow (or, from GGUF, for a tensor type not served,
+    blocks a rank's slice would cut, or a device other than CPU), FileNotFoundError when the folder has no weights,
+    KeyError naming a missing tensor.
     """
     family = family_of(config.architecture)
     start = time.perf_counter()
     shards = family.tp_shards(config, tp_rank, tp_size)
-    reader = CheckpointReader(Path(model_dir), dtype, device)
+    gguf_file = gguf_weights(model_dir)
+    if gguf_file is not None:
+        reader = GGUFCheckpointReader(gguf_file, config, dtype, device)
+    else:
+        reader = CheckpointReader(Path(model_dir), dtype, device)
     try:
         weights = family.read_weights(reader, config, shards)
         weights.kv_scales = read_kv_scales(reader, config.num_layers)
@@ -122,3 +132,18 @@ def load_weights(
         reader.close()
     logger.info("loaded weights (tp %d/%d, %s) in %.1fs", tp_rank, tp_size, dtype, time.perf_counter() - start)
     return weights
+
+
+def gguf_weights(model_path: str | Path) -> Path | None:
+    """The GGUF file that holds a model's weights: `model_path` itself when it is a .gguf file, else the one .gguf in
+    a folder without *.safetensors; None for a safetensors folder. ValueError when a folder holds several."""
+    path = Path(model_path)
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if any(path.glob("*.safetensors")):
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ValueError(f"{path} holds {len(files)} .gguf files ({', '.join(f.name for f in files)}): "
+                         "pass the one to serve")
+    return files[0] if files else None

@@ -21,6 +21,7 @@ from lightserve.kernels.argmax_head import argmax_logits, make_argmax_head
 from lightserve.kernels.backend import resolve_kernel_backend
 from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.kernels.linear import cpu_pack_for
+from lightserve.kernels.quant_linear import QuantLinear, quant_embedding
 from lightserve.model_infer.kv_cache import KVCache
 from lightserve.model_infer.rope import build_cos_sin_cache
 
@@ -49,22 +50,28 @@ class DecoderLM:
         self.config = config
         self.weights = weights
         self.tp_rank, self.tp_size, self.tp_group = tp_rank, tp_size, tp_group
-        self.dtype = weights.embed.dtype
-        self.device = weights.embed.device
+        # The activation dtype and device are the norms' (the embedding may be kept in GGML blocks).
+        self.dtype = weights.final_norm.dtype
+        self.device = weights.final_norm.device
         self.backend = resolve_kernel_backend(backend, self.device)
         self.act_and_mul = _ACTIVATIONS[config.hidden_act]
         self.lm_head = weights.lm_head  # [Vp, hidden]
-        # On CPU every linear runs on weights packed once at load (the C kernel's panels in float32, oneDNN's
+        # On CPU every float linear runs on weights packed once at load (the C kernel's panels in float32, oneDNN's
         # blocked layout in bfloat16: kernels/linear.py); the packed copies replace the row-major projections.
-        # The lm_head gets its own copy: the embedding lookup needs the row-major table.
-        pack = cpu_pack_for(weights.embed) if self.backend is KernelBackend.CPU else None
-        if pack is not None:
+        # The lm_head gets its own copy: the embedding lookup needs the row-major table. Weights kept in GGML
+        # blocks (QuantLinear, from a GGUF file) stay as they are: their kernel reads the blocks.
+        pack = None
+        if self.backend is KernelBackend.CPU and (float_pack := cpu_pack_for(weights.final_norm)) is not None:
+            def pack(w: torch.Tensor | QuantLinear) -> PackedLinear | PrepackedLinear | QuantLinear:
+                return w if isinstance(w, QuantLinear) else float_pack(w)
+
             self.lm_head = pack(weights.lm_head)
         # A float32 model's greedy steps that report no logprob screen the vocabulary with a bf16 GEMM (of any batch
         # where the CPU multiplies bf16 natively, of up to PAIR_MAX_M rows elsewhere), and compute in float32 only the
-        # entries that can be a row's maximum.
+        # entries that can be a row's maximum. Not over a packed lm_head, whose own kernel reads fewer bytes.
         self.argmax_head = None
-        if pack is not None and self.dtype == torch.float32 and tp_size == 1 and config.final_softcap <= 0:
+        if pack is not None and self.dtype == torch.float32 and tp_size == 1 and config.final_softcap <= 0 \
+                and not isinstance(weights.lm_head, QuantLinear):
             self.argmax_head = make_argmax_head(weights.lm_head, self.lm_head)
         self._init_layers(pack)
 
@@ -189,15 +196,22 @@ class DecoderLM:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weights.embed)  # [T, hidden]
+            return self._lookup(input_ids)  # [T, hidden]
         # Vocab-parallel: each rank looks up the ids it owns, zeros elsewhere, then all ranks sum.
         sh = self.weights.shards
         local = input_ids - sh.vocab_start  # [T]
         owned = (local >= 0) & (local < sh.vocab_per_rank)  # [T] bool
-        out = F.embedding(local * owned, self.weights.embed)  # [T, hidden]
+        out = self._lookup(local * owned)  # [T, hidden]
         out *= owned.unsqueeze(1).to(out.dtype)
         dist.all_reduce(out, group=self.tp_group)
         return out
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, hidden] rows of the embedding table (dequantized in the activation dtype when packed)."""
+        table = self.weights.embed
+        if isinstance(table, QuantLinear):
+            return quant_embedding(ids, table, self.dtype)
+        return F.embedding(ids, table)
 
     def _logits(self, x: torch.Tensor, argmax_only: bool = False, chunk_rows: int = 1024) -> torch.Tensor:
         """x [B, hidden] after the final norm -> [B, V] float32 logits; with argmax_only, exact only near each row's

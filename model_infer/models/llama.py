@@ -13,10 +13,11 @@ import torch.distributed as dist
 from lightserve import envs, kernels
 from lightserve.config import KernelBackend
 from lightserve.kernels.decoder_layers import CpuDecoderLayers, DecoderLayer, ModelShape
+from lightserve.kernels.quant_linear import QuantLinear
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
 from lightserve.model_infer.models.hf_config import base_fields, layer_windows, read_rope, refuse_keys
-from lightserve.model_infer.weights import LayerWeights, ModelWeights, TPShards, vocab_rows
+from lightserve.model_infer.weights import LayerWeights, ModelWeights, TPShards, cat_weights, vocab_rows
 
 if TYPE_CHECKING:
     from lightserve.model_infer.forward_batch import ForwardBatch
@@ -70,7 +71,7 @@ def read_layer(reader: CheckpointReader, p: str, config: ModelConfig, sh: TPShar
     mlp=False: the attention and norms only (a MoE layer, whose experts models/moe.py reads)."""
     q_rows, kv_rows, inter_rows = _row_ranges(config, sh)
     attn, ffn = p + "self_attn.", p + "mlp."
-    qkv = torch.cat([
+    qkv = cat_weights([
         reader.rows(attn + "q_proj.weight", *q_rows),
         reader.rows(attn + "k_proj.weight", *kv_rows),
         reader.rows(attn + "v_proj.weight", *kv_rows),
@@ -91,7 +92,7 @@ def read_layer(reader: CheckpointReader, p: str, config: ModelConfig, sh: TPShar
         o_proj=reader.cols(attn + "o_proj.weight", *q_rows),
         o_bias=reader.full(attn + "o_proj.bias") if config.o_bias else None,
         post_attn_norm=reader.full(p + "post_attention_layernorm.weight"),
-        gate_up_proj=torch.cat([
+        gate_up_proj=cat_weights([
             reader.rows(ffn + "gate_proj.weight", *inter_rows),
             reader.rows(ffn + "up_proj.weight", *inter_rows),
         ]) if mlp else None,
@@ -133,13 +134,17 @@ class LlamaForCausalLM(DecoderLM):
 
     def _build_cpu_layers(self) -> CpuDecoderLayers | None:
         """The one-call CPU driver, or None: under the triton backend, with tensor parallelism (an all-reduce inside
-        each layer), for a family whose layers differ from Llama's (its own _ffn, a non-SiLU MLP), or where
-        LIGHTSERVE_PER_KERNEL_FORWARD asks for the loop."""
+        each layer), for a family whose layers differ from Llama's (its own _ffn, a non-SiLU MLP), for weights kept
+        in GGML blocks (the driver runs packed float weights only), or where LIGHTSERVE_PER_KERNEL_FORWARD asks for
+        the loop."""
         cfg, w = self.config, self.weights
         if self.backend is not KernelBackend.CPU or self.tp_size > 1 or type(self)._ffn is not LlamaForCausalLM._ffn \
                 or cfg.hidden_act != "silu" or envs.per_kernel_forward():
             return None
         if any(layer.gate_up_proj is None for layer in w.layers):
+            return None
+        if any(isinstance(p, QuantLinear) for layer in w.layers
+               for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)):
             return None
         layers = [DecoderLayer(layer.input_norm, layer.post_attn_norm, layer.qkv_proj, layer.qkv_bias,
                                layer.o_proj, layer.o_bias, layer.gate_up_proj, layer.down_proj, self.layer_rope[i],

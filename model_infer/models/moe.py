@@ -7,7 +7,8 @@ ModelConfig (num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_
 layers are MoE: every Mixtral layer; Qwen3-MoE's layers not in `mlp_only_layers` whose (i + 1) is a multiple of
 `decoder_sparse_step` (the others run a dense MLP of intermediate_size). Tensor parallelism: heads as Llama's,
 each expert's intermediate dim split over the ranks (the block all-reduces like a dense MLP); the router is
-replicated.
+replicated. From a GGUF file each expert is its slice of the layer's 3-D ffn_*_exps tensor, kept in GGML blocks
+(QuantLinear, one per expert, run by kernels.linear in the CPU grouped loop).
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import torch
 
 from lightserve.config import KernelBackend
 from lightserve.kernels.moe import ExpertWeights, intermediate_shard, shard_expert_weights, warm_up_fused_experts
+from lightserve.kernels.quant_linear import QuantLinear
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models import llama
 from lightserve.model_infer.moe_layers import MoEBlock, MoEConfig, MoEWeights
-from lightserve.model_infer.weights import TPShards
+from lightserve.model_infer.weights import TPShards, cat_weights, stack_weights
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -111,13 +113,14 @@ def read_experts(reader: CheckpointReader, p: str, cfg: MoEConfig, sh: TPShards)
         gate, up, down = cfg.expert_names
         name = f"{p}{module}.experts.{{}}.{{}}.weight".format
         experts = ExpertWeights(
-            torch.stack([torch.cat([reader.rows(name(e, gate), rows.start, rows.stop),
-                                    reader.rows(name(e, up), rows.start, rows.stop)])
-                         for e in range(cfg.num_experts)]),  # [E, 2I/tp, H]
-            torch.stack([reader.cols(name(e, down), rows.start, rows.stop)
-                         for e in range(cfg.num_experts)]),  # [E, H, I/tp]
+            stack_weights([cat_weights([reader.rows(name(e, gate), rows.start, rows.stop),
+                                        reader.rows(name(e, up), rows.start, rows.stop)])
+                           for e in range(cfg.num_experts)]),  # [E, 2I/tp, H]
+            stack_weights([reader.cols(name(e, down), rows.start, rows.stop)
+                           for e in range(cfg.num_experts)]),  # [E, H, I/tp]
         )
-    return MoEWeights(reader.full(f"{p}{module}.gate.weight"), experts)  # router [E, H] in the model dtype
+    # The router [E, H] as a tensor in the model dtype (dequantized where a GGUF file stores it in blocks).
+    return MoEWeights(reader.full(f"{p}{module}.gate.weight", reader.dtype), experts)
 
 
 class MoEForCausalLM(llama.LlamaForCausalLM):
@@ -127,7 +130,7 @@ class MoEForCausalLM(llama.LlamaForCausalLM):
                  tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
         super().__init__(config, weights, tp_rank, tp_size, tp_group, backend)
         moe = moe_config(config)
-        self.moe_blocks = {i: MoEBlock(moe, layer.moe, tp_size, tp_group, self.backend)
+        self.moe_blocks = {i: _make_block(moe, layer.moe, tp_size, tp_group, self.backend)
                            for i, layer in enumerate(self.weights.layers) if layer.moe is not None}
         # The blocks hold the (packed) experts; the layers drop the loaded copies.
         self.weights = dataclasses.replace(
@@ -141,6 +144,26 @@ class MoEForCausalLM(llama.LlamaForCausalLM):
         """Decode attention as every family, plus the MoE blocks' grouped GEMMs at both block sizes."""
         super().warm_up_kernels(kv_cache, req_rows, seq_lens)
         warm_up_moe_blocks(self.moe_blocks.values(), self.dtype, self.device)
+
+
+class _QuantMoEBlock(MoEBlock):
+    """A MoEBlock whose experts are kept in GGML blocks (one QuantLinear each): nothing to pack, and the CPU path
+    runs them (quantized weights are served on CPU only)."""
+
+    def __init__(self, config: MoEConfig, weights: MoEWeights, tp_size: int = 1,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
+        self.config, self.weights = config, weights
+        self.tp_size, self.tp_group = tp_size, tp_group
+        self.backend = KernelBackend.CPU
+
+
+def _make_block(config: MoEConfig, weights: MoEWeights, tp_size: int, tp_group: dist.ProcessGroup | None,
+                backend: KernelBackend) -> MoEBlock:
+    if isinstance(weights.experts.down, tuple) and isinstance(weights.experts.down[0], QuantLinear):
+        if backend is not KernelBackend.CPU:
+            raise ValueError("experts kept in GGML blocks run on the CPU backend only")
+        return _QuantMoEBlock(config, weights, tp_size, tp_group)
+    return MoEBlock(config, weights, tp_size, tp_group, backend)
 
 
 def warm_up_moe_blocks(blocks: Iterable[MoEBlock], dtype: torch.dtype, device: torch.device) -> None:

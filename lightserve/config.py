@@ -92,7 +92,7 @@ def _new_instance_id() -> str:
 class ServerConfig:
     """Every setting of one server launch. Built once by cli.parse_args, pickled to each process."""
 
-    model_dir: str | None = field(default=None, metadata={"help": "HF model folder; default: the bundled SmolLM2-135M-Instruct"})
+    model_dir: str | None = field(default=None, metadata={"help": "HF model folder, or a .gguf file (or a folder holding one; served quantized on CPU); default: the bundled SmolLM2-135M-Instruct"})
     host: str = field(default="127.0.0.1", metadata={"help": "address the HTTP front binds"})
     port: int = field(default=8000, metadata={"help": "HTTP port"})
     tp: int = field(default=1, metadata={"help": "tensor-parallel ranks (model worker processes)"})
@@ -139,8 +139,10 @@ class ServerConfig:
     start_timeout_s: float = field(default=600.0, metadata={"help": "seconds each child may take to report ready"})
     instance_id: str = field(default_factory=_new_instance_id, metadata={"help": "unique id of this launch (names shm and sockets)"})
     # Resolved at start (resolve_config.resolve_config, then EngineProcs.start), never flags: the model's facts,
-    # read once from config.json, and the KV size every worker rank could allocate.
+    # read once from config.json, and the KV size every worker rank could allocate. For a GGUF model, model_dir
+    # resolves to its HF metadata folder (model_prep.prepare_gguf, which links the file) and gguf_file to the file.
     model: ModelConfig | None = field(default=None, metadata={"cli": False})
+    gguf_file: str | None = field(default=None, metadata={"cli": False})
     kv_size: int | None = field(default=None, metadata={"cli": False})
     kv_bytes_per_token: int | None = field(default=None, metadata={"cli": False})  # of a worker rank's cache
 

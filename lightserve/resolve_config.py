@@ -26,24 +26,14 @@ CPU_PREFILL_JOIN_TOKENS = 128
 
 def resolve_config(config: ServerConfig) -> ServerConfig:
     """Fill in the defaults that need the machine or the model: the model folder, its facts (config.json,
-    read here once for every process), device, dtype, batch sizes, ports. Raises StartError naming what
-    cannot be served."""
+    read here once for every process), device, dtype, batch sizes, ports. A GGUF model (a .gguf --model_dir, a folder
+    holding one, or the bundled default on the CPU backend) resolves to its HF metadata folder and `gguf_file`.
+    Raises StartError naming what cannot be served."""
     import torch
 
     from lightserve.kernels.cpu import cpu_has_native_bf16
-    from lightserve.model_infer.models import check_tp, read_model_config
+    from lightserve.model_infer.models import check_gguf, check_tp, read_model_config
 
-    if config.model_dir is None:
-        from lightserve.engine.model_prep import ensure_default_model
-        model_dir = str(ensure_default_model())
-    else:
-        model_dir = str(Path(config.model_dir).expanduser())
-        if not (Path(model_dir) / "config.json").is_file():
-            raise StartError(f"--model_dir {model_dir}: no config.json there (expected a Hugging Face model folder)")
-    try:
-        model_config = read_model_config(model_dir)
-    except (ValueError, KeyError) as exc:
-        raise StartError(f"--model_dir {model_dir}: {exc}") from None
     device = config.device
     if device is Device.AUTO:
         device = Device.CUDA if torch.cuda.is_available() else Device.CPU
@@ -54,6 +44,11 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         backend = KernelBackend.TRITON if device is Device.CUDA else KernelBackend.CPU
     if backend is KernelBackend.CPU and device is Device.CUDA:
         raise StartError("--kernel_backend cpu: the C kernels run on CPU only; use triton (or auto) with --device cuda")
+    model_dir, gguf_file, name = _model_source(config, backend)
+    try:
+        model_config = read_model_config(model_dir)
+    except (ValueError, KeyError) as exc:
+        raise StartError(f"--model_dir {config.model_dir or gguf_file}: {exc}") from None
     dtype = config.data_type
     if dtype is DType.AUTO:
         dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
@@ -72,12 +67,49 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         check_tp(model_config, config.tp)
     except ValueError as exc:
         raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
-    return replace(config, model_dir=model_dir, model=model_config, device=device, kernel_backend=backend,
+    if gguf_file is not None:  # its tensor types and block boundaries, before any rank fails on them
+        try:
+            check_gguf(gguf_file, model_config, config.tp)
+        except ValueError as exc:
+            raise StartError(f"--model_dir {config.model_dir or gguf_file}: {exc}") from None
+    return replace(config, model_dir=model_dir, gguf_file=gguf_file, model=model_config, device=device,
+                   kernel_backend=backend,
                    data_type=dtype, kv_cache_dtype=kv_dtype,
                    batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
                    prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,
-                   served_model_name=config.served_model_name or (Path(model_dir).name,))
+                   served_model_name=config.served_model_name or (name,))
+
+
+def _model_source(config: ServerConfig, backend: KernelBackend) -> tuple[str, str | None, str]:
+    """(the HF folder every process reads, the GGUF weights file or None, the default served name). The bundled
+    default model is its GGUF on the CPU backend, its float32 conversion elsewhere (GGUF runs on CPU only)."""
+    from lightserve.engine import model_prep
+    from lightserve.model_infer.models import gguf_weights
+
+    if config.model_dir is None:
+        if backend is not KernelBackend.CPU:
+            return str(model_prep.ensure_default_model()), None, model_prep.MODEL_NAME
+        gguf_file = model_prep.default_gguf()
+        return str(model_prep.prepare_gguf(gguf_file)), str(gguf_file), model_prep.MODEL_NAME
+    path = Path(config.model_dir).expanduser()
+    try:
+        gguf_file = gguf_weights(path) if path.exists() else None
+    except ValueError as exc:
+        raise StartError(f"--model_dir {exc}") from None
+    if gguf_file is None:
+        if not (path / "config.json").is_file():
+            raise StartError(f"--model_dir {path}: no config.json there (expected a Hugging Face model folder or a "
+                             ".gguf file)")
+        return str(path), None, path.name
+    if backend is not KernelBackend.CPU:
+        raise StartError(f"--model_dir {gguf_file}: GGUF weights are served quantized on CPU only (the C kernels); "
+                         f"use --device cpu with --kernel_backend cpu (or auto), or an HF safetensors folder")
+    try:
+        model_dir = model_prep.prepare_gguf(gguf_file)
+    except (ValueError, KeyError, OSError) as exc:
+        raise StartError(f"--model_dir {gguf_file}: cannot read its metadata: {exc}") from None
+    return str(model_dir), str(gguf_file), gguf_file.stem
 
 
 def _free_port_block(n: int) -> int:

@@ -52,8 +52,8 @@ INSTALL_VLLM=0
 SUMMARIZE_ONLY=0
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
-die() { echo "compare_vllm: error: $*" >&2; exit 1; }
-log() { echo "[$(date +%H:%M:%S)] $*" >&2; }
+# shellcheck source=scripts/bench_common.sh
+source "$REPO/scripts/bench_common.sh"  # die, log, the server's lifetime, the workloads, run_side
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -91,9 +91,7 @@ OUT=$(realpath -m "$OUT")
 [[ -f "$MODEL_DIR/config.json" ]] || die "no model at $MODEL_DIR (create it with: python -m lightserve.engine.model_prep)"
 
 cd "$REPO"
-BENCH="$REPO/scripts/benchmark_serving.py"
 RUN_DIR="${OUT%.json}_runs"
-BASE_URL="http://127.0.0.1:$PORT"
 mkdir -p "$RUN_DIR"
 
 # ---- --isa: the environment both sides run under (none for native) -----------------------------
@@ -110,114 +108,6 @@ torch.cpu._is_avx512_bf16_supported = lambda: False
 torch.cpu._is_amx_tile_supported = lambda: False
 EOF
 fi
-
-# ---- server lifetime: one at a time, in its own process group, stopped by the trap -----------
-SERVER_PID=""
-BENCH_PID=""
-stop_server() {
-  [[ -n "$SERVER_PID" ]] || return 0
-  local pid=$SERVER_PID
-  SERVER_PID=""
-  log "stopping server (process group $pid)"
-  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
-  for _ in $(seq 1 60); do
-    kill -0 -- "-$pid" 2>/dev/null || break
-    sleep 0.5
-  done
-  if kill -0 -- "-$pid" 2>/dev/null; then
-    log "server did not stop in 30 s; killing it"
-    kill -KILL -- "-$pid" 2>/dev/null || true
-  fi
-  wait "$pid" 2>/dev/null || true
-  # The Intel OpenMP that vLLM preloads registers each process in /dev/shm and leaves the file
-  # behind when the process is killed: remove those of processes no longer alive.
-  local f owner
-  for f in /dev/shm/__KMP_REGISTERED_LIB_*; do
-    [[ -e "$f" ]] || continue
-    owner=${f#/dev/shm/__KMP_REGISTERED_LIB_}
-    owner=${owner%%_*}
-    kill -0 "$owner" 2>/dev/null || rm -f "$f"
-  done
-}
-cleanup() {
-  if [[ -n "$BENCH_PID" ]]; then kill -TERM "$BENCH_PID" 2>/dev/null || true; wait "$BENCH_PID" 2>/dev/null || true; fi
-  stop_server
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-port_in_use() {
-  "$PYTHON" -c "import socket,sys; s=socket.socket(); s.settimeout(1); sys.exit(0 if s.connect_ex(('127.0.0.1', $PORT)) == 0 else 1)"
-}
-
-# start_server LOGFILE ENV... -- CMD...: runs CMD under setsid (a new process group led by
-# SERVER_PID, so the engine's child processes are stopped with it) and waits on /health.
-start_server() {
-  local logfile=$1; shift
-  local envs=()
-  while [[ "$1" != "--" ]]; do envs+=("$1"); shift; done
-  shift
-  port_in_use && die "port $PORT is already in use: pick another with --port"
-  log "starting: ${envs[*]} $*"
-  log "server log: $logfile"
-  # Run from the log folder: `python -m` puts the working directory first on sys.path, and the
-  # repo root's top-level folders (kernels/, router/, ...) would shadow PyPI packages of the same
-  # name (transformers imports `kernels` when it is importable).
-  (cd "$RUN_DIR" && exec env ${envs[@]+"${envs[@]}"} setsid "$@" >"$logfile" 2>&1 </dev/null) &
-  SERVER_PID=$!
-  local t0=$SECONDS
-  until curl -sf -o /dev/null --max-time 5 "$BASE_URL/health"; do
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-      tail -n 40 "$logfile" >&2 || true
-      die "server exited during start-up (log: $logfile)"
-    fi
-    (( SECONDS - t0 < START_TIMEOUT )) || { tail -n 40 "$logfile" >&2; die "server not healthy after ${START_TIMEOUT}s"; }
-    sleep 2
-  done
-  log "server healthy after $((SECONDS - t0)) s"
-}
-
-# ---- workloads -------------------------------------------------------------------------------
-workload_args() {
-  case "$1" in
-    W1) echo "--dataset random --num-prompts 128 --input-len-min 128 --input-len-max 512 --output-len 128 --request-rate inf --max-concurrency 64" ;;
-    W2) echo "--dataset random --num-prompts 16 --input-len 256 --output-len 64 --max-concurrency 1" ;;
-    W3) echo "--dataset shared-prefix --num-prompts 64 --prefix-len 1024 --suffix-len-min 32 --suffix-len-max 64 --output-len 32 --max-concurrency 16" ;;
-    # The concurrency sweep (docs/performance.md's plots): 256-token prompts, 64 output tokens, C in flight, 2 C
-    # requests (at least 8).
-    C[0-9]*) local c=${1#C}
-      [[ "$c" =~ ^[1-9][0-9]*$ ]] || die "unknown workload $1"
-      echo "--dataset random --num-prompts $(( c * 2 > 8 ? c * 2 : 8 )) --input-len 256 --output-len 64 --max-concurrency $c" ;;
-    *) die "unknown workload $1 (W1, W2, W3, or C<concurrency>)" ;;
-  esac
-}
-
-# run_side NAME: the workloads against the server now on $PORT. Warm-up seed 1000, runs 1..RUNS.
-run_side() {
-  local side=$1 w run seed out
-  for w in ${WORKLOADS//,/ }; do
-    for run in warmup $(seq 1 "$RUNS"); do
-      if [[ $run == warmup ]]; then seed=1000; else seed=$run; fi
-      out="$RUN_DIR/$side-$w-$run.json"
-      log "$side $w run $run (seed $seed)"
-      # In the background + wait, so a signal to this script runs the trap at once.
-      # shellcheck disable=SC2046  # workload_args is a word list on purpose
-      "$PYTHON" "$BENCH" --backend openai --base-url "$BASE_URL" --tokenizer "$MODEL_DIR" \
-        $(workload_args "$w") --ignore-eos --temperature 0 --seed "$seed" --no-progress \
-        --output-json "$out" >"$out.log" 2>&1 &
-      BENCH_PID=$!
-      wait "$BENCH_PID" || { BENCH_PID=""; cat "$out.log" >&2; die "benchmark failed ($side $w $run)"; }
-      BENCH_PID=""
-      "$PYTHON" - "$out" <<'EOF' >&2
-import json, sys
-a = json.load(open(sys.argv[1]))["aggregates"]
-print(f"    ok {a['completed']} failed {a['failed']} | {a['duration_s']:.1f} s | out {a['output_throughput']:.1f} tok/s"
-      f" | TTFT mean {a['ttft_ms']['mean'] or 0:.1f} ms | TPOT mean {a['tpot_ms']['mean'] or 0:.1f} ms")
-EOF
-    done
-  done
-}
 
 run_vllm() {
   local py="$VLLM_VENV/bin/python"
@@ -285,55 +175,21 @@ if [[ $SUMMARIZE_ONLY == 0 ]]; then
 fi
 
 # ---- medians, merged JSON, table -------------------------------------------------------------
-"$PYTHON" - "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "$DTYPE" "$ISA" "${sides[@]}" <<'EOF'
-import json, os, platform, statistics, sys, time
-out, run_dir, runs, workloads, model_dir, dtype, isa, *sides = sys.argv[1:]
+"$PYTHON" - "$REPO/scripts" "$OUT" "$RUN_DIR" "$RUNS" "$WORKLOADS" "$MODEL_DIR" "$DTYPE" "$ISA" "${sides[@]}" <<'EOF'
+import json, os, platform, sys
+scripts, out, run_dir, runs, workloads, model_dir, dtype, isa, *sides = sys.argv[1:]
+sys.path.insert(0, scripts)
+from bench_medians import cpu_flags, metrics_for, side_workloads
 runs, workloads = int(runs), workloads.split(",")
-METRICS = {  # (label, aggregate key, sub key or None, higher is better)
-    "W1": [("output tok/s", "output_throughput", None, True), ("requests/s", "request_throughput", None, True),
-           ("TTFT mean ms", "ttft_ms", "mean", False), ("TTFT p99 ms", "ttft_ms", "p99", False),
-           ("TPOT mean ms", "tpot_ms", "mean", False), ("E2E mean ms", "e2e_ms", "mean", False)],
-    "W2": [("TTFT p50 ms", "ttft_ms", "p50", False), ("TTFT mean ms", "ttft_ms", "mean", False),
-           ("TTFT p99 ms", "ttft_ms", "p99", False), ("ITL p50 ms", "itl_ms", "p50", False),
-           ("ITL mean ms", "itl_ms", "mean", False), ("TPOT mean ms", "tpot_ms", "mean", False),
-           ("E2E mean ms", "e2e_ms", "mean", False), ("output tok/s", "output_throughput", None, True)],
-    "W3": [("TTFT p50 ms", "ttft_ms", "p50", False), ("TTFT mean ms", "ttft_ms", "mean", False), ("TTFT p99 ms", "ttft_ms", "p99", False),
-           ("TPOT mean ms", "tpot_ms", "mean", False), ("E2E mean ms", "e2e_ms", "mean", False),
-           ("output tok/s", "output_throughput", None, True), ("requests/s", "request_throughput", None, True)],
-}
-SWEEP = [("output tok/s", "output_throughput", None, True), ("ITL p50 ms", "itl_ms", "p50", False),
-         ("TPOT mean ms", "tpot_ms", "mean", False), ("TTFT p50 ms", "ttft_ms", "p50", False)]
-for w in workloads:  # C<concurrency>: the sweep's points
-    if w.startswith("C"):
-        METRICS[w] = SWEEP
-def pick(agg, key, sub):
-    v = agg[key]
-    return v[sub] if sub else v
-cpu_flags = sorted({f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()[2:]}
-                   & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16"}) if os.path.exists("/proc/cpuinfo") else []
+METRICS = metrics_for(workloads)
 result = json.load(open(out)) if os.path.exists(out) else {}
 result.setdefault("sides", {})
 for side in sides:
     entry = {"measured_at": None, "runs": runs, "model_dir": model_dir, "dtype": dtype, "isa": isa,
-             "host": platform.node(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags, "workloads": {}}
+             "host": platform.node(), "cpus": os.cpu_count(), "cpu_flags": cpu_flags(), "workloads": {}}
     if side == "vllm" and os.path.exists(f"{run_dir}/vllm.version"):
         entry["version"] = open(f"{run_dir}/vllm.version").read().strip()
-    for w in workloads:  # runs that are missing (an interrupted run) are left out and counted
-        paths = [f"{run_dir}/{side}-{w}-{r}.json" for r in range(1, runs + 1)]
-        paths = [p for p in paths if os.path.exists(p)]
-        aggs = [json.load(open(p))["aggregates"] for p in paths]
-        if not aggs:
-            print(f"note: no measured runs of {w} for {side}; left out")
-            continue
-        wpath = f"{run_dir}/{side}-{w}-warmup.json"
-        warm = json.load(open(wpath))["aggregates"] if os.path.exists(wpath) else None
-        med = {}
-        for label, key, sub, _ in METRICS[w]:
-            vals = [pick(a, key, sub) for a in aggs]
-            med[label] = statistics.median(vals) if all(v is not None for v in vals) else None
-        last = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(max(os.path.getmtime(p) for p in paths)))
-        entry["measured_at"] = max(entry["measured_at"] or last, last)
-        entry["workloads"][w] = {"median": med, "num_runs": len(aggs), "failed": sum(a["failed"] for a in aggs), "runs": aggs, "warmup": warm}
+    entry["workloads"], entry["measured_at"] = side_workloads(run_dir, side, runs, workloads)
     if entry["workloads"]:
         result["sides"][side] = entry
 result["note"] = "ratio = lightserve / vLLM; medians of the measured runs after one warm-up run per workload"

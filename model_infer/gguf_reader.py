@@ -14,6 +14,7 @@ MoE experts are 3-D tensors (blk.N.ffn_{gate,up,down}_exps): the per-expert HF n
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +35,6 @@ from lightserve.kernels.quant_linear import (
 )
 
 if TYPE_CHECKING:
-    import gguf
-
     from lightserve.model_config import ModelConfig
 
 # HF architecture -> llama.cpp's GGUF architecture (general.architecture).
@@ -56,6 +55,94 @@ NORM_PLUS_ONE_ARCHS = frozenset({"gemma2", "gemma3"})
 ROW_PARALLEL = ("attn_output.weight", "ffn_down.weight", "ffn_down_exps.weight")
 
 _EXPERT = re.compile(r"(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)$")
+_GGUF_MAGIC = b"GGUF"
+# Bytes of each scalar GGUF metadata value type (gguf.GGUFValueType); 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: `data` is the file's bytes of it, memory-mapped, as [..., rows, row bytes] uint8
+    for a block type (BF16 too), float16 / float32 values [..., rows, cols] for F16 / F32; `shape` is GGUF's ne
+    (input features first)."""
+
+    name: str
+    raw_type: int
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def read_gguf(path: str | Path, mode: str = "r") -> tuple[str, list[GGUFTensor]]:
+    """(general.architecture, the tensors) of a GGUF file, reading only the header: the metadata values are skipped,
+    not parsed (gguf.GGUFReader parses every one, seconds for a tokenizer's 100k strings). `mode`: np.memmap's ("c"
+    maps the pages copy-on-write, so torch may wrap them; they are never written). ValueError for a file that is not
+    GGUF v2/v3."""
+    import gguf
+
+    buf = np.memmap(path, dtype=np.uint8, mode=mode)
+    if bytes(buf[:4]) != _GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file")
+    version, num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not read here (2 and 3 are)")
+    offset, arch, alignment = 24, "", 32
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        return bytes(buf[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
+
+    def skip(vtype: int, at: int) -> int:
+        if vtype == _STRING:
+            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+        if vtype == _ARRAY:
+            item_type, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if item_type in _SCALAR_BYTES:
+                return at + count * _SCALAR_BYTES[item_type]
+            for _ in range(count):
+                at = skip(item_type, at)
+            return at
+        return at + _SCALAR_BYTES[vtype]
+
+    for _ in range(num_kv):
+        key, offset = string(offset)
+        (vtype,) = struct.unpack_from("<I", buf, offset)
+        offset += 4
+        if key == "general.architecture":
+            arch, offset = string(offset)
+        elif key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", buf, offset)
+            offset += 4
+        else:
+            offset = skip(vtype, offset)
+    infos = []
+    for _ in range(num_tensors):
+        name, offset = string(offset)
+        (n_dims,) = struct.unpack_from("<I", buf, offset)
+        shape = struct.unpack_from(f"<{n_dims}Q", buf, offset + 4)
+        raw_type, data_offset = struct.unpack_from("<IQ", buf, offset + 4 + 8 * n_dims)
+        offset += 4 + 8 * n_dims + 12
+        infos.append((name, raw_type, tuple(int(d) for d in shape), data_offset))
+    start = -(-offset // alignment) * alignment
+    tensors = []
+    for name, raw_type, shape, data_offset in infos:
+        rows = tuple(reversed(shape[1:]))
+        if raw_type in (GGMLType.F32, GGMLType.F16):
+            dtype = np.float32 if raw_type == GGMLType.F32 else np.float16
+            count = int(np.prod(shape))
+            data = buf[start + data_offset:start + data_offset + count * np.dtype(dtype).itemsize].view(dtype)
+            data = data.reshape(*rows, shape[0])
+        else:
+            try:
+                block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_type)]
+            except (ValueError, KeyError):
+                block, block_bytes = 1, 0  # an unknown type: refused by name when used (_served_type)
+            row_bytes = shape[0] // block * block_bytes
+            nbytes = row_bytes * int(np.prod(rows, dtype=np.int64))
+            data = buf[start + data_offset:start + data_offset + nbytes].reshape(*rows, row_bytes)
+        tensors.append(GGUFTensor(name, raw_type, shape, data))
+    return arch, tensors
 
 
 def gguf_architecture(hf_architecture: str) -> str:
@@ -78,10 +165,8 @@ def check_gguf(path: str | Path, config: ModelConfig, tp_size: int) -> None:
     """What would stop a worker from loading this GGUF, found before any starts: ValueError naming a tensor of a type
     not served packed (IQ*, Q2_K, Q3_K, ...) or a row-parallel tensor whose columns tp_size cannot cut at whole
     blocks, or an architecture not served from GGUF."""
-    import gguf
-
     gguf_architecture(config.architecture)
-    for t in gguf.GGUFReader(path).tensors:
+    for t in read_gguf(path)[1]:
         qtype = _served_type(t)
         if tp_size > 1 and qtype in BLOCK_SHAPES and t.name.endswith(ROW_PARALLEL):
             qk = BLOCK_SHAPES[qtype][0]
@@ -93,7 +178,7 @@ def check_gguf(path: str | Path, config: ModelConfig, tp_size: int) -> None:
 
 @dataclass(frozen=True)
 class _Entry:
-    tensor: gguf.ReaderTensor
+    tensor: GGUFTensor
     qtype: GGMLType
     expert: int | None  # a per-expert HF name: its slice of the 3-D tensor
     perm_heads: int | None  # q/k of the llama architecture: the heads to unpermute over
@@ -118,8 +203,7 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
         self.arch = gguf_architecture(config.architecture)
         self._num_heads, self._num_kv_heads = config.num_heads, config.num_kv_heads
         # mode "c": copy-on-write pages, so torch may wrap them (it warns on read-only arrays); never written.
-        self._reader = gguf.GGUFReader(path, "c")
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = {t.name: t for t in read_gguf(path, "c")[1]}
         arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
         self._names = gguf.get_tensor_name_map(arch_enum, config.num_layers)
 
@@ -217,7 +301,7 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
         else:
             import gguf
 
-            t = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(self._data(entry), int(entry.qtype))))
+            t = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(self._data(entry), entry.qtype.value)))
             index = self._row_index(entry, t.shape[0], span)
             if index is not None:
                 t = t.index_select(0, index)
@@ -229,15 +313,20 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
         return t.to(device=self.device, dtype=dtype).contiguous()
 
 
-def _served_type(tensor: gguf.ReaderTensor) -> GGMLType:
+def _served_type(tensor: GGUFTensor) -> GGMLType:
     """The tensor's GGMLType; ValueError naming it and its type when it is neither float nor served packed."""
-    raw = int(tensor.tensor_type)
+    import gguf
+
     try:
-        qtype = GGMLType(raw)
+        qtype = GGMLType(tensor.raw_type)
     except ValueError:
         qtype = None
     if qtype is None or (qtype not in BLOCK_SHAPES and qtype not in FLOAT_TYPES):
+        try:
+            type_name = gguf.GGMLQuantizationType(tensor.raw_type).name
+        except ValueError:
+            type_name = f"#{tensor.raw_type}"
         served = ", ".join(t.name for t in (*FLOAT_TYPES, *BLOCK_SHAPES))
-        raise ValueError(f"tensor {tensor.name} has GGML type {tensor.tensor_type.name}, which lightserve does not "
-                         f"serve (served: {served})")
+        raise ValueError(f"tensor {tensor.name} has GGML type {type_name}, which lightserve does not serve "
+                         f"(served: {served})")
     return qtype

@@ -85,7 +85,8 @@ class QuantLinear:
 def quant_tensor(qtype: GGMLType, blocks: Tensor, in_features: int) -> QuantLinear:
     """One segment's QuantLinear; ValueError when the byte width does not match in_features' blocks."""
     qk, nb = BLOCK_SHAPES[qtype]
-    if in_features % qk or blocks.dim() != 2 or blocks.shape[1] != in_features // qk * nb or blocks.dtype != torch.uint8:
+    if in_features % qk or blocks.dim() != 2 or blocks.shape[1] != in_features // qk * nb \
+            or blocks.dtype != torch.uint8:
         raise ValueError(f"{qtype.name} rows of {in_features} elements take {in_features // qk * nb} bytes; "
                          f"got {tuple(blocks.shape)} {blocks.dtype}")
     return QuantLinear((QuantSegment(qtype, blocks),), in_features)
@@ -129,11 +130,11 @@ def slice_cols(w: QuantLinear, start: int, end: int) -> QuantLinear:
 
 
 def dequantize_ref(qtype: GGMLType, blocks: Tensor) -> Tensor:
-    """blocks [rows, nblocks * block_bytes] uint8 -> [rows, nblocks * QK] float32, as ggml's dequantize_row_*."""
-    import numpy as np
-    from gguf.quants import dequantize  # placeholder until the torch decoders below land
-
-    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks.numpy(), int(qtype)))).float()
+    """blocks [rows, nblocks * block_bytes] uint8 -> [rows, nblocks * QK] float32, as ggml's dequantize_row_*: the
+    same float32 operations in the same order, so the values are bit for bit those of `gguf.quants.dequantize`."""
+    _, nb = BLOCK_SHAPES[qtype]
+    b = blocks.reshape(-1, nb)  # [rows * nblocks, nb], one block a row
+    return _DECODERS[qtype](b).reshape(blocks.shape[0], -1)
 
 
 def dequantize(w: QuantLinear) -> Tensor:
@@ -151,12 +152,145 @@ def quant_linear_ref(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> T
 
 def quant_linear(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tensor:
     """x [M, K] (float32 or bf16) -> [M, N] in x's dtype: the C kernel where it runs, else the reference."""
-    return quant_linear_ref(x, w, bias)
+    out = quant_linear_cpu(x, w, bias)
+    return quant_linear_ref(x, w, bias) if out is None else out
+
+
+def quant_linear_cpu(x: Tensor, w: QuantLinear, bias: Tensor | None = None, lib=None) -> Tensor | None:
+    """quant_linear.c, one call per segment (each writes its own output columns): x [M, K] float32 or bf16 (rows may be
+    strided; bf16 is widened to float32 and the output rounded back), bias [N] or None -> [M, N] in x's dtype. None
+    where it does not run (no C library, a CUDA tensor, another dtype or shape). `lib`: a loaded kernel library other
+    than the default build (tests of each build)."""
+    from lightserve.kernels.cpu import library, profiled
+
+    lib = lib or library()
+    m, n = (x.shape[0], w.out_features) if x.dim() == 2 else (0, 0)
+    if lib is None or x.device.type != "cpu" or m == 0 or x.shape[1] != w.in_features \
+            or x.dtype not in (torch.float32, torch.bfloat16) or (bias is not None and bias.shape != (n,)):
+        return None
+    xf = x.float() if x.dtype != torch.float32 or x.stride(1) != 1 else x
+    bf = None if bias is None else bias.float().contiguous()
+    out = torch.empty(m, n, dtype=torch.float32)  # [M, N]
+    threads, row0 = torch.get_num_threads(), 0
+    with profiled("quant_linear_cpu"):  # visible in scripts/profile_step.py
+        for seg in w.segments:
+            blocks = seg.blocks if seg.blocks.stride(1) == 1 else seg.blocks.contiguous()
+            rc = lib.quant_linear_f32(xf.data_ptr(), xf.stride(0), m, w.in_features, blocks.data_ptr(),
+                                      blocks.stride(0), int(seg.qtype), seg.rows,
+                                      None if bf is None else bf.data_ptr() + 4 * row0, out.data_ptr() + 4 * row0, n,
+                                      threads)
+            if rc != 0:
+                return None
+            row0 += seg.rows
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def quant_embedding(ids: Tensor, w: QuantLinear, dtype: torch.dtype) -> Tensor:
-    """ids [T] int -> [T, K] in `dtype`: the rows of w dequantized (an embedding table kept packed)."""
-    rows, out, offset = ids.long(), [], 0
-    table = dequantize(w)  # placeholder: the C row decoder dequantizes only the looked-up rows
-    del offset, out
-    return table[rows].to(dtype)
+    """ids [T] int -> [T, K] in `dtype`: the rows of w dequantized (an embedding table kept packed); only the rows
+    looked up are decoded. IndexError for an id outside [0, N)."""
+    from lightserve.kernels.cpu import library
+
+    lib = library()
+    rows, k = ids.reshape(-1).long(), w.in_features
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= w.out_features):
+        raise IndexError(f"embedding ids must lie in [0, {w.out_features})")
+    out = torch.empty(rows.numel(), k, dtype=torch.float32)  # [T, K]
+    offset = 0
+    for seg in w.segments:
+        picked = ((rows >= offset) & (rows < offset + seg.rows)).nonzero().squeeze(1)  # positions in ids
+        local = (rows[picked] - offset).contiguous()  # rows of this segment
+        offset += seg.rows
+        if local.numel() == 0:
+            continue
+        if lib is None or seg.blocks.stride(1) != 1:
+            out[picked] = dequantize_ref(seg.qtype, seg.blocks[local])
+            continue
+        part = out if len(w.segments) == 1 else torch.empty(local.numel(), k, dtype=torch.float32)
+        rc = lib.quant_dequant_rows(seg.blocks.data_ptr(), seg.blocks.stride(0), int(seg.qtype), k, local.data_ptr(),
+                                    local.numel(), part.data_ptr(), k)
+        assert rc == 0, f"quant_dequant_rows declined {seg.qtype.name} rows of {k}"
+        if part is not out:
+            out[picked] = part
+    return out.to(dtype).reshape(*ids.shape, k)
+
+
+# The block decoders: b [nblocks, block_bytes] uint8 -> [nblocks, QK] float32. Transcribed from ggml-quants.c's
+# dequantize_row_* (gguf's quants.py computes the same float32 operations in the same order).
+
+
+def _f16(b: Tensor) -> Tensor:
+    return b.contiguous().view(torch.float16).float()  # [n, 2] bytes -> [n, 1]
+
+
+def _nibbles(qs: Tensor) -> Tensor:
+    """[n, 16] bytes -> [n, 32]: the low nibbles (quants 0-15), then the high ones (16-31)."""
+    return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _bits(qh: Tensor) -> Tensor:
+    """[n, B] bytes -> [n, 8B] 0/1: bit j of the little-endian integer they form at position j."""
+    return ((qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(qh.shape[0], -1)
+
+
+def _q4_0(b: Tensor) -> Tensor:
+    return _f16(b[:, :2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+
+
+def _q4_1(b: Tensor) -> Tensor:
+    return _f16(b[:, :2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+
+
+def _q5_0(b: Tensor) -> Tensor:
+    q = _nibbles(b[:, 6:]) | (_bits(b[:, 2:6]) << 4)
+    return _f16(b[:, :2]) * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(b: Tensor) -> Tensor:
+    q = _nibbles(b[:, 8:]) | (_bits(b[:, 4:8]) << 4)
+    return _f16(b[:, :2]) * q.float() + _f16(b[:, 2:4])
+
+
+def _q8_0(b: Tensor) -> Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, :2])
+
+
+def _k_scales(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K / Q5_K: d * sc and dmin * m of the 8 sub-blocks ([n, 8, 1] each), from the 12 packed 6-bit bytes."""
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1).float()  # [n, 8]
+    mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1).float()
+    return (_f16(b[:, :2]) * sc).unsqueeze(-1), (_f16(b[:, 2:4]) * mn).unsqueeze(-1)
+
+
+def _q4_k(b: Tensor) -> Tensor:
+    d, dm = _k_scales(b)
+    qs = b[:, 16:].reshape(-1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    q = (qs & 15).reshape(-1, 8, 32).float()  # sub-block 2j: low nibbles of bytes 32j.., 2j + 1: high ones
+    return (d * q - dm).reshape(-1, 256)
+
+
+def _q5_k(b: Tensor) -> Tensor:
+    d, dm = _k_scales(b)
+    ql = (b[:, 48:].reshape(-1, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)) & 15
+    qh = (b[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1  # [n, 8, 32]
+    q = (ql.reshape(-1, 8, 32) | (qh << 4)).float()
+    return (d * q - dm).reshape(-1, 256)
+
+
+def _q6_k(b: Tensor) -> Tensor:
+    ql, qh = b[:, :128], b[:, 128:192]
+    d = (_f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()).reshape(-1, 16, 1)
+    lo = (ql.reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)) & 15
+    hi = (qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)).to(torch.int8) - 32
+    return (d * q.reshape(-1, 16, 16).float()).reshape(-1, 256)
+
+
+def _q8_k(b: Tensor) -> Tensor:
+    return b[:, :4].contiguous().view(torch.float32) * b[:, 4:260].contiguous().view(torch.int8).float()
+
+
+_DECODERS = {GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q5_0: _q5_0, GGMLType.Q5_1: _q5_1,
+             GGMLType.Q8_0: _q8_0, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k,
+             GGMLType.Q8_K: _q8_k}

@@ -50,6 +50,22 @@ int linear_bf16_pairs_dpbf16(void);
 int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float *wp, int inter, float *out,
                        int num_threads);
 
+// quant_linear.c; the GGML type numbers of the block formats it takes (ggml.h's enum ggml_type, kernels/quant_linear.py
+// GGMLType). quant_linear_f32 and quant_dequant_rows return 0, or -1 for a type or a K they do not take.
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q5_0 6
+#define GGML_Q5_1 7
+#define GGML_Q8_0 8
+#define GGML_Q4_K 12
+#define GGML_Q5_K 13
+#define GGML_Q6_K 14
+#define GGML_Q8_K 15
+int quant_linear_f32(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
+                     int N, const float *bias, float *out, int64_t out_row, int threads);
+int quant_dequant_rows(const uint8_t *w, int64_t w_row_bytes, int qtype, int K, const int64_t *rows, int n,
+                       float *out, int64_t out_row);
+
 // elementwise.c
 void silu_and_mul(const void *x, int64_t x_row, int64_t rows, int64_t inter, void *out, int bf16, int num_threads);
 void rmsnorm(const void *x, int64_t x_row, void *residual, const void *weight, int64_t rows, int64_t hidden,

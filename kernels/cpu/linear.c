@@ -15,8 +15,8 @@
 //   bias [N]     float32 or NULL
 //   out  [M, N]  float32, row stride out_row
 //
-// Register tile: 6 or 8 rows of x by the NR features of one panel, 12 or 16 vector accumulators (the
-// classic AVX2 6x16 shape; on AVX-512 also 8x32, see tile_rows).
+// Register tile (gemm_tile.h, shared with quant_linear.c): 6 or 8 rows of x by the NR features of one panel, 12 or
+// 16 vector accumulators (the classic AVX2 6x16 shape; on AVX-512 also 8x32, see tile_rows).
 // Work split: the panels are shared out as a static schedule would (share.h: each thread streams one contiguous
 // part of wp, a thread that finishes first taking panels from the back of another's), and each panel meets every
 // row of x before the next is read: the weights, hundreds of MB per step and never cache-resident, stream from
@@ -27,69 +27,16 @@
 #include <stdint.h>
 
 #include "fastmath.h"
+#include "gemm_tile.h"
 #include "kernels.h"
 #include "share.h"
 #include "silu.h"
 #include "vec.h"
 
-#define NR (2 * VL)  // panel width: two vectors, 32 features on AVX-512 CPUs, 16 on AVX2 ones
-#define MR 6           // tile rows everywhere: 12 accumulators, of AVX2's 16 vector registers
-#if VL == 16
-#define MR_TALL 8      // and where the vectors are 16 floats: 16 accumulators, of AVX-512's 32 registers
-#else
-#define MR_TALL MR
-#endif
 #define X_BLOCK_BYTES (4 << 20)
 
 // The panel width this build packs for (kernels/linear.py packs weights to match the library it calls).
 int linear_panel_width(void) { return NR; }
-
-// One tile: rows 0 .. mr-1 of x (mr <= rows) by one panel; writes ncols (<= NR) columns of out. `rows` (MR or
-// MR_TALL) is a constant at each call site. Per k: two vector loads of the panel, `rows` broadcasts of x, 2 * rows
-// FMAs into rows x 2 accumulators that stay in registers. One source for every vector width.
-// next: NULL, or rows of the next panel to prefetch into L2, one row (NR floats) every `every` k (see next_panel).
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t x_row, int mr, const float *b, int K,
-                                                        float *out, int64_t out_row, int ncols, const float *bias,
-                                                        const float *next, int every, const int rows) {
-    vf c[MR_TALL][2];
-    const float *xr[MR_TALL];
-    for (int i = 0; i < rows; i++) {
-        c[i][0] = c[i][1] = (vf){0};
-        // Rows past mr repeat the last row (valid memory; their results are dropped): one code path
-        // for partial tiles, and at small M the spare FMAs are free (the loop waits on memory).
-        xr[i] = x + (int64_t)(i < mr ? i : mr - 1) * x_row;
-    }
-    for (int k = 0, wait = 1; k < K; k++, b += NR) {
-        if (next && --wait == 0) {
-            for (int o = 0; o < NR; o += 64 / 4) __builtin_prefetch(next + o, 0, 2);
-            next += NR;
-            wait = every;
-        }
-        vf b0 = vload(b), b1 = vload(b + VL);
-        for (int i = 0; i < rows; i++) {
-            vf a = vbroadcast(xr[i][k]);
-            c[i][0] += a * b0;
-            c[i][1] += a * b1;
-        }
-    }
-    for (int m = 0; m < mr; m++) {
-        float acc[NR];
-        vstore(acc, c[m][0]);
-        vstore(acc + VL, c[m][1]);
-        for (int j = 0; j < ncols; j++) out[m * out_row + j] = acc[j] + (bias ? bias[j] : 0.0f);
-    }
-}
-
-// tile() at the height tile_rows chose (MR_TALL or MR), each height its own compiled instance.
-static inline __attribute__((always_inline)) void tile_of(int rows, const float *x, int64_t x_row, int mr,
-                                                           const float *b, int K, float *out, int64_t out_row,
-                                                           int ncols, const float *bias, const float *next,
-                                                           int every) {
-    if (rows == MR_TALL)
-        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, next, every, MR_TALL);
-    else
-        tile(x, x_row, mr, b, K, out, out_row, ncols, bias, next, every, MR);
-}
 
 // The first of a panel's `rows` rows (k, or k pairs) that tile i of `tiles` prefetches from the next panel.
 static inline int64_t slice_start(int i, int tiles, int rows) { return (int64_t)i * ((rows + tiles - 1) / tiles); }
@@ -113,15 +60,6 @@ static int row_block(int M, int64_t row_bytes, int64_t block_bytes, int mr) {
     const int64_t max_rows = block_bytes / row_bytes;
     const int64_t blocks = max_rows < mr ? (M + mr - 1) / mr : (M + max_rows - 1) / max_rows;
     return (int)(((M + blocks - 1) / blocks + mr - 1) / mr * mr);
-}
-
-// The tile height for M rows: MR_TALL where it pads M's last tile no more than MR does (fewer broadcasts per
-// FMA), else MR. A decode batch of 64 then runs eight 8-row tiles, not ten 6-row tiles and a 4-row one computed
-// as 6. Zen 4, 2 threads, SmolLM2's four projections over 30 layers and its lm_head from memory, GFLOP/s with
-// 6-row tiles against 8-row ones alternated in one process, three passes: M = 64: 170 / 185, 170 / 181, 186 / 195;
-// M = 16: 120 / 136, 123 / 131; at M = 100, 200 and 390 the two were within 4% either way.
-static int tile_rows(int M) {
-    return (M + MR_TALL - 1) / MR_TALL * MR_TALL <= (M + MR - 1) / MR * MR ? MR_TALL : MR;
 }
 
 // The loops every GEMM here runs: M cut into row blocks of MC rows (row_block), and within a block the weight panels
@@ -156,7 +94,7 @@ int linear_packed(const float *x, int64_t x_row, int M, int K, const float *wp, 
             const float *xi = x + (int64_t)(m0 + i) * x_row, *bias_n = bias ? bias + n : 0;
             float *oi = out + (int64_t)(m0 + i) * out_row + n;
             tile_of(rows, xi, x_row, mr, b, K, oi, out_row, ncols, bias_n,
-                    next_panel(wp, p, panels, i / rows, tiles, K), tiles);
+                    next_panel(wp, p, panels, i / rows, tiles, K), tiles, 0);
         })
     return 0;
 }
@@ -186,9 +124,9 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
             const int mr = mc - i < rows ? mc - i : rows;
             const float *xi = x + (int64_t)(m0 + i) * x_row;
             tile_of(rows, xi, x_row, mr, bg, K, g, NR, NR, NULL,
-                    next_panel(wp, p, half, i / rows, tiles, K), tiles);
+                    next_panel(wp, p, half, i / rows, tiles, K), tiles, 0);
             tile_of(rows, xi, x_row, mr, bu, K, u, NR, NR, NULL,
-                    next_panel(wp, p + half, 2 * half, i / rows, tiles, K), tiles);
+                    next_panel(wp, p + half, 2 * half, i / rows, tiles, K), tiles, 0);
             for (int m = 0; m < mr; m++)
                 silu_and_mul_row(g + m * NR, u + m * NR, out + (int64_t)(m0 + i + m) * inter + p * NR, NR, 0);
         })

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lightserve.kernels.kv_store import KV_KIND, QUANT_KV_DTYPES, KVScale, c_kv_layout, c_scale_args
 from lightserve.kernels.linear import PAIR_MAX_M, PackedLinear, PrepackedLinear
+from lightserve.kernels.quant_linear import BLOCK_SHAPES, QuantLinear
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -28,7 +29,26 @@ class LayerArgs(ctypes.Structure):
                 ("qkv_bias", _P), ("o_proj", _P), ("o_bias", _P), ("gate_up", _P), ("down", _P), ("qkv_f", _P),
                 ("qkv_bias_f", _P), ("o_proj_f", _P), ("o_bias_f", _P), ("gate_up_f", _P), ("down_f", _P),
                 ("k_cache", _P), ("v_cache", _P), ("cos_sin", _P), ("cos_sin_row", _I64), ("window", _I32),
-                ("k_scales", _P), ("v_scales", _P), ("k_scale", _F32), ("v_scale", _F32)]
+                ("k_scales", _P), ("v_scales", _P), ("k_scale", _F32), ("v_scale", _F32), ("qkv_q", _P),
+                ("o_proj_q", _P), ("gate_up_q", _P), ("down_q", _P)]
+
+
+QUANT_MAX_SEGMENTS = 4  # decoder_layers.c's: the most row segments of one projection (q | k | v types, say)
+
+
+class QuantWeight(ctypes.Structure):
+    """decoder_layers.c's QuantWeight: a projection kept in GGML blocks (a QuantLinear), segment by segment."""
+
+    _fields_ = [("segments", _I32), ("qtype", _I32 * QUANT_MAX_SEGMENTS), ("rows", _I32 * QUANT_MAX_SEGMENTS),
+                ("row_bytes", _I64 * QUANT_MAX_SEGMENTS), ("blocks", _P * QUANT_MAX_SEGMENTS)]
+
+    @classmethod
+    def of(cls, w: QuantLinear) -> QuantWeight:
+        segs = w.segments
+        return cls(len(segs), (_I32 * QUANT_MAX_SEGMENTS)(*(int(s.qtype) for s in segs)),
+                   (_I32 * QUANT_MAX_SEGMENTS)(*(s.rows for s in segs)),
+                   (_I64 * QUANT_MAX_SEGMENTS)(*(s.blocks.stride(0) for s in segs)),
+                   (_P * QUANT_MAX_SEGMENTS)(*(s.blocks.data_ptr() for s in segs)))
 
 
 class ModelDims(ctypes.Structure):
@@ -67,16 +87,16 @@ def timed_labels(dtype: torch.dtype) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class DecoderLayer:
     """One layer's tensors as the driver reads them: norm weights and biases in the model dtype, projections
-    packed for the dtype's C GEMM, the layer's rotary table and window."""
+    packed for the dtype's C GEMM (or, in float32, kept in GGML blocks), the layer's rotary table and window."""
 
-    input_norm: Tensor                       # [H]
-    post_attn_norm: Tensor                   # [H]
-    qkv: PackedLinear | PrepackedLinear      # [(Hq + 2 Hk) D, H]
-    qkv_bias: Tensor | None                  # [(Hq + 2 Hk) D]
-    o_proj: PackedLinear | PrepackedLinear   # [H, Hq D]
-    o_bias: Tensor | None                    # [H]
-    gate_up: PackedLinear | PrepackedLinear  # [2 I, H]
-    down: PackedLinear | PrepackedLinear     # [H, I]
+    input_norm: Tensor                                     # [H]
+    post_attn_norm: Tensor                                 # [H]
+    qkv: PackedLinear | PrepackedLinear | QuantLinear      # [(Hq + 2 Hk) D, H]
+    qkv_bias: Tensor | None                                # [(Hq + 2 Hk) D]
+    o_proj: PackedLinear | PrepackedLinear | QuantLinear   # [H, Hq D]
+    o_bias: Tensor | None                                  # [H]
+    gate_up: PackedLinear | PrepackedLinear | QuantLinear  # [2 I, H]
+    down: PackedLinear | PrepackedLinear | QuantLinear     # [H, I]
     cos_sin: Tensor                          # [max_pos, D] float32
     window: int
     q_norm: Tensor | None = None             # [D]: Qwen3's RMSNorm over each head of q, before rotary
@@ -115,6 +135,9 @@ class CpuDecoderLayers:
         self.widths = [sh.hidden, (sh.num_heads + 2 * sh.num_kv_heads) * hd, sh.num_heads * hd, 2 * sh.inter, sh.inter]
         if layers and layers[0].q_norm is not None:
             self.widths += [sh.num_heads * hd, sh.num_kv_heads * hd]
+        # The QuantWeight descriptors of the projections kept in GGML blocks (LayerArgs points at them), per layer.
+        self.quant = [{name: QuantWeight.of(w) for name, w in _projections(layer) if isinstance(w, QuantLinear)}
+                      for layer in layers]
         # (k_caches, v_caches, dims, layer args) of the cache last run with: the lists are held, so `is` finds them.
         self._bound: tuple[list[Tensor], list[Tensor], ModelDims, ctypes.Array] | None = None
 
@@ -236,19 +259,27 @@ class CpuDecoderLayers:
                 raise ValueError(f"decoder_layers: a KV cache layer of another layout ({k.shape}, {k.dtype})")
         assert len(k_caches) == len(self.layers) == len(k_scales) == len(v_scales), (len(k_caches), len(self.layers))
         layer_args = (LayerArgs * len(self.layers))(*(
-            _layer_args(layer, biases, k, v, c_scale_args(ks, vs))
-            for layer, biases, k, v, ks, vs in zip(self.layers, self.float_biases, k_caches, v_caches, k_scales,
-                                                   v_scales, strict=True)))
+            _layer_args(layer, biases, k, v, c_scale_args(ks, vs), quant)
+            for layer, biases, k, v, ks, vs, quant in zip(self.layers, self.float_biases, k_caches, v_caches,
+                                                          k_scales, v_scales, self.quant, strict=True)))
         dims = self.model_dims(k0.shape[0], k0.stride()[:2], v_caches[0].stride()[:2], k0.dtype)
         self._bound = (k_caches, v_caches, dims, layer_args)
         return dims, layer_args
 
 
+def _projections(layer: DecoderLayer) -> tuple[tuple[str, PackedLinear | PrepackedLinear | QuantLinear], ...]:
+    return ("qkv", layer.qkv), ("o_proj", layer.o_proj), ("gate_up", layer.gate_up), ("down", layer.down)
+
+
 def _layer_args(layer: DecoderLayer, float_biases: tuple[Tensor | None, Tensor | None], k_cache: Tensor,
-                v_cache: Tensor, scale_args: tuple) -> LayerArgs:
-    """scale_args: the layer's (k_scales, v_scales, k_scale, v_scale) as kv_store.c_scale_args gives them."""
+                v_cache: Tensor, scale_args: tuple, quant: dict[str, QuantWeight]) -> LayerArgs:
+    """scale_args: the layer's (k_scales, v_scales, k_scale, v_scale) as kv_store.c_scale_args gives them; quant: the
+    descriptors of its projections kept in GGML blocks, by name (held by the caller while the driver runs)."""
     def ptr(t: Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
+
+    def qptr(name: str) -> int | None:
+        return ctypes.addressof(quant[name]) if name in quant else None
 
     def widened(w: PackedLinear | PrepackedLinear) -> int | None:
         return w.widened.panels.data_ptr() if isinstance(w, PrepackedLinear) and w.widened is not None else None
@@ -259,10 +290,12 @@ def _layer_args(layer: DecoderLayer, float_biases: tuple[Tensor | None, Tensor |
                      widened(layer.qkv), ptr(float_biases[0]), widened(layer.o_proj), ptr(float_biases[1]),
                      widened(layer.gate_up), widened(layer.down),
                      k_cache.data_ptr(), v_cache.data_ptr(), layer.cos_sin.data_ptr(), layer.cos_sin.stride(0),
-                     layer.window, *scale_args)
+                     layer.window, *scale_args, qptr("qkv"), qptr("o_proj"), qptr("gate_up"), qptr("down"))
 
 
-def _weight_ptr(w: PackedLinear | PrepackedLinear) -> int:
+def _weight_ptr(w: PackedLinear | PrepackedLinear | QuantLinear) -> int | None:
+    if isinstance(w, QuantLinear):  # read through its QuantWeight descriptor
+        return None
     return w.panels.data_ptr() if isinstance(w, PackedLinear) else w.pairs.data_ptr()
 
 
@@ -273,7 +306,10 @@ def _takes_layer(lib: ctypes.CDLL, layer: DecoderLayer, sh: ModelShape, dtype: t
     shapes = [(layer.qkv, qkv_n, sh.hidden), (layer.o_proj, sh.hidden, sh.num_heads * sh.head_dim),
               (layer.gate_up, 2 * sh.inter, sh.hidden), (layer.down, sh.hidden, sh.inter)]
     for w, n, k in shapes:
-        if dtype == torch.float32:
+        if isinstance(w, QuantLinear):  # float32 activations only (the per-kernel forward widens bf16 per call)
+            ok = dtype == torch.float32 and len(w.segments) <= QUANT_MAX_SEGMENTS \
+                and all(s.qtype in BLOCK_SHAPES and s.blocks.stride(1) == 1 for s in w.segments)
+        elif dtype == torch.float32:
             ok = isinstance(w, PackedLinear) and w.panel == lib.linear_panel_width()
         else:
             ok = isinstance(w, PrepackedLinear) and w.pairs is not None

@@ -31,6 +31,9 @@
 // as kernels/linear.py's linear() runs `PrepackedLinear.widened`. The caller keeps a step's tokens within what its
 // weights' kernels take (kernels/decoder_layers.py), so on an AMX CPU, whose larger bf16 GEMMs run on oneDNN, the
 // decode of one to a few requests runs here and larger steps run the per-kernel forward.
+// A float32 model's projections may instead be kept in GGML blocks (a GGUF checkpoint; kernels/quant_linear.py):
+// then the layer's `*_q` descriptor is set and the projection runs quant_linear.c's kernel segment by segment, with
+// the activation as its own call after gate_up (linear_packed_silu takes float32 panels only).
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -38,6 +41,16 @@
 
 #include "fastmath.h"
 #include "kernels.h"
+
+// A projection kept in GGML blocks: row segments of one block type each, stacked (kernels/quant_linear.py's
+// QuantLinear). Segment i is rows[i] rows of row_bytes[i] bytes from blocks[i].
+#define QUANT_MAX_SEGMENTS 4
+typedef struct QuantWeight {
+    int32_t segments;
+    int32_t qtype[QUANT_MAX_SEGMENTS], rows[QUANT_MAX_SEGMENTS];
+    int64_t row_bytes[QUANT_MAX_SEGMENTS];
+    const uint8_t *blocks[QUANT_MAX_SEGMENTS];
+} QuantWeight;
 
 // One layer's tensors. Linear weights as packed at load; biases and the cos/sin table as noted.
 typedef struct LayerArgs {
@@ -56,6 +69,9 @@ typedef struct LayerArgs {
     // fp8 the per-tensor floats, else 1
     float *k_scales, *v_scales;
     float k_scale, v_scale;
+    // float32 models whose projections are kept in GGML blocks: their descriptors (then qkv .. down are unused),
+    // else NULL
+    const QuantWeight *qkv_q, *o_proj_q, *gate_up_q, *down_q;
 } LayerArgs;
 
 // The model's shapes, the same for every layer and step.
@@ -102,6 +118,10 @@ static const struct {
     FIELD_AT(LayerArgs, k_cache), FIELD_AT(LayerArgs, v_cache), FIELD_AT(LayerArgs, cos_sin),
     FIELD_AT(LayerArgs, cos_sin_row), FIELD_AT(LayerArgs, window), FIELD_AT(LayerArgs, k_scales),
     FIELD_AT(LayerArgs, v_scales), FIELD_AT(LayerArgs, k_scale), FIELD_AT(LayerArgs, v_scale),
+    FIELD_AT(LayerArgs, qkv_q), FIELD_AT(LayerArgs, o_proj_q), FIELD_AT(LayerArgs, gate_up_q),
+    FIELD_AT(LayerArgs, down_q),
+    SIZE_OF(QuantWeight), FIELD_AT(QuantWeight, segments), FIELD_AT(QuantWeight, qtype), FIELD_AT(QuantWeight, rows),
+    FIELD_AT(QuantWeight, row_bytes), FIELD_AT(QuantWeight, blocks),
     SIZE_OF(ModelDims), FIELD_AT(ModelDims, num_layers), FIELD_AT(ModelDims, hidden), FIELD_AT(ModelDims, num_heads),
     FIELD_AT(ModelDims, num_kv_heads), FIELD_AT(ModelDims, head_dim), FIELD_AT(ModelDims, inter),
     FIELD_AT(ModelDims, bf16), FIELD_AT(ModelDims, widened), FIELD_AT(ModelDims, eps), FIELD_AT(ModelDims, sm_scale),
@@ -147,9 +167,21 @@ static void toc(Timer *t, int what) {
 }
 
 // x [M, K] -> out [M, N], contiguous, in the activation dtype. w / bias: the dtype's layout; wf / bias_f: the float32
-// panels and bias where `widened` (bf16 over PAIR_MAX_M rows), else unused.
+// panels and bias where `widened` (bf16 over PAIR_MAX_M rows), else unused; q: the weight in GGML blocks (float32
+// models), else NULL.
 static int linear(const ModelDims *d, const Scratch *buf, const void *x, int M, int K, const void *w, int N,
-                  const void *bias, const float *wf, const float *bias_f, void *out, int threads) {
+                  const void *bias, const float *wf, const float *bias_f, const QuantWeight *q, void *out,
+                  int threads) {
+    if (q) {  // each segment writes its own output columns, as quant_linear() does
+        int row = 0;
+        for (int i = 0; i < q->segments; i++) {
+            if (quant_linear_f32(x, K, M, K, q->blocks[i], q->row_bytes[i], q->qtype[i], q->rows[i],
+                                 bias ? (const float *)bias + row : NULL, (float *)out + row, N, threads))
+                return -1;
+            row += q->rows[i];
+        }
+        return row == N ? 0 : -1;
+    }
     if (!d->bf16) return linear_packed(x, K, M, K, w, N, bias, out, N, threads);
     if (!d->widened || M <= PAIR_MAX_M) return linear_bf16_pairs(x, K, M, K, w, N, bias, out, N, threads);
     // Row blocks: each thread widens and rounds the rows it covers (x.float() and .to(bfloat16) in linear()).
@@ -192,7 +224,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         toc(&t, T_NORM);
 
         tic(&t);
-        if (linear(d, buf, buf->x, T, H, w->qkv, qkv_w, w->qkv_bias, w->qkv_f, w->qkv_bias_f, qkv, threads))
+        if (linear(d, buf, buf->x, T, H, w->qkv, qkv_w, w->qkv_bias, w->qkv_f, w->qkv_bias_f, w->qkv_q, qkv,
+                   threads))
             FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
         // q [T, Hq, D] and k [T, Hk, D] with token strides q_tok / k_tok; v stays a view of qkv.
@@ -241,7 +274,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
             toc(&t, T_PREFILL);
         }
         tic(&t);
-        if (linear(d, buf, attn, T, hq * D, w->o_proj, H, w->o_bias, w->o_proj_f, w->o_bias_f, hidden, threads))
+        if (linear(d, buf, attn, T, hq * D, w->o_proj, H, w->o_bias, w->o_proj_f, w->o_bias_f, w->o_proj_q, hidden,
+                   threads))
             FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
 
@@ -251,10 +285,11 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         // float32: gate_up with SiLU-and-mul as its epilogue where linear_packed_silu takes the shapes (timed as the
         // GEMM it is); else the GEMM, then the activation.
         tic(&t);
-        if (!bf16 && linear_packed_silu(buf->x, H, T, H, w->gate_up, I, buf->act, threads) == 0) {
+        if (!bf16 && !w->gate_up_q && linear_packed_silu(buf->x, H, T, H, w->gate_up, I, buf->act, threads) == 0) {
             toc(&t, T_LINEAR);
         } else {
-            if (linear(d, buf, buf->x, T, H, w->gate_up, 2 * I, NULL, w->gate_up_f, NULL, buf->gate_up, threads))
+            if (linear(d, buf, buf->x, T, H, w->gate_up, 2 * I, NULL, w->gate_up_f, NULL, w->gate_up_q, buf->gate_up,
+                       threads))
                 FAIL(l, T_LINEAR);
             toc(&t, T_LINEAR);
             tic(&t);
@@ -262,7 +297,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
             toc(&t, T_ACT);
         }
         tic(&t);
-        if (linear(d, buf, buf->act, T, I, w->down, H, NULL, w->down_f, NULL, hidden, threads)) FAIL(l, T_LINEAR);
+        if (linear(d, buf, buf->act, T, I, w->down, H, NULL, w->down_f, NULL, w->down_q, hidden, threads))
+            FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
     }
 #undef FAIL

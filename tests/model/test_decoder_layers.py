@@ -17,6 +17,7 @@ from lightserve.kernels.decoder_layers import (
     CpuDecoderLayers,
     LayerArgs,
     ModelDims,
+    QuantWeight,
     Scratch,
     StepArgs,
     timed_labels,
@@ -28,6 +29,7 @@ from lightserve.kernels.linear import (
     pairs_take_every_m,
     unpack_linear_weight,
 )
+from lightserve.kernels.quant_linear import QuantLinear
 from tests.kernels.kernel_cases import c_library_variants
 
 from .fake_worker import FakeWorker
@@ -107,6 +109,56 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
     for got, ref in zip(run_steps(fused), want, strict=True):
         assert torch.equal(got, ref)
     assert calls == 2 * ([65, 4, 4, 4, 22] if every_step else [4, 4, 4])
+
+
+def quantize_projections(model) -> None:
+    """Give every layer of a float32 model its projections kept in GGML blocks (the same weights quantized by the gguf
+    package), then rebuild its one-call driver: q | k in one block type and v in another (two row segments, as a
+    Q4_K_M file mixes them), K-quants where K is a multiple of 256 and 32-element blocks elsewhere."""
+    import dataclasses
+
+    import gguf.quants
+
+    from lightserve.kernels.quant_linear import GGMLType, cat_rows, quant_tensor
+
+    def blocks(w: torch.Tensor, qtype: GGMLType) -> QuantLinear:
+        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(int(qtype)))
+        return quant_tensor(qtype, torch.from_numpy(raw), w.shape[1])
+
+    def pick(k: int, big: GGMLType, small: GGMLType) -> GGMLType:
+        return big if k % 256 == 0 else small
+
+    layers, kv = [], model.num_kv_heads * model.head_dim
+    for layer in model.weights.layers:
+        qkv, o, gate_up, down = (unpack_linear_weight(w) for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                                     layer.down_proj))
+        k = qkv.shape[1]
+        layers.append(dataclasses.replace(
+            layer, qkv_proj=cat_rows([blocks(qkv[:-kv], pick(k, GGMLType.Q4_K, GGMLType.Q4_1)),
+                                      blocks(qkv[-kv:], pick(k, GGMLType.Q6_K, GGMLType.Q8_0))]),
+            o_proj=blocks(o, pick(o.shape[1], GGMLType.Q5_K, GGMLType.Q5_0)),
+            gate_up_proj=blocks(gate_up, pick(k, GGMLType.Q4_K, GGMLType.Q4_0)),
+            down_proj=blocks(down, pick(down.shape[1], GGMLType.Q6_K, GGMLType.Q5_1))))
+    model.weights = dataclasses.replace(model.weights, layers=layers)
+    model.cpu_layers = model._build_cpu_layers()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "llama_bias"])
+def test_projections_in_ggml_blocks_run_in_one_call_bit_for_bit(arch, tmp_path):
+    """A float32 model whose projections are kept in GGML blocks (a GGUF checkpoint): the driver runs quant_linear.c's
+    kernel on them segment by segment, bit for bit the per-kernel forward, at every step."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair(arch, torch.float32, tmp_path)
+    quantize_projections(fused)
+    quantize_projections(loop)
+    loop.cpu_layers = None
+    assert fused.cpu_layers is not None and fused.cpu_layers.max_tokens is None
+    assert len(fused.weights.layers[0].qkv_proj.segments) == 2
+    calls = count_one_call_steps(fused)
+    for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):
+        assert torch.equal(got, ref)
+    assert calls == [65, 4, 4, 4, 22]
 
 
 def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_path, monkeypatch):
@@ -266,7 +318,7 @@ def test_a_kv_loc_out_of_range_raises_and_leaves_the_cache(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, worker.kv_cache.k_caches))
 
 
-@pytest.mark.parametrize("struct", [LayerArgs, ModelDims, StepArgs, Scratch], ids=lambda s: s.__name__)
+@pytest.mark.parametrize("struct", [LayerArgs, ModelDims, StepArgs, Scratch, QuantWeight], ids=lambda s: s.__name__)
 def test_structs_match_the_c_side(struct):
     """The C driver reads each struct through a pointer: every ctypes mirror has its C struct's size and every field
     its C offset (decoder_layers.c's struct_layout: sizeof and offsetof by name, -1 for a field C does not have)."""

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from lightserve import envs, kernels
 from lightserve.config import KernelBackend
 from lightserve.kernels.decoder_layers import CpuDecoderLayers, DecoderLayer, ModelShape
-from lightserve.kernels.quant_linear import QuantLinear
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
 from lightserve.model_infer.models.hf_config import base_fields, layer_windows, read_rope, refuse_keys
@@ -135,16 +134,13 @@ class LlamaForCausalLM(DecoderLM):
     def _build_cpu_layers(self) -> CpuDecoderLayers | None:
         """The one-call CPU driver, or None: under the triton backend, with tensor parallelism (an all-reduce inside
         each layer), for a family whose layers differ from Llama's (its own _ffn, a non-SiLU MLP), for weights kept
-        in GGML blocks (the driver runs packed float weights only), or where LIGHTSERVE_PER_KERNEL_FORWARD asks for
-        the loop."""
+        in GGML blocks under bf16 activations (the driver takes them in float32), or where
+        LIGHTSERVE_PER_KERNEL_FORWARD asks for the loop."""
         cfg, w = self.config, self.weights
         if self.backend is not KernelBackend.CPU or self.tp_size > 1 or type(self)._ffn is not LlamaForCausalLM._ffn \
                 or cfg.hidden_act != "silu" or envs.per_kernel_forward():
             return None
         if any(layer.gate_up_proj is None for layer in w.layers):
-            return None
-        if any(isinstance(p, QuantLinear) for layer in w.layers
-               for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)):
             return None
         layers = [DecoderLayer(layer.input_norm, layer.post_attn_norm, layer.qkv_proj, layer.qkv_bias,
                                layer.o_proj, layer.o_bias, layer.gate_up_proj, layer.down_proj, self.layer_rope[i],

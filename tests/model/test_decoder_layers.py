@@ -114,15 +114,17 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
 def quantize_projections(model) -> None:
     """Give every layer of a float32 model its projections kept in GGML blocks (the same weights quantized by the gguf
     package), then rebuild its one-call driver: q | k in one block type and v in another (two row segments, as a
-    Q4_K_M file mixes them), K-quants where K is a multiple of 256 and 32-element blocks elsewhere."""
+    Q4_K_M file mixes them), K-quants where K is a multiple of 256 and 32-element blocks elsewhere (by the exporter's
+    quantizers)."""
     import dataclasses
 
-    import gguf.quants
+    import gguf
 
+    from lightserve.engine.gguf_export import quantize
     from lightserve.kernels.quant_linear import GGMLType, cat_rows, quant_tensor
 
     def blocks(w: torch.Tensor, qtype: GGMLType) -> QuantLinear:
-        raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType(int(qtype)))
+        raw = quantize(w, gguf.GGMLQuantizationType(int(qtype)))
         return quant_tensor(qtype, torch.from_numpy(raw), w.shape[1])
 
     def pick(k: int, big: GGMLType, small: GGMLType) -> GGMLType:

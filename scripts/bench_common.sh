@@ -6,7 +6,8 @@
 # The sourcing script sets REPO before sourcing it; PORT, PYTHON, RUNS, WORKLOADS, START_TIMEOUT and RUN_DIR (where
 # server logs and per-run JSONs go; it may change between servers) before calling these functions; MODEL_DIR where
 # run_side is given no tokenizer. BENCH_NAME prefixes errors (default: the script's file name). AFTER_WARMUP, when
-# set, names a function run_side calls with (side, workload) after each warm-up run, the server still up.
+# set, names a function run_side calls with (side, workload) after each warm-up run, the server still up;
+# BENCH_EXTRA_ARGS, more benchmark_serving.py flags for every run.
 # shellcheck shell=bash
 
 BENCH_NAME=${BENCH_NAME:-$(basename "$0" .sh)}
@@ -121,7 +122,7 @@ run_side() {
       # In the background + wait, so a signal to this script runs the trap at once.
       # shellcheck disable=SC2046  # workload_args is a word list on purpose
       "$PYTHON" "$BENCH" --backend openai --base-url "http://127.0.0.1:$PORT" --tokenizer "$tokenizer" \
-        $(workload_args "$w") --ignore-eos --temperature 0 --seed "$seed" --no-progress \
+        $(workload_args "$w") ${BENCH_EXTRA_ARGS:-} --ignore-eos --temperature 0 --seed "$seed" --no-progress \
         --output-json "$out" >"$out.log" 2>&1 &
       BENCH_PID=$!
       wait "$BENCH_PID" || { BENCH_PID=""; cat "$out.log" >&2; die "benchmark failed ($side $w $run)"; }

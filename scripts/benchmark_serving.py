@@ -478,7 +478,9 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     build_s = time.perf_counter() - t_build
     arrival_rng = np.random.default_rng([args.seed, 1])
 
-    conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    # --no-keep-alive: a connection per request, closed after it (llama-server closes the connection after a
+    # streamed response while its headers announce keep-alive, so a pooled connection fails the next request).
+    conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, force_close=args.no_keep_alive)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         model = args.model or await fetch_model(session, args.base_url.rstrip("/"))
@@ -640,6 +642,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=0, help="requests sent first and discarded")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
+    p.add_argument("--no-keep-alive", action="store_true",
+                   help="open a connection per request instead of reusing pooled ones")
     p.add_argument("--output-json", default=None)
     p.add_argument("--keep-text", action="store_true", help="keep generated text in the JSON records")
     p.add_argument("--no-progress", action="store_true")

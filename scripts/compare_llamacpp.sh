@@ -4,7 +4,7 @@
 # one server after the other.
 #
 # For each model of --models (a GGUF file and an HF float folder with the same weights dequantized) three sides:
-#   gguf      python -m lightserve.launch_server --model_dir FILE.gguf --data_type DTYPE (or GGUF_DTYPE)
+#   gguf      python -m lightserve.launch_server --model_dir FILE.gguf   (its own dtype choice, or GGUF_DTYPE's)
 #   float     python -m lightserve.launch_server --model_dir HF_DIR --data_type DTYPE
 #   llamacpp  llama-server -m FILE.gguf --threads CORES --parallel 64 --cont-batching --no-kv-unified
 #             -c (64 x SLOT_CTX) --threads-http 80
@@ -20,7 +20,10 @@
 #   C<n> sweep      2n prompts (at least 8) of 256 tokens, 64 output tokens, concurrency n
 # All requests: /v1/completions, streamed, greedy (temperature 0), ignore_eos, max_tokens = the output length
 # (llama-server reads max_tokens as n_predict and ignore_eos as a bias against its end-of-generation tokens), the
-# prompts made with the HF folder's tokenizer, the same for every side. The same seeds on every side.
+# prompts made with the HF folder's tokenizer, the same for every side. The same seeds on every side. Every side's
+# client opens a connection per request (benchmark_serving.py --no-keep-alive): llama-server closes the connection
+# after each streamed response while its headers announce keep-alive, and a request sent on such a pooled
+# connection fails ("Can not write request body").
 #
 # Default --models: the bundled SmolLM2-135M-Instruct Q4_1 GGUF and scripts/make_bench_gguf.py's files (SmolLM2 as
 # Q8_0, a Llama-3.2-1B-shaped random checkpoint as Q4_K_M and Q8_0) with their float folders; the SmolLM2 files
@@ -38,12 +41,14 @@
 #            [--runs N] [--workloads W1,W2,W3[,C1,...]] [--dtype auto|bfloat16|float32] [--llama-server BIN]
 #            [--threads N] [--parallel N] [--slot-ctx N] [--python PY] [--out FILE] [--summarize-only]
 # Writes results/compare_llamacpp.json (merged with what is there, by model and side) and a markdown table on
-# stdout; the per-run JSONs and server logs under results/compare_llamacpp_runs/MODEL/ (for --out DIR/NAME.json:
-# DIR/NAME_runs/MODEL/). --summarize-only starts nothing: it rebuilds the medians and the table from those files.
+# stdout (per model and side: W1 output tok/s, W2 ITL p50, W3 TTFT p50, C<n> output tok/s, the RSS after warm-up;
+# the ratios GGUF / float and GGUF / llama-server); the per-run JSONs and server logs under
+# results/compare_llamacpp_runs/MODEL/ (for --out DIR/NAME.json: DIR/NAME_runs/MODEL/). --summarize-only starts
+# nothing: it rebuilds the medians and the table from those files.
 # Env equivalents: MODELS ONLY PORT RUNS WORKLOADS DTYPE LLAMA_SERVER THREADS PARALLEL SLOT_CTX PYTHON OUT; also
-# BENCH_GGUF_DIR (make_bench_gguf.py's folder), GGUF_DTYPE (the GGUF side's --data_type, activations; default DTYPE),
-# START_TIMEOUT (s), LLAMA_EXTRA_ARGS (more llama-server flags) and LIGHTSERVE_EXTRA_ARGS (more lightserve server
-# flags, both lightserve sides).
+# BENCH_GGUF_DIR (make_bench_gguf.py's folder), GGUF_DTYPE (the GGUF side's --data_type, its activations; default:
+# none given), START_TIMEOUT (s), LLAMA_EXTRA_ARGS (more llama-server flags) and LIGHTSERVE_EXTRA_ARGS (more
+# lightserve server flags, both lightserve sides).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -67,6 +72,7 @@ SUMMARIZE_ONLY=0
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 # shellcheck source=scripts/bench_common.sh
 source "$REPO/scripts/bench_common.sh"  # die, log, the server's lifetime, the workloads, run_side
+BENCH_EXTRA_ARGS="--no-keep-alive"  # every side alike (see above)
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -111,7 +117,11 @@ if [[ $DTYPE == auto ]]; then
   log "dtype auto -> $DTYPE"
 fi
 case "$DTYPE" in bfloat16|float32|float16) ;; *) die "--dtype must be auto, bfloat16, float32 or float16" ;; esac
-GGUF_DTYPE=${GGUF_DTYPE:-$DTYPE}
+GGUF_DTYPE=${GGUF_DTYPE:-}
+case "$GGUF_DTYPE" in
+  ""|auto|bfloat16|float32|float16) ;;
+  *) die "GGUF_DTYPE must be auto, bfloat16, float32 or float16" ;;
+esac
 OUT=$(realpath -m "$OUT")
 RUN_ROOT="${OUT%.json}_runs"
 
@@ -134,12 +144,13 @@ for entry in "${entries[@]}"; do
   [[ " ${TAGS[*]} " != *" $tag "* ]] || die "two models named $tag"
   if [[ $SUMMARIZE_ONLY == 0 ]]; then
     [[ -f "$gguf" ]] || die "no GGUF file $gguf (scripts/make_bench_gguf.py writes the default ones)"
-    [[ -f "$hf/config.json" ]] || die "no HF folder at $hf for $gguf (scripts/make_bench_gguf.py writes the default ones)"
+    [[ -f "$hf/config.json" ]] || die "no HF folder at $hf for $gguf (scripts/make_bench_gguf.py writes the defaults)"
   fi
   TAGS+=("$tag") GGUFS+=("$gguf") HFS+=("$hf")
 done
 if [[ $SUMMARIZE_ONLY == 0 && " ${SIDES[*]} " == *" llamacpp "* ]]; then
-  [[ -n "$LLAMA_SERVER" && -x "$LLAMA_SERVER" ]] || die "no llama-server binary (pass --llama-server BIN; the usage says how to build one)"
+  [[ -n "$LLAMA_SERVER" && -x "$LLAMA_SERVER" ]] ||
+    die "no llama-server binary (pass --llama-server BIN; the usage says how to build one)"
 fi
 
 cd "$REPO"
@@ -166,11 +177,11 @@ weights_pid() {
   echo "$pid"
 }
 
-run_lightserve() {  # run_lightserve SIDE MODEL_DIR HF_DIR DTYPE
-  local side=$1 model=$2 hf=$3 dtype=$4
+run_lightserve() {  # run_lightserve SIDE MODEL_DIR HF_DIR [DTYPE]
+  local side=$1 model=$2 hf=$3 dtype=${4:-}
   SIDE=$side
   start_server "$RUN_DIR/$side-server.log" -- \
-    "$PYTHON" -m lightserve.launch_server --model_dir "$model" --data_type "$dtype" --port "$PORT" \
+    "$PYTHON" -m lightserve.launch_server --model_dir "$model" ${dtype:+--data_type "$dtype"} --port "$PORT" \
     ${LIGHTSERVE_EXTRA_ARGS:-}
   WEIGHTS_PID=$(weights_pid "$RUN_DIR/$side-server.log")
   run_side "$side" "$hf"
@@ -221,8 +232,8 @@ fi
 # ---- medians, merged JSON, markdown table ------------------------------------------------------
 models_arg=()
 for i in "${!TAGS[@]}"; do models_arg+=("${TAGS[$i]}|${GGUFS[$i]}|${HFS[$i]}"); done
-"$PYTHON" - "$REPO/scripts" "$OUT" "$RUN_ROOT" "$RUNS" "$WORKLOADS" "$DTYPE" "$GGUF_DTYPE" "$THREADS" "$PARALLEL" "$SLOT_CTX" \
-  "${SIDES[*]}" "${models_arg[@]}" <<'EOF'
+"$PYTHON" - "$REPO/scripts" "$OUT" "$RUN_ROOT" "$RUNS" "$WORKLOADS" "$DTYPE" "$GGUF_DTYPE" "$THREADS" "$PARALLEL" \
+  "$SLOT_CTX" "${SIDES[*]}" "${models_arg[@]}" <<'EOF'
 import json, os, platform, sys
 scripts, out, run_root, runs, workloads, dtype, gguf_dtype, threads, parallel, slot_ctx, sides, *models = sys.argv[1:]
 sys.path.insert(0, scripts)
@@ -236,7 +247,8 @@ def read_rss(path):
     if os.path.exists(path):
         for line in open(path):
             label, *vals = line.split()
-            rss[label] = dict(zip(("VmRSS", "RssAnon", "RssFile", "VmHWM"), (int(v) if v.isdigit() else None for v in vals)))
+            figures = (int(v) if v.isdigit() else None for v in vals)
+            rss[label] = dict(zip(("VmRSS", "RssAnon", "RssFile", "VmHWM"), figures))
     return rss
 
 cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), None) \
@@ -246,14 +258,17 @@ result.setdefault("models", {})
 for spec in models:
     tag, gguf, hf = spec.split("|")
     model = result["models"].setdefault(tag, {"sides": {}})
-    model.update({"gguf": gguf, "hf_dir": hf, "gguf_bytes": os.path.getsize(gguf) if os.path.exists(gguf) else None})
+    if os.path.exists(gguf) or "gguf" not in model:  # --summarize-only elsewhere keeps the paths measured
+        size = os.path.getsize(gguf) if os.path.exists(gguf) else None
+        model.update({"gguf": gguf, "hf_dir": hf, "gguf_bytes": size})
     for side in sides:
         run_dir = f"{run_root}/{tag}"
         same = f"{run_dir}/float.same_as"
         if side == "float" and os.path.exists(same):  # measured under the model sharing its float folder
             run_dir = f"{run_root}/{open(same).read().strip()}"
-        entry = {"runs": runs, "dtype": gguf_dtype if side == "gguf" else dtype, "host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(),
-                 "cpu_flags": cpu_flags(), "run_dir": run_dir}
+        entry = {"runs": runs, "dtype": (gguf_dtype or "server default") if side == "gguf" else dtype,
+                 "host": platform.node(), "cpu": cpu, "cpus": os.cpu_count(), "cpu_flags": cpu_flags(),
+                 "run_dir": run_dir}
         if side == "llamacpp":
             entry.update({"threads": int(threads), "parallel": int(parallel), "ctx_per_slot": int(slot_ctx)})
             if os.path.exists(f"{run_dir}/llamacpp.version"):  # `llama-server --version`: its version line
@@ -265,11 +280,13 @@ for spec in models:
         entry["workloads"], entry["measured_at"] = side_workloads(run_dir, side, runs, workloads)
         if entry["workloads"]:
             model["sides"][side] = entry
-result["note"] = ("sides: gguf = lightserve on the GGUF file (weights packed), float = lightserve on the HF float folder, "
-                  "llamacpp = llama-server on the GGUF file; medians of the measured runs after one warm-up run per "
-                  "workload; RSS = VmRSS of the process holding the weights after the first warm-up")
+result["note"] = ("sides: gguf = lightserve on the GGUF file (weights packed), float = lightserve on the HF float "
+                  "folder, llamacpp = llama-server on the GGUF file; medians of the measured runs after one warm-up "
+                  "run per workload; RSS = VmRSS of the process holding the weights after the first warm-up")
 
-ROWS = [("W1", "output tok/s", True), ("W2", "ITL p50 ms", False), ("W3", "TTFT p50 ms", False)]
+ROWS = [(w, label, higher) for w, label, higher in
+        [("W1", "output tok/s", True), ("W2", "ITL p50 ms", False), ("W3", "TTFT p50 ms", False)] if w in workloads]
+ROWS += [(w, "output tok/s", True) for w in workloads if w.startswith("C")]  # the sweep's points, if any
 def ratio(a, b):
     return a / b if a is not None and b else None
 table = []
@@ -299,8 +316,9 @@ print(f"| model | workload | metric | {LABELS['gguf']} | {LABELS['float']} | {LA
       "| GGUF / float | GGUF / llama-server | better |")
 print("|---|---|---|---:|---:|---:|---:|---:|---|")
 for r in table:
-    print(f"| {r['model']} | {r['workload']} | {r['metric']} | {fmt(r['gguf'])} | {fmt(r['float'])} | {fmt(r['llamacpp'])} "
-          f"| {fmt(r['gguf/float'], 2)} | {fmt(r['gguf/llamacpp'], 2)} | {'higher' if r['higher_is_better'] else 'lower'} |")
+    print(f"| {r['model']} | {r['workload']} | {r['metric']} | {fmt(r['gguf'])} | {fmt(r['float'])} "
+          f"| {fmt(r['llamacpp'])} | {fmt(r['gguf/float'], 2)} | {fmt(r['gguf/llamacpp'], 2)} "
+          f"| {'higher' if r['higher_is_better'] else 'lower'} |")
 failed = {f"{tag}/{side}": sum(v["failed"] for v in e["workloads"].values())
           for tag, m in result["models"].items() for side, e in m["sides"].items()}
 if any(failed.values()):

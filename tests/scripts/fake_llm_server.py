@@ -19,10 +19,12 @@ from aiohttp import web
 class FakeServer:
     """aiohttp app on a free loopback port, run on its own event loop in a daemon thread."""
 
-    def __init__(self, delay_s: float = 0.001, fail_every: int = 0, port: int = 0):
+    def __init__(self, delay_s: float = 0.001, fail_every: int = 0, port: int = 0, close_after_stream: bool = False):
         self.port = port
         self.delay_s = delay_s
         self.fail_every = fail_every  # every Nth POST answers 500; 0 = never
+        # Close the connection after each /v1/completions stream, its keep-alive notwithstanding (as llama-server does).
+        self.close_after_stream = close_after_stream
         self.num_posts = 0
         self.chat_message_counts: list[int] = []
         self.bodies: list[dict] = []
@@ -91,6 +93,9 @@ class FakeServer:
             await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
+        if self.close_after_stream and request.transport is not None:
+            await asyncio.sleep(0.1)  # the client has taken the connection back into its pool and sent the next request
+            request.transport.close()
         return resp
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:

@@ -203,3 +203,16 @@ def test_copy_edit_prompts_hold_a_document_to_write_back() -> None:
         records = json.loads(doc)
         assert [r["id"] for r in records] == list(range(len(records)))
         assert p.text.endswith("Edited document:\n")
+
+
+def test_no_keep_alive_serves_a_server_that_closes_after_each_stream(tiny_tokenizer: str) -> None:
+    """A server that closes the connection after each streamed response (llama-server) fails the requests sent on a
+    reused pooled connection; with --no-keep-alive each request has its own connection and all complete."""
+    args = ["--tokenizer", tiny_tokenizer, "--dataset", "random", "--num-prompts", "8", "--input-len", "8",
+            "--output-len", "4", "--max-concurrency", "1", "--no-progress", "--quiet"]
+    with FakeServer(close_after_stream=True) as srv:
+        pooled = bs.main(["--base-url", srv.url, *args])
+        fresh = bs.main(["--base-url", srv.url, *args, "--no-keep-alive"])
+    assert pooled["aggregates"]["failed"] > 0
+    assert fresh["aggregates"]["failed"] == 0 and fresh["aggregates"]["completed"] == 8
+    assert fresh["config"]["no_keep_alive"] is True

@@ -101,7 +101,8 @@ def test_three_sides_per_model_and_the_table(setup: dict) -> None:
     assert res["models"]["m.Q8_0"]["sides"]["float"]["run_dir"].endswith("/m")
     ls_args = (t / "lightserve.args").read_text().splitlines()
     assert len(ls_args) == 3 and sum(f"--model_dir {setup['hf']} " in a for a in ls_args) == 1
-    assert all("--data_type float32" in a for a in ls_args)
+    # The float side at --dtype, the GGUF side at lightserve's own choice (GGUF_DTYPE unset).
+    assert [("--data_type float32" in a) for a in ls_args] == [f"--model_dir {setup['hf']} " in a for a in ls_args]
     llama_args = (t / "llama.args").read_text().splitlines()
     assert len(llama_args) == 2 and f"-m {t / 'm.gguf'} " in llama_args[0]
     for flags in ("--threads 3 ", "--parallel 64 ", "--cont-batching", "--no-kv-unified", f"-c {64 * 512} ",
@@ -109,12 +110,13 @@ def test_three_sides_per_model_and_the_table(setup: dict) -> None:
         assert flags in llama_args[0]
     assert "-kvu" not in llama_args[0].split()
     rows = [r for r in res["table"] if r["model"] == "m"]
-    assert [r["metric"] for r in rows] == ["output tok/s", "ITL p50 ms", "TTFT p50 ms", "RSS MiB"]
-    assert rows[1]["gguf"] is not None and rows[1]["llamacpp"] is not None
-    rss = rows[3]
+    assert [r["metric"] for r in rows] == ["ITL p50 ms", "RSS MiB"]  # W2's row alone: W1 and W3 were not run
+    assert rows[0]["gguf"] is not None and rows[0]["llamacpp"] is not None
+    rss = rows[1]
     assert rss["gguf/llamacpp"] == pytest.approx(rss["gguf"] / rss["llamacpp"]) and rss["gguf/float"] > 0
-    assert rows[0]["gguf"] is None  # W1 was not run
     assert "| m.Q8_0 | W2 | ITL p50 ms |" in proc.stdout and "wrote" in proc.stdout
+    run = json.loads((setup["out"].parent / "cmp_runs" / "m" / "llamacpp-W2-1.json").read_text())
+    assert run["config"]["no_keep_alive"] is True  # llama-server closes the connection after each stream
     # --summarize-only starts no server and rebuilds the same table from the run files.
     setup["out"].unlink()
     again = _run(setup, "--runs", "1", "--workloads", "W2", "--summarize-only", timeout=60)

@@ -47,7 +47,8 @@ TypeRule = Callable[[str, tuple[int, ...]], "gguf.GGMLQuantizationType"]
 
 def type_rule(spec: str) -> TypeRule:
     """A rule from a preset name (q4_k_m), one type for every matrix (q8_0), or `PATTERN=TYPE,...,*=TYPE`: the first
-    pattern contained in the GGUF tensor name wins. 1-D tensors, norms and MoE routers are F32 whatever the rule;
+    pattern that starts the GGUF tensor name or one of its dot-separated parts wins (`output.` is the output layer,
+    not `blk.N.attn_output`). 1-D tensors, norms and MoE routers are F32 whatever the rule;
     a K-quant on rows that are not whole 256-blocks falls back as llama.cpp's does (Q4_K -> Q5_0, Q6_K -> Q8_0)."""
     import gguf
 
@@ -61,7 +62,8 @@ def type_rule(spec: str) -> TypeRule:
     def rule(name: str, shape: tuple[int, ...]) -> gguf.GGMLQuantizationType:
         if len(shape) == 1 or name.endswith("norm.weight") or "ffn_gate_inp" in name:
             return gguf.GGMLQuantizationType.F32
-        qtype = next((t for pattern, t in table if pattern == "*" or pattern in name), gguf.GGMLQuantizationType.F32)
+        qtype = next((t for pattern, t in table if pattern == "*" or name.startswith(pattern) or f".{pattern}" in name),
+                     gguf.GGMLQuantizationType.F32)
         block = gguf.GGML_QUANT_SIZES[qtype][0]
         if shape[-1] % block:
             fallback = _FALLBACK.get(qtype.name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -287,13 +287,18 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
         return perm if span is None else perm[span[0]:span[1]]
 
     def _quant(self, entry: _Entry, span: tuple[int, int] | None) -> QuantLinear:
+        """The rows of `span` (all when None) in memory of their own: a view of the file's pages would keep them
+        mapped and resident beside the fused copies made of them (q | k | v, gate | up), so the weights' resident
+        size would pass the file's; with copies, close() unmaps the file and the weights take its size."""
         blocks = torch.from_numpy(self._data(entry))  # [N, K / QK * block_bytes] uint8, the file's pages
         in_features = int(entry.tensor.shape[0])
         index = self._row_index(entry, blocks.shape[0], span)
         if index is not None:
             return quant_tensor(entry.qtype, blocks.index_select(0, index), in_features)
         w = quant_tensor(entry.qtype, blocks, in_features)
-        return w if span is None else slice_rows(w, *span)
+        w = w if span is None else slice_rows(w, *span)
+        return replace(w, segments=tuple(replace(s, blocks=s.blocks.clone())
+                                                     for s in w.segments))
 
     def _float(self, entry: _Entry, dtype: torch.dtype, span: tuple[int, int] | None) -> torch.Tensor:
         if entry.qtype in BLOCK_SHAPES:
@@ -301,7 +306,8 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
         else:
             import gguf
 
-            t = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(self._data(entry), entry.qtype.value)))
+            # a copy: an F32 tensor's dequantize is a view, which would keep the whole file mapped (see _quant)
+            t = torch.from_numpy(np.array(gguf.quants.dequantize(self._data(entry), entry.qtype.value), copy=True))
             index = self._row_index(entry, t.shape[0], span)
             if index is not None:
                 t = t.index_select(0, index)

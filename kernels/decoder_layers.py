@@ -306,8 +306,9 @@ def _takes_layer(lib: ctypes.CDLL, layer: DecoderLayer, sh: ModelShape, dtype: t
     shapes = [(layer.qkv, qkv_n, sh.hidden), (layer.o_proj, sh.hidden, sh.num_heads * sh.head_dim),
               (layer.gate_up, 2 * sh.inter, sh.hidden), (layer.down, sh.hidden, sh.inter)]
     for w, n, k in shapes:
-        if isinstance(w, QuantLinear):  # float32 activations only (the per-kernel forward widens bf16 per call)
-            ok = dtype == torch.float32 and len(w.segments) <= QUANT_MAX_SEGMENTS \
+        if isinstance(w, QuantLinear):  # float32 activations only (the per-kernel forward widens bf16 per call), and
+            # the columns in the weight's order (an act-order weight's x is gathered by quant_linear, not in C)
+            ok = dtype == torch.float32 and len(w.segments) <= QUANT_MAX_SEGMENTS and w.in_perm is None \
                 and all(s.qtype in BLOCK_SHAPES and s.blocks.stride(1) == 1 for s in w.segments)
         elif dtype == torch.float32:
             ok = isinstance(w, PackedLinear) and w.panel == lib.linear_panel_width()

@@ -12,6 +12,11 @@ GGML definitions (ggml-quants.c's dequantize_row_*), checked block by block agai
 dequantizer in tests/kernels/test_quant_linear.py. The C kernels take float32 activations (weight-only
 quantization: the result is the float32 product with the dequantized weight, up to summation order).
 There is no Triton version: quantized weights are served on CPU (the launcher refuses them elsewhere).
+
+Two block formats are lightserve's own (OWN_TYPES, numbers past GGML's): Q8_0 and Q4_1 with float32 scales, into
+which HF int8 / 4-bit checkpoints (compressed-tensors, AWQ, GPTQ) are repacked at load (`pack_q8_0f`, `pack_q4_1f`,
+called by model_infer/hf_quant_reader.py). A GPTQ act-order weight has its input columns sorted by group so each block
+has one scale; its QuantLinear keeps the order (`in_perm`) and the kernel's x is gathered by it.
 """
 from __future__ import annotations
 
@@ -37,6 +42,10 @@ class GGMLType(IntEnum):
     Q6_K = 14
     Q8_K = 15
     BF16 = 30
+    # lightserve's own (kernels.h's LS_*), never in a GGUF file: Q8_0 with a float32 scale (36 bytes: s, 32 int8) and
+    # Q4_1 with a float32 scale and offset (24 bytes: s, o, Q4_1's 16 bytes of nibbles).
+    Q8_0F = 100
+    Q4_1F = 101
 
 
 # (elements per block, bytes per block) of each block format served packed.
@@ -50,8 +59,11 @@ BLOCK_SHAPES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q5_K: (256, 176),
     GGMLType.Q6_K: (256, 210),
     GGMLType.Q8_K: (256, 292),
+    GGMLType.Q8_0F: (32, 36),
+    GGMLType.Q4_1F: (32, 24),
 }
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # tensors read as plain torch tensors
+OWN_TYPES = (GGMLType.Q8_0F, GGMLType.Q4_1F)  # not GGML's: a GGUF file holding one is refused
 
 
 @dataclass(frozen=True)
@@ -68,10 +80,14 @@ class QuantSegment:
 
 @dataclass(frozen=True)
 class QuantLinear:
-    """A [N, K] weight kept in GGML blocks: row segments stacked in order (N = the sum of their rows)."""
+    """A [N, K] weight kept in GGML blocks: row segments stacked in order (N = the sum of their rows).
+
+    `in_perm` [K] int64, or None: the blocks hold the weight's input columns in this order (block column j is the
+    weight's column in_perm[j]; a GPTQ act-order weight sorted by group), so the kernel multiplies x[:, in_perm]."""
 
     segments: tuple[QuantSegment, ...]
     in_features: int  # K, a multiple of every segment's block size
+    in_perm: Tensor | None = None
 
     @property
     def out_features(self) -> int:
@@ -93,17 +109,22 @@ def quant_tensor(qtype: GGMLType, blocks: Tensor, in_features: int) -> QuantLine
 
 
 def cat_rows(parts: list[QuantLinear]) -> QuantLinear:
-    """Row-stack weights of the same K (a fused projection): adjacent segments of one type merge into one."""
-    k = parts[0].in_features
+    """Row-stack weights of the same K (a fused projection): adjacent segments of one type merge into one.
+    ValueError for different widths or input orders (in_perm)."""
+    k, perm = parts[0].in_features, parts[0].in_perm
     if any(p.in_features != k for p in parts):
         raise ValueError(f"cannot stack rows of different widths {[p.in_features for p in parts]}")
+    if any((p.in_perm is None) != (perm is None) or (perm is not None and not torch.equal(p.in_perm, perm))
+           for p in parts):
+        raise ValueError("cannot stack rows whose input columns are ordered differently (act-order weights with "
+                         "different g_idx)")
     segments: list[QuantSegment] = []
     for seg in (s for p in parts for s in p.segments):
         if segments and segments[-1].qtype == seg.qtype:
             segments[-1] = QuantSegment(seg.qtype, torch.cat([segments[-1].blocks, seg.blocks]))
         else:
             segments.append(seg)
-    return QuantLinear(tuple(segments), k)
+    return QuantLinear(tuple(segments), k, perm)
 
 
 def slice_rows(w: QuantLinear, start: int, end: int) -> QuantLinear:
@@ -114,11 +135,14 @@ def slice_rows(w: QuantLinear, start: int, end: int) -> QuantLinear:
         if a < b:
             segments.append(QuantSegment(seg.qtype, seg.blocks[a:b]))
         offset += seg.rows
-    return QuantLinear(tuple(segments), w.in_features)
+    return QuantLinear(tuple(segments), w.in_features, w.in_perm)
 
 
 def slice_cols(w: QuantLinear, start: int, end: int) -> QuantLinear:
-    """Input features [start, end) (a row-parallel rank's slice): whole blocks only, ValueError otherwise."""
+    """Input features [start, end) (a row-parallel rank's slice): whole blocks only, ValueError otherwise (and for a
+    weight whose columns are reordered: a rank's columns are not a range of its blocks)."""
+    if w.in_perm is not None:
+        raise ValueError("an act-order weight (input columns reordered by group) cannot be split by columns")
     segments = []
     for seg in w.segments:
         qk, nb = BLOCK_SHAPES[seg.qtype]
@@ -138,8 +162,39 @@ def dequantize_ref(qtype: GGMLType, blocks: Tensor) -> Tensor:
 
 
 def dequantize(w: QuantLinear) -> Tensor:
-    """The whole [N, K] weight in float32 (tests, and the reference path)."""
-    return torch.cat([dequantize_ref(s.qtype, s.blocks) for s in w.segments])
+    """The whole [N, K] weight in float32, its columns in the weight's order (tests, and the reference path)."""
+    out = torch.cat([dequantize_ref(s.qtype, s.blocks) for s in w.segments])
+    if w.in_perm is None:
+        return out
+    unsorted = torch.empty_like(out)
+    unsorted[:, w.in_perm] = out
+    return unsorted
+
+
+def pack_q8_0f(q: Tensor, scales: Tensor) -> Tensor:
+    """q [N, K] integers in [-128, 127], scales [N, K / 32] (each 32-block's) -> Q8_0F blocks [N, K / 32 * 36] uint8,
+    value = q * float32(scale). ValueError for a K that is not whole blocks or quants out of int8's range."""
+    n, k = q.shape
+    if k % 32 or scales.shape != (n, k // 32) or (q.numel() and (int(q.min()) < -128 or int(q.max()) > 127)):
+        raise ValueError(f"Q8_0F takes int8 quants [N, K] with K a multiple of 32 and [N, K / 32] scales; got "
+                         f"{tuple(q.shape)} quants in [{int(q.min())}, {int(q.max())}], {tuple(scales.shape)} scales")
+    s = scales.float().contiguous().view(torch.uint8).reshape(n, k // 32, 4)
+    qs = q.to(torch.int8).reshape(n, k // 32, 32).view(torch.uint8)
+    return torch.cat([s, qs], dim=-1).reshape(n, -1)
+
+
+def pack_q4_1f(q: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
+    """q [N, K] integers in [0, 15], scales and offsets [N, K / 32] -> Q4_1F blocks [N, K / 32 * 24] uint8,
+    value = q * float32(scale) + float32(offset). ValueError as pack_q8_0f's."""
+    n, k = q.shape
+    if k % 32 or scales.shape != (n, k // 32) or offsets.shape != (n, k // 32) \
+            or (q.numel() and (int(q.min()) < 0 or int(q.max()) > 15)):
+        raise ValueError(f"Q4_1F takes 4-bit quants [N, K] with K a multiple of 32 and [N, K / 32] scales and "
+                         f"offsets; got {tuple(q.shape)}, {tuple(scales.shape)}, {tuple(offsets.shape)}")
+    s = scales.float().contiguous().view(torch.uint8).reshape(n, k // 32, 4)
+    o = offsets.float().contiguous().view(torch.uint8).reshape(n, k // 32, 4)
+    nib = q.to(torch.uint8).reshape(n, k // 32, 2, 16)  # quants 0-15 in the low nibbles, 16-31 in the high ones
+    return torch.cat([s, o, nib[:, :, 0] | (nib[:, :, 1] << 4)], dim=-1).reshape(n, -1)
 
 
 def quant_linear_ref(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tensor:
@@ -168,6 +223,8 @@ def quant_linear_cpu(x: Tensor, w: QuantLinear, bias: Tensor | None = None, lib=
     if lib is None or x.device.type != "cpu" or m == 0 or x.shape[1] != w.in_features \
             or x.dtype not in (torch.float32, torch.bfloat16) or (bias is not None and bias.shape != (n,)):
         return None
+    if w.in_perm is not None:
+        x = x.index_select(1, w.in_perm)  # [M, K] in the blocks' column order
     xf = x.float() if x.dtype != torch.float32 or x.stride(1) != 1 else x
     bf = None if bias is None else bias.float().contiguous()
     out = torch.empty(m, n, dtype=torch.float32)  # [M, N]
@@ -211,6 +268,8 @@ def quant_embedding(ids: Tensor, w: QuantLinear, dtype: torch.dtype) -> Tensor:
         assert rc == 0, f"quant_dequant_rows declined {seg.qtype.name} rows of {k}"
         if part is not out:
             out[picked] = part
+    if w.in_perm is not None:  # back to the weight's column order
+        out = torch.empty_like(out).index_copy_(1, w.in_perm, out)
     return out.to(dtype).reshape(*ids.shape, k)
 
 
@@ -291,6 +350,18 @@ def _q8_k(b: Tensor) -> Tensor:
     return b[:, :4].contiguous().view(torch.float32) * b[:, 4:260].contiguous().view(torch.int8).float()
 
 
+def _f32(b: Tensor) -> Tensor:
+    return b.contiguous().view(torch.float32)  # [n, 4] bytes -> [n, 1]
+
+
+def _q8_0f(b: Tensor) -> Tensor:
+    return b[:, 4:].contiguous().view(torch.int8).float() * _f32(b[:, :4])
+
+
+def _q4_1f(b: Tensor) -> Tensor:
+    return _f32(b[:, :4]) * _nibbles(b[:, 8:]).float() + _f32(b[:, 4:8])
+
+
 _DECODERS = {GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1, GGMLType.Q5_0: _q5_0, GGMLType.Q5_1: _q5_1,
              GGMLType.Q8_0: _q8_0, GGMLType.Q4_K: _q4_k, GGMLType.Q5_K: _q5_k, GGMLType.Q6_K: _q6_k,
-             GGMLType.Q8_K: _q8_k}
+             GGMLType.Q8_K: _q8_k, GGMLType.Q8_0F: _q8_0f, GGMLType.Q4_1F: _q4_1f}

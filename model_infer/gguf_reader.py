@@ -26,6 +26,7 @@ import torch
 from lightserve.kernels.quant_linear import (
     BLOCK_SHAPES,
     FLOAT_TYPES,
+    OWN_TYPES,
     GGMLType,
     QuantLinear,
     dequantize,
@@ -327,12 +328,12 @@ def _served_type(tensor: GGUFTensor) -> GGMLType:
         qtype = GGMLType(tensor.raw_type)
     except ValueError:
         qtype = None
-    if qtype is None or (qtype not in BLOCK_SHAPES and qtype not in FLOAT_TYPES):
+    if qtype is None or qtype in OWN_TYPES or (qtype not in BLOCK_SHAPES and qtype not in FLOAT_TYPES):
         try:
             type_name = gguf.GGMLQuantizationType(tensor.raw_type).name
         except ValueError:
             type_name = f"#{tensor.raw_type}"
-        served = ", ".join(t.name for t in (*FLOAT_TYPES, *BLOCK_SHAPES))
+        served = ", ".join(t.name for t in (*FLOAT_TYPES, *BLOCK_SHAPES) if t not in OWN_TYPES)
         raise ValueError(f"tensor {tensor.name} has GGML type {type_name}, which lightserve does not serve "
                          f"(served: {served})")
     return qtype

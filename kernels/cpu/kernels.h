@@ -61,6 +61,12 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 #define GGML_Q5_K 13
 #define GGML_Q6_K 14
 #define GGML_Q8_K 15
+// lightserve's own block formats, past ggml's numbers (HF checkpoints' int8 and 4-bit weights repacked at load,
+// model_infer/hf_quant_reader.py): Q8_0 and Q4_1 with float32 scales, a block being
+//   LS_Q8_0F  float32 s, 32 int8 q                        value = q * s        (36 bytes)
+//   LS_Q4_1F  float32 s, float32 o, 16 bytes of nibbles    value = q * s + o    (24 bytes; Q4_1's nibble order)
+#define LS_Q8_0F 100
+#define LS_Q4_1F 101
 int quant_linear_f32(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
                      int N, const float *bias, float *out, int64_t out_row, int threads);
 int quant_dequant_rows(const uint8_t *w, int64_t w_row_bytes, int qtype, int K, const int64_t *rows, int n,

@@ -5,14 +5,17 @@
 // Shapes (row-major, strides in elements unless named bytes):
 //   x    [M, K]  float32, row stride x_row
 //   w    [N, K / QK blocks]  uint8, row n at w + n * w_row_bytes, each row its blocks in order (ggml's block_q4_0 ..
-//        block_q8_K, QK = 32 or 256)
+//        block_q8_K, QK = 32 or 256; or lightserve's LS_Q8_0F / LS_Q4_1F, kernels.h: Q8_0 and Q4_1 with float32
+//        scales, into which HF int8 and 4-bit checkpoints are repacked)
 //   bias [N]     float32 or NULL
 //   out  [M, N]  float32, row stride out_row
 //
 // Every block decodes to values q * s + o in float32, with q the block's integer quant, s and o per group of 16 or 32
 // quants (o = -8 s for Q4_0, the min for Q4_1, -32 s for Q6_K, ...). In each format the product q * s is exact in
 // float32 (at most 22 significant bits: an fp16 scale times a 6-bit sub-scale times a 5-bit quant), so one FMA gives
-// the value ggml's dequantize_row_* rounds, bit for bit (Q8_K's float32 scale: one multiply, as there).
+// the value ggml's dequantize_row_* rounds, bit for bit (Q8_K's float32 scale: one multiply, as there). LS_Q8_0F and
+// LS_Q4_1F hold an fp16 or bf16 checkpoint scale widened to float32 (and o = -s * zero, exact): q * s is exact there
+// too, and q * s + o is the checkpoint's s * (q - zero) exactly.
 //
 // Two paths:
 // - M <= GEMV_MAX_M (decode): a stream of the packed rows. Each group of quants is widened to int32 lanes, converted,
@@ -93,7 +96,8 @@ static inline float half_to_float(const uint8_t *p) {
 // Elements and bytes per block; 0 for a type this file does not take.
 static inline int block_elems(int qtype) {
     switch (qtype) {
-        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: return 32;
+        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: case LS_Q8_0F: case LS_Q4_1F:
+            return 32;
         case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: case GGML_Q8_K: return 256;
         default: return 0;
     }
@@ -110,6 +114,8 @@ static inline int block_bytes(int qtype) {
         case GGML_Q5_K: return 176;
         case GGML_Q6_K: return 210;
         case GGML_Q8_K: return 292;
+        case LS_Q8_0F: return 36;
+        case LS_Q4_1F: return 24;
         default: return 0;
     }
 }
@@ -138,7 +144,8 @@ static inline __attribute__((always_inline)) void block_scales(const int qtype, 
         case GGML_Q5_0: p->s[0] = half_to_float(blk), p->o[0] = -16 * p->s[0]; break;
         case GGML_Q4_1: case GGML_Q5_1: p->s[0] = half_to_float(blk), p->o[0] = half_to_float(blk + 2); break;
         case GGML_Q8_0: p->s[0] = half_to_float(blk); break;
-        case GGML_Q8_K: memcpy(p->s, blk, 4); break;
+        case GGML_Q8_K: case LS_Q8_0F: memcpy(p->s, blk, 4); break;
+        case LS_Q4_1F: memcpy(p->s, blk, 4), memcpy(p->o, blk + 4, 4); break;
         case GGML_Q4_K: case GGML_Q5_K: {
             const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
             for (int j = 0; j < 8; j++) {
@@ -172,10 +179,11 @@ static inline __attribute__((always_inline)) void decode_step(const int qtype, c
     int g[2] = {0, 0};
     k[0] = k[1] = 0;
     switch (qtype) {
-        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: {
+        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case LS_Q4_1F: {
             // Byte l holds quant l in its low nibble and quant l + 16 in its high one; Q5's fifth bits are bit l
             // of the 32-bit qh.
-            const int l0 = u * VL, head = qtype == GGML_Q4_0 ? 2 : qtype == GGML_Q4_1 ? 4 : qtype == GGML_Q5_0 ? 6 : 8;
+            const int l0 = u * VL,
+                      head = qtype == GGML_Q4_0 ? 2 : qtype == GGML_Q4_1 ? 4 : qtype == GGML_Q5_0 ? 6 : 8;  // Q5_1, Q4_1F
             const vu b = widen_u8(blk + head + l0);
             q[0] = b & 15, q[1] = b >> 4;
             if (qtype == GGML_Q5_0 || qtype == GGML_Q5_1) {
@@ -215,9 +223,9 @@ static inline __attribute__((always_inline)) void decode_step(const int qtype, c
             g[0] = k[0] / 16, g[1] = k[1] / 16;
             break;
         }
-        case GGML_Q8_0: case GGML_Q8_K: {
-            const int head = qtype == GGML_Q8_0 ? 2 : 4, l0 = qtype == GGML_Q8_0 ? u * VL : 2 * u * VL;
-            const int step = qtype == GGML_Q8_0 ? 16 : VL;
+        case GGML_Q8_0: case GGML_Q8_K: case LS_Q8_0F: {
+            const int head = qtype == GGML_Q8_0 ? 2 : 4, l0 = qtype == GGML_Q8_K ? 2 * u * VL : u * VL;
+            const int step = qtype == GGML_Q8_K ? VL : 16;
             const vf s = vbroadcast(p->s[0]);
             k[0] = l0, k[1] = l0 + step;
             w[0] = __builtin_convertvector(widen_s8(blk + head + k[0]), vf) * s;
@@ -359,7 +367,7 @@ static inline __attribute__((always_inline)) void gemm_panel(const int qtype, co
 // Each format's kernel compiled on its own (qtype a constant inside).
 #define FOR_EACH_TYPE(CASE)                                                                                      \
     CASE(GGML_Q4_0) CASE(GGML_Q4_1) CASE(GGML_Q5_0) CASE(GGML_Q5_1) CASE(GGML_Q8_0) CASE(GGML_Q4_K)           \
-    CASE(GGML_Q5_K) CASE(GGML_Q6_K) CASE(GGML_Q8_K)
+    CASE(GGML_Q5_K) CASE(GGML_Q6_K) CASE(GGML_Q8_K) CASE(LS_Q8_0F) CASE(LS_Q4_1F)
 
 // The OpenMP regions sit here and switch on qtype per item, so that each format's loops are compiled with qtype a
 // constant (a region inside an inlined function is outlined once, with qtype a variable).

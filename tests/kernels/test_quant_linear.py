@@ -2,7 +2,8 @@
 kernels (quant_linear.c: the GEMV at small M, the dequantized panels and register tile above it) against the
 reference in every build this CPU runs, over block types, row counts, K that the 256-element super-blocks do not
 divide, output rows that leave partial tiles, strided x and a bias; multi-type weights and their row and column
-slices through the dispatch; and the embedding lookup over packed rows."""
+slices through the dispatch; and the embedding lookup over packed rows. lightserve's own formats (Q8_0F, Q4_1F: HF
+checkpoints repacked) against their definition s * (q - zero), and weights whose input columns are reordered."""
 from __future__ import annotations
 
 import functools
@@ -16,11 +17,14 @@ from gguf import quants as gguf_quants
 from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.quant_linear import (
     BLOCK_SHAPES,
+    OWN_TYPES,
     GGMLType,
     QuantLinear,
     cat_rows,
     dequantize,
     dequantize_ref,
+    pack_q4_1f,
+    pack_q8_0f,
     quant_embedding,
     quant_linear,
     quant_linear_cpu,
@@ -32,10 +36,14 @@ from lightserve.kernels.quant_linear import (
 from tests.kernels.kernel_cases import c_library_variants
 
 TYPES = list(BLOCK_SHAPES)
+GGML_TYPES = [t for t in TYPES if t not in OWN_TYPES]  # gguf decodes these
 GGUF_QUANTIZES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0)
 # Byte offsets of each format's fp16 scales (d, and the min or dmin): random bytes there could be NaN or inf.
 HALF_SCALES = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2),
                GGMLType.Q8_0: (0,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+# Float32 ones; those of the own formats widened from fp16, as the checkpoints' scales are (q * s exact, so the
+# kernel's FMA and the reference's product and sum round alike).
+FLOAT_SCALES = {GGMLType.Q8_K: (0,), GGMLType.Q8_0F: (0,), GGMLType.Q4_1F: (0, 4)}
 needs_c = pytest.mark.skipif(library() is None, reason="no C compiler: quant_linear runs the reference")
 
 
@@ -45,8 +53,10 @@ def random_blocks(qtype: GGMLType, rows: int, k: int, seed: int = 0) -> torch.Te
     g = torch.Generator().manual_seed(seed)
     blocks = torch.randint(0, 256, (rows * (k // qk), nb), dtype=torch.uint8, generator=g)
     n = blocks.shape[0]
-    if qtype == GGMLType.Q8_K:  # float32 d
-        blocks[:, :4] = ((torch.rand(n, generator=g) - 0.5) * 0.02).view(torch.uint8).reshape(n, 4)
+    for at in FLOAT_SCALES.get(qtype, ()):
+        scale = (torch.rand(n, generator=g) - 0.5) * 0.02
+        scale = scale.half().float() if qtype in OWN_TYPES else scale
+        blocks[:, at:at + 4] = scale.view(torch.uint8).reshape(n, 4)
     for at in HALF_SCALES.get(qtype, ()):
         blocks[:, at:at + 2] = ((torch.rand(n, generator=g) - 0.5) * 0.02).half().view(torch.uint8).reshape(n, 2)
     return blocks.reshape(rows, -1)
@@ -66,7 +76,7 @@ def gguf_dequantize(qtype: GGMLType, blocks: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out))
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", GGML_TYPES, ids=lambda t: t.name)
 def test_dequantize_ref_matches_gguf_bit_for_bit(qtype):
     """Random bytes (every nibble and high-bit pattern, scales of both signs, subnormal fp16 included), and where
     gguf quantizes the format, its blocks of random floats: each block decodes to gguf's float32 values exactly."""
@@ -203,3 +213,46 @@ def test_embedding_over_segments_and_bad_ids():
     assert got.dtype == torch.bfloat16 and torch.equal(got, dequantize(w)[ids].bfloat16())
     with pytest.raises(IndexError):
         quant_embedding(torch.tensor([16]), w, torch.float32)
+
+
+def test_own_formats_decode_to_scale_times_q_minus_zero():
+    """Q8_0F and Q4_1F packed from integer quants and fp16 scales per group of 32 (o = -s * zero): every value is the
+    checkpoint's float32 s * (q - zero), bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 6, 128
+    s = ((torch.rand(n, k // 32, generator=g) + 0.01) * 0.02).half().float()  # [N, K / 32]
+    per_col = s.repeat_interleave(32, dim=1)  # [N, K]
+    q8 = torch.randint(-128, 128, (n, k), generator=g)
+    assert torch.equal(dequantize_ref(GGMLType.Q8_0F, pack_q8_0f(q8, s)), per_col * q8.float())
+    q4, zero = torch.randint(0, 16, (n, k), generator=g), torch.randint(0, 17, (n, k // 32), generator=g).float()
+    got = dequantize_ref(GGMLType.Q4_1F, pack_q4_1f(q4, s, -(s * zero)))
+    assert torch.equal(got, per_col * (q4.float() - zero.repeat_interleave(32, dim=1)))
+    with pytest.raises(ValueError, match="Q8_0F"):
+        pack_q8_0f(q8 * 2, s)
+    with pytest.raises(ValueError, match="Q4_1F"):
+        pack_q4_1f(q4[:, :48], s, s)
+
+
+@needs_c
+def test_reordered_input_columns():
+    """A weight whose blocks hold its columns in another order (in_perm): the kernel gathers x, dequantize and the
+    embedding give the weight in its own order, rows slice and stack with it; columns do not slice, and weights of
+    different orders do not stack."""
+    k = 256
+    base = weight(GGMLType.Q4_1F, 9, k)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(5))
+    w = QuantLinear(base.segments, k, perm)
+    wd = dequantize(w)
+    assert torch.equal(wd[:, perm], dequantize(base))
+    bias = torch.randn(9)
+    for m in (1, 6):
+        x = torch.randn(m, k)
+        assert_matches_product(quant_linear(x, w, bias), x, w, bias)
+        torch.testing.assert_close(quant_linear_ref(x, w), x @ wd.T)
+    assert torch.equal(quant_embedding(torch.tensor([4, 0]), w, torch.float32), wd[[4, 0]])
+    both = cat_rows([w, slice_rows(w, 2, 5)])
+    assert torch.equal(both.in_perm, perm) and torch.equal(dequantize(both), torch.cat([wd, wd[2:5]]))
+    with pytest.raises(ValueError, match="act-order"):
+        slice_cols(w, 0, 128)
+    with pytest.raises(ValueError, match="ordered differently"):
+        cat_rows([w, base])

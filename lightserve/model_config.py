@@ -56,6 +56,9 @@ class ModelConfig:
     # DeepSeek-V3 keeps its latent-attention, rope and routing keys here for MLAConfig.from_hf and
     # MoEConfig.from_hf, which stay the one parser of each, instead of a copy of their fields in this class.
     family_keys: str = ""
+    # A checkpoint whose linear weights are int8 / 4-bit (compressed-tensors, AWQ, GPTQ): its validated
+    # quantization_config as model_infer/hf_quant_reader.QuantScheme JSON text; "" for float weights (and GGUF).
+    quantization: str = ""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads != 0:

@@ -67,6 +67,9 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         check_tp(model_config, config.tp)
     except ValueError as exc:
         raise StartError(f"--tp {config.tp} cannot split this model: {exc}") from None
+    if model_config.quantization and backend is not KernelBackend.CPU:
+        raise StartError(f"--model_dir {config.model_dir}: quantized weights are served packed on CPU only (the C "
+                         "kernels); use --device cpu with --kernel_backend cpu (or auto)")
     if gguf_file is not None:  # its tensor types and block boundaries, before any rank fails on them
         try:
             check_gguf(gguf_file, model_config, config.tp)

@@ -9,12 +9,15 @@ A family module (one file here) owns everything model-specific:
 Adding a family = its module + one entry in FAMILIES. The launcher reads the config once
 (`read_model_config`) and checks the TP size (`check_tp`) and a GGUF file (`check_gguf`); the worker builds the
 model (`load_model`). The weights are the folder's *.safetensors, or else its one .gguf file (`gguf_weights`; read
-by gguf_reader.GGUFCheckpointReader, quantized tensors kept in their GGML blocks).
+by gguf_reader.GGUFCheckpointReader, quantized tensors kept in their GGML blocks). Safetensors whose config has a
+quantization_config (compressed-tensors int8 / int4, AWQ, GPTQ) are read by hf_quant_reader.HFQuantReader, their
+linears kept packed as well.
 """
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING
 from lightserve.log import get_logger
 from lightserve.model_infer.gguf_reader import GGUFCheckpointReader
 from lightserve.model_infer.gguf_reader import check_gguf as check_gguf  # the launcher's look at a GGUF file
+from lightserve.model_infer.hf_quant_reader import HFQuantReader, QuantScheme, quant_scheme
 from lightserve.model_infer.models import deepseek, gemma, llama, moe, phi3
 from lightserve.model_infer.weights import CheckpointReader, read_kv_scales
 
@@ -65,13 +69,14 @@ def config_from_dict(cfg: dict) -> ModelConfig:
         raise ValueError(f"{arch}: multimodal checkpoints are not supported ({', '.join(towers)} found); "
                          "lightserve serves the text model only")
     quantization = cfg.get("quantization_config")
-    if quantization is not None:
-        # Every family reads plain weights: a quantized checkpoint (DeepSeek-V3's FP8 with its block scales,
-        # AWQ, GPTQ) would load its packed integers as if they were values.
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-        raise ValueError(f"{arch}: quantized checkpoints are not supported (quantization_config: {method!r}); "
-                         "lightserve loads bfloat16/float16/float32 weights, so dequantize the checkpoint first")
-    return family.read_config(arch, cfg)
+    if quantization is None:
+        return family.read_config(arch, cfg)
+    # int8 / 4-bit linears (hf_quant_reader) are read for the Llama family's layers; anything else a
+    # quantization_config names (fp8, other bit widths, DeepSeek-V3's block scales) is refused here, at launch.
+    scheme = quant_scheme(quantization)
+    if family is not llama:
+        raise ValueError(f"{arch}: {scheme.method} checkpoints are served for {', '.join(llama.ARCHITECTURES)} only")
+    return replace(family.read_config(arch, cfg), quantization=scheme.to_json())
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
@@ -81,8 +86,12 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
 
 
 def check_tp(config: ModelConfig, tp_size: int) -> None:
-    """ValueError when the family cannot split this model over tp_size ranks."""
+    """ValueError when the family cannot split this model over tp_size ranks (or its weights are act-order ones)."""
     family_of(config.architecture).tp_shards(config, 0, tp_size)
+    if tp_size > 1 and config.quantization and QuantScheme.from_json(config.quantization).act_order:
+        # Each rank's input columns of o_proj and down_proj would be scattered over the weight's sorted groups.
+        raise ValueError("act-order weights (GPTQ desc_act, compressed-tensors actorder \"group\") are served on one "
+                         "rank only")
 
 
 def load_model(
@@ -113,9 +122,9 @@ def load_weights(
     and TP rules (its `tp_shards` and `read_weights`).
 
     `model_dir`: a folder of *.safetensors, a folder whose weights are one .gguf file, or a .gguf file.
-    Raises ValueError for a tp_size the head counts do not allow (or, from GGUF, for a tensor type not served,
-    blocks a rank's slice would cut, or a device other than CPU), FileNotFoundError when the folder has no weights,
-    KeyError naming a missing tensor.
+    Raises ValueError for a tp_size the head counts do not allow (or, from GGUF or a quantized checkpoint, for a
+    tensor type not served, blocks a rank's slice would cut, or a device other than CPU), FileNotFoundError when the
+    folder has no weights, KeyError naming a missing tensor.
     """
     family = family_of(config.architecture)
     start = time.perf_counter()
@@ -123,6 +132,8 @@ def load_weights(
     gguf_file = gguf_weights(model_dir)
     if gguf_file is not None:
         reader = GGUFCheckpointReader(gguf_file, config, dtype, device)
+    elif config.quantization:
+        reader = HFQuantReader(Path(model_dir), QuantScheme.from_json(config.quantization), dtype, device)
     else:
         reader = CheckpointReader(Path(model_dir), dtype, device)
     try:

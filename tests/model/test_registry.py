@@ -30,12 +30,15 @@ def test_every_architecture_has_its_family():
     ({"architectures": ["LlamaForCausalLM"], "hidden_act": "gelu"}, "hidden_act"),
     ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75}, "partial_rotary_factor"),
     ({"architectures": ["Qwen2ForCausalLM"], "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
-    # DeepSeek's FP8 release (block-scaled e4m3 weights), and any other quantized checkpoint of any family
+    # DeepSeek's FP8 release (block-scaled e4m3 weights), a bit width not served, a served method outside the Llama
+    # family (tests/model/test_hf_quant.py: the others)
     ({"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}},
-     "quantized.*quantization_config: 'fp8'"),
-    ({"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "awq", "bits": 4}},
-     "quantization_config: 'awq'"),
+     "quant_method 'fp8' is not supported"),
+    ({"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "awq", "bits": 3}},
+     "awq bits=3 is not supported"),
+    ({"architectures": ["Gemma2ForCausalLM"], "quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "gptq checkpoints are served for LlamaForCausalLM"),
     ({"architectures": ["DeepseekV2ForCausalLM"]}, "'DeepseekV2ForCausalLM' is not supported"),
 ])
 def test_unsupported_configs_are_refused_by_name(cfg, match):

@@ -1,10 +1,11 @@
 """HF checkpoints with int8 / 4-bit linears (model_infer/hf_quant_reader.py), served packed: tiny random Llama and
 Qwen3 checkpoints whose linear weights this test quantizes and writes in each format by its definition
-(compressed-tensors int-quantized and pack-quantized, W8A16 and W8A8; AWQ GEMM; GPTQ symmetric and asymmetric, with
-and without act-order), with their config.json quantization_config. The reference is transformers in float32 over
-the same weights dequantized here (scale * (q - zero)); greedy tokens must be its greedy tokens by teacher forcing
-(tests/greedy_check.py). Also: what a quantization_config may say that is not served is refused naming it, act-order
-over two ranks and quantized weights off the CPU backend are refused."""
+(compressed-tensors int-quantized and pack-quantized, W8A16, W8A8 and W4A16; AWQ GEMM; GPTQ 4-bit symmetric and
+asymmetric, with and without act-order, and 8-bit), with their config.json quantization_config. The reference is
+transformers in float32 over the same weights dequantized here (scale * (q - zero)); greedy tokens must be its greedy
+tokens by teacher forcing (tests/greedy_check.py). Also: bf16 activations, two ranks' shards, and the refusals (what a
+quantization_config may say that is not served, act-order over two ranks, quantized weights off the CPU backend).
+The test's packers agree with vLLM's gptq_pack / awq_pack and compressed-tensors' pack_to_int32."""
 from __future__ import annotations
 
 import json
@@ -43,6 +44,7 @@ CASES = {
     "gptq_g64_asym": ("qwen3", "gptq", 4, 64, False, False, False),
     "gptq_g64_sym_act_order": ("qwen3", "gptq", 4, 64, True, True, False),
     "gptq_g64_asym_act_order": ("llama3", "gptq", 4, 64, False, True, False),
+    "gptq_8bit_g128": ("qwen3", "gptq", 8, 128, True, False, False),
 }
 
 
@@ -129,9 +131,12 @@ def write_case(case: str, base: Path, out: Path) -> tuple[Path, dict[str, torch.
             written[prefix + ".qweight"] = pack_words(q.T.reshape(k, -1, 8)[:, :, interleave].reshape(k, n), 4)
             written[prefix + ".qzeros"] = pack_words(zero.T.reshape(-1, n // 8, 8)[:, :, interleave].reshape(-1, n), 4)
             written[prefix + ".scales"] = scale.T.contiguous()
-        else:  # GPTQ: qweight [K / 8, N] (8 input rows a word), qzeros [G, N / 8] holding zero - 1 (format "gptq")
-            written[prefix + ".qweight"] = pack_words(q.T.reshape(k // 8, 8, n).transpose(1, 2), 4)[..., 0]
-            written[prefix + ".qzeros"] = pack_words((zero - 1).T & 15, 4).contiguous()
+        else:  # GPTQ: qweight [K / per, N] (per input rows a word), qzeros [G, N / per] holding zero - 1 (format
+            # "gptq"); 8 bits unsigned about 128
+            per = 32 // bits
+            u, z = (q + 128, zero + 128) if bits == 8 else (q, zero)
+            written[prefix + ".qweight"] = pack_words(u.T.reshape(k // per, per, n).transpose(1, 2), bits)[..., 0]
+            written[prefix + ".qzeros"] = pack_words((z - 1).T & ((1 << bits) - 1), bits).contiguous()
             written[prefix + ".scales"] = scale.T.contiguous()
             written[prefix + ".g_idx"] = group.to(torch.int32)
     out.mkdir()
@@ -143,7 +148,7 @@ def write_case(case: str, base: Path, out: Path) -> tuple[Path, dict[str, torch.
         config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size,
                                          "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
     else:
-        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,
+        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
                                          "desc_act": act_order, "sym": symmetric, "checkpoint_format": "gptq",
                                          "static_groups": False, "true_sequential": True, "damp_percent": 0.01}
     (out / "config.json").write_text(json.dumps(config))
@@ -231,3 +236,28 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate
 def test_unserved_quantization_is_refused_naming_it(quantization, match):
     with pytest.raises(ValueError, match=match):
         config_from_dict({**BASE, "quantization_config": quantization})
+
+
+@pytest.mark.parametrize("case", ["gptq_g64_asym", "ct_w8a16_group128"])
+def test_tensor_parallel_shards_are_slices_of_the_whole(case, bases, tmp_path):
+    """Each of two ranks' packed weights dequantize to its rows (q | k | v, gate | up) or input columns (o_proj, down:
+    whole blocks of a group) of the one-rank weights."""
+    from lightserve.kernels.quant_linear import dequantize
+    from lightserve.model_infer.models import load_weights
+
+    kind = CASES[case][0]
+    folder, _ = write_case(case, bases[kind], tmp_path / case)
+    config = read_model_config(folder)
+    check_tp(config, 2)
+    whole = load_weights(folder, config, torch.float32).layers[0]
+    hd, inter = config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    qkv = dequantize(whole.qkv_proj).split([q, kv, kv])
+    gate, up = dequantize(whole.gate_up_proj).split([inter, inter])
+    for rank in range(2):
+        part = load_weights(folder, config, torch.float32, "cpu", rank, 2).layers[0]
+        rows = [t.chunk(2)[rank] for t in (*qkv, gate, up)]
+        assert torch.equal(dequantize(part.qkv_proj), torch.cat(rows[:3]))
+        assert torch.equal(dequantize(part.gate_up_proj), torch.cat(rows[3:]))
+        assert torch.equal(dequantize(part.o_proj), dequantize(whole.o_proj).chunk(2, dim=1)[rank])
+        assert torch.equal(dequantize(part.down_proj), dequantize(whole.down_proj).chunk(2, dim=1)[rank])

@@ -250,6 +250,9 @@ def _ct_scheme(cfg: dict) -> QuantScheme:
         raise ValueError("compressed-tensors without config_groups is not supported")
     if cfg.get("sparsity_config") and (cfg["sparsity_config"].get("format") or "dense") != "dense":
         raise ValueError(f"compressed-tensors sparsity ({cfg['sparsity_config'].get('format')}) is not supported")
+    status = cfg.get("quantization_status", "compressed")
+    if status != "compressed":  # "frozen" and earlier ones store float weights beside their scales
+        raise ValueError(f"compressed-tensors quantization_status {status!r} is not supported (compressed)")
     if cfg.get("transform_config"):
         raise ValueError("compressed-tensors transforms (transform_config) are not supported")
     schemes = {_ct_group_scheme(name, group, cfg.get("format")) for name, group in groups.items()}

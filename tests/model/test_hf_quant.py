@@ -225,6 +225,7 @@ BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate
      "gptq checkpoint_format 'marlin'"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "awq version 'gemv'"),
     ({**ct_config("float-quantized", 8, -1, False)}, "compressed-tensors format 'float-quantized'"),
+    ({**ct_config("int-quantized", 8, -1, False), "quantization_status": "frozen"}, "quantization_status 'frozen'"),
     ({**ct_config("pack-quantized", 8, -1, False), "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
         "input_activations": {"num_bits": 8, "type": "int", "dynamic": False, "strategy": "tensor"}}}},

@@ -39,13 +39,14 @@ QUANT_MAX_SEGMENTS = 4  # decoder_layers.c's: the most row segments of one proje
 class QuantWeight(ctypes.Structure):
     """decoder_layers.c's QuantWeight: a projection kept in GGML blocks (a QuantLinear), segment by segment."""
 
-    _fields_ = [("segments", _I32), ("qtype", _I32 * QUANT_MAX_SEGMENTS), ("rows", _I32 * QUANT_MAX_SEGMENTS),
-                ("row_bytes", _I64 * QUANT_MAX_SEGMENTS), ("blocks", _P * QUANT_MAX_SEGMENTS)]
+    _fields_ = [("segments", _I32), ("int8_dot", _I32), ("qtype", _I32 * QUANT_MAX_SEGMENTS),
+                ("rows", _I32 * QUANT_MAX_SEGMENTS), ("row_bytes", _I64 * QUANT_MAX_SEGMENTS),
+                ("blocks", _P * QUANT_MAX_SEGMENTS)]
 
     @classmethod
     def of(cls, w: QuantLinear) -> QuantWeight:
         segs = w.segments
-        return cls(len(segs), (_I32 * QUANT_MAX_SEGMENTS)(*(int(s.qtype) for s in segs)),
+        return cls(len(segs), int(w.int8_dot), (_I32 * QUANT_MAX_SEGMENTS)(*(int(s.qtype) for s in segs)),
                    (_I32 * QUANT_MAX_SEGMENTS)(*(s.rows for s in segs)),
                    (_I64 * QUANT_MAX_SEGMENTS)(*(s.blocks.stride(0) for s in segs)),
                    (_P * QUANT_MAX_SEGMENTS)(*(s.blocks.data_ptr() for s in segs)))

@@ -10,7 +10,10 @@ v, gate | up) is a list of row segments, each of one block type, because a Q4_K_
 The reference (`dequantize_ref`, `quant_linear_ref`) is the spec: each block format decoded in torch from the
 GGML definitions (ggml-quants.c's dequantize_row_*), checked block by block against the `gguf` package's own
 dequantizer in tests/kernels/test_quant_linear.py. The C kernels take float32 activations (weight-only
-quantization: the result is the float32 product with the dequantized weight, up to summation order).
+quantization: the result is the float32 product with the dequantized weight, up to summation order). A weight with
+`int8_dot` instead runs llama.cpp's scheme at small M: the activations quantized to int8 per 32-element block
+(`quantize_activations_ref`), integer dot products with the weight's quants (`quant_linear_q8_ref` is its spec):
+faster at batch 1 to 4, not token-exact against the float32 product.
 There is no Triton version: quantized weights are served on CPU (the launcher refuses them elsewhere).
 
 Two block formats are lightserve's own (OWN_TYPES, numbers past GGML's): Q8_0 and Q4_1 with float32 scales, into
@@ -64,6 +67,11 @@ BLOCK_SHAPES: dict[GGMLType, tuple[int, int]] = {
 }
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # tensors read as plain torch tensors
 OWN_TYPES = (GGMLType.Q8_0F, GGMLType.Q4_1F)  # not GGML's: a GGUF file holding one is refused
+# int8_dot weights: the most rows of x that run the int8 path (quant_linear.c's GEMV_MAX_M); above, the float32
+# tiles share one dequantization among all rows. Q8_K weights and lightserve's own formats always run float32
+# activations.
+INT8_DOT_MAX_M = 4
+INT8_DOT_TYPES = frozenset(BLOCK_SHAPES) - {GGMLType.Q8_K, *OWN_TYPES}
 
 
 @dataclass(frozen=True)
@@ -83,11 +91,13 @@ class QuantLinear:
     """A [N, K] weight kept in GGML blocks: row segments stacked in order (N = the sum of their rows).
 
     `in_perm` [K] int64, or None: the blocks hold the weight's input columns in this order (block column j is the
-    weight's column in_perm[j]; a GPTQ act-order weight sorted by group), so the kernel multiplies x[:, in_perm]."""
+    weight's column in_perm[j]; a GPTQ act-order weight sorted by group), so the kernel multiplies x[:, in_perm].
+    `int8_dot`: multiplied with int8-quantized activations at small M (quant_linear_q8_ref), else with float32 ones."""
 
     segments: tuple[QuantSegment, ...]
     in_features: int  # K, a multiple of every segment's block size
     in_perm: Tensor | None = None
+    int8_dot: bool = False
 
     @property
     def out_features(self) -> int:
@@ -124,7 +134,7 @@ def cat_rows(parts: list[QuantLinear]) -> QuantLinear:
             segments[-1] = QuantSegment(seg.qtype, torch.cat([segments[-1].blocks, seg.blocks]))
         else:
             segments.append(seg)
-    return QuantLinear(tuple(segments), k, perm)
+    return QuantLinear(tuple(segments), k, perm, parts[0].int8_dot)
 
 
 def slice_rows(w: QuantLinear, start: int, end: int) -> QuantLinear:
@@ -135,7 +145,7 @@ def slice_rows(w: QuantLinear, start: int, end: int) -> QuantLinear:
         if a < b:
             segments.append(QuantSegment(seg.qtype, seg.blocks[a:b]))
         offset += seg.rows
-    return QuantLinear(tuple(segments), w.in_features, w.in_perm)
+    return QuantLinear(tuple(segments), w.in_features, w.in_perm, w.int8_dot)
 
 
 def slice_cols(w: QuantLinear, start: int, end: int) -> QuantLinear:
@@ -150,7 +160,7 @@ def slice_cols(w: QuantLinear, start: int, end: int) -> QuantLinear:
             raise ValueError(f"columns [{start}, {end}) cut {seg.qtype.name} blocks of {qk}: "
                              f"tensor parallelism needs each rank's slice to be whole blocks")
         segments.append(QuantSegment(seg.qtype, seg.blocks[:, start // qk * nb: end // qk * nb].contiguous()))
-    return QuantLinear(tuple(segments), end - start)
+    return QuantLinear(tuple(segments), end - start, int8_dot=w.int8_dot)
 
 
 def dequantize_ref(qtype: GGMLType, blocks: Tensor) -> Tensor:
@@ -205,15 +215,48 @@ def quant_linear_ref(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> T
     return out.to(x.dtype)
 
 
+def quantize_activations_ref(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [M, K] (K a multiple of 32) -> (q [M, K] int8, d [M, K / 32] float32): per block of 32, d = amax / 127 and
+    q = round(x * (1 / d)), half to even (0 where the block is all zero); bit for bit quant_linear.c's quantizer.
+    The block's values are q * d."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1) / torch.tensor(127.0)
+    inv = torch.where(d != 0, torch.tensor(1.0) / d, torch.zeros(()))
+    return torch.round(xb * inv.unsqueeze(-1)).to(torch.int8).reshape(m, k), d
+
+
+def quant_linear_q8_ref(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tensor:
+    """What quant_linear.c's quant_linear_q8 computes, in float64 -> [M, N] float32: for M <= INT8_DOT_MAX_M, each
+    segment of a type it takes (INT8_DOT_TYPES) multiplies the dequantized int8 activations by the dequantized
+    weight; the others, and larger M, the float32 activations (quant_linear_ref's product)."""
+    m = x.shape[0]
+    q, d = quantize_activations_ref(x)
+    xq = (q.double().reshape(m, -1, 32) * d.double().unsqueeze(-1)).reshape(m, -1)
+    parts = [(xq if m <= INT8_DOT_MAX_M and s.qtype in INT8_DOT_TYPES else x.double())
+             @ dequantize_ref(s.qtype, s.blocks).double().T for s in w.segments]
+    out = torch.cat(parts, dim=1)
+    if bias is not None:
+        out += bias.double()
+    return out.float()
+
+
 def quant_linear(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] (float32 or bf16) -> [M, N] in x's dtype: the C kernel where it runs, else the reference."""
+    """x [M, K] (float32 or bf16) -> [M, N] in x's dtype: the C kernel where it runs, else the reference (of
+    int8_dot weights, quant_linear_q8_ref's)."""
     out = quant_linear_cpu(x, w, bias)
-    return quant_linear_ref(x, w, bias) if out is None else out
+    if out is not None:
+        return out
+    if w.int8_dot:
+        return quant_linear_q8_ref(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+    return quant_linear_ref(x, w, bias)
 
 
 def quant_linear_cpu(x: Tensor, w: QuantLinear, bias: Tensor | None = None, lib=None) -> Tensor | None:
     """quant_linear.c, one call per segment (each writes its own output columns): x [M, K] float32 or bf16 (rows may be
-    strided; bf16 is widened to float32 and the output rounded back), bias [N] or None -> [M, N] in x's dtype. None
+    strided; bf16 is widened to float32 and the output rounded back), bias [N] or None -> [M, N] in x's dtype;
+    quant_linear_f32, or for an int8_dot weight quant_linear_q8 (which runs quant_linear_f32 where it does not
+    take the type or M). None
     where it does not run (no C library, a CUDA tensor, another dtype or shape). `lib`: a loaded kernel library other
     than the default build (tests of each build)."""
     from lightserve.kernels.cpu import library, profiled
@@ -229,10 +272,11 @@ def quant_linear_cpu(x: Tensor, w: QuantLinear, bias: Tensor | None = None, lib=
     bf = None if bias is None else bias.float().contiguous()
     out = torch.empty(m, n, dtype=torch.float32)  # [M, N]
     threads, row0 = torch.get_num_threads(), 0
+    kernel = lib.quant_linear_q8 if w.int8_dot else lib.quant_linear_f32
     with profiled("quant_linear_cpu"):  # visible in scripts/profile_step.py
         for seg in w.segments:
             blocks = seg.blocks if seg.blocks.stride(1) == 1 else seg.blocks.contiguous()
-            rc = lib.quant_linear_f32(xf.data_ptr(), xf.stride(0), m, w.in_features, blocks.data_ptr(),
+            rc = kernel(xf.data_ptr(), xf.stride(0), m, w.in_features, blocks.data_ptr(),
                                       blocks.stride(0), int(seg.qtype), seg.rows,
                                       None if bf is None else bf.data_ptr() + 4 * row0, out.data_ptr() + 4 * row0, n,
                                       threads)

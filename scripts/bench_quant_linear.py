@@ -1,8 +1,9 @@
-"""Micro benchmark of the linears over GGML block weights (kernels/quant_linear.py, quant_linear.c) against the
-float32 GEMM on packed panels (kernels.linear's pack_linear_weight + linear_cpu) and the bf16 prepacked path
-(prepack_weight + linear), per weight shape, block type and row count M: median ms a call, GB/s of the weight
-bytes each path reads, GFLOP/s. Weights come from memory, as in a decode step: each path cycles through distinct
-copies of a shape's weight, at least --pool_mb of them, far past the L3.
+"""Micro benchmark of the linears over GGML block weights (kernels/quant_linear.py, quant_linear.c), with float32
+activations (weight-only) and with int8 ones (int8_dot: quant_linear_q8, M <= 4), against the float32 GEMM on packed
+panels (kernels.linear's pack_linear_weight + linear_cpu) and the bf16 prepacked path (prepack_weight + linear), per
+weight shape, block type and row count M: median ms a call, GB/s of the weight bytes each path reads, GFLOP/s.
+Weights come from memory, as in a decode step: each path cycles through distinct copies of a shape's weight, at
+least --pool_mb of them, far past the L3.
 
     python scripts/bench_quant_linear.py [--models smollm2 llama1b] [--types Q4_1 Q8_0 Q4_K Q6_K] [--rows 1 4 16 64]
 
@@ -11,6 +12,7 @@ Timings vary run to run on a shared machine: compare paths within one run. Print
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import subprocess
@@ -88,7 +90,8 @@ def main() -> None:
     print(f"CPU: {model}, torch threads {torch.get_num_threads()}")
     gen, pool_bytes = torch.Generator().manual_seed(0), args.pool_mb << 20
     print(f"{'shape':>16s} {'type':>5s} {'M':>3s} | {'quant ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} | "
-          f"{'f32 ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} | {'bf16 ms':>8s} | quant/f32")
+          f"{'int8 ms':>8s} {'GB/s':>6s} | {'f32 ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} | {'bf16 ms':>8s} | "
+          f"quant/f32 int8/f32")
     for model_name in args.models:
         for label, n, k, fixed in SHAPES[model_name]:
             types = [fixed] if fixed is not None else [GGMLType[t] for t in args.types]
@@ -107,17 +110,21 @@ def time_shape(name: str, n: int, k: int, types: list[GGMLType], args: argparse.
     for m in args.rows:
         x = torch.randn(m, k, generator=gen)
         flop = 2 * m * n * k
-        paths = {"f32": (linear_cpu, f32, x), **{t.name: (quant_linear, ws, x) for t, ws in quants.items()}}
+        paths = {"f32": (linear_cpu, f32, x), **{t.name: (quant_linear, ws, x) for t, ws in quants.items()},
+                 **{f"{t.name} int8": (quant_linear, [dataclasses.replace(w, int8_dot=True) for w in ws], x)
+                    for t, ws in quants.items()}}
         if bf16:
             paths["bf16"] = (linear, bf16, x.bfloat16())
         sec = median_call_s(paths, args.reps)
         f32_s, bf16_s = sec["f32"], sec.get("bf16", float("nan"))
         for t, ws in quants.items():
             w: QuantLinear = ws[0]
-            q_s = sec[t.name]
+            q_s, i_s = sec[t.name], sec[f"{t.name} int8"]
             print(f"{name:>16s} {t.name:>5s} {m:3d} | {1e3 * q_s:8.3f} {w.nbytes / q_s / 1e9:6.1f} "
-                  f"{flop / q_s / 1e9:7.1f} | {1e3 * f32_s:8.3f} {n * k * 4 / f32_s / 1e9:6.1f} "
-                  f"{flop / f32_s / 1e9:7.1f} | {1e3 * bf16_s:8.3f} | {q_s / f32_s:.2f}", flush=True)
+                  f"{flop / q_s / 1e9:7.1f} | {1e3 * i_s:8.3f} {w.nbytes / i_s / 1e9:6.1f} | "
+                  f"{1e3 * f32_s:8.3f} {n * k * 4 / f32_s / 1e9:6.1f} "
+                  f"{flop / f32_s / 1e9:7.1f} | {1e3 * bf16_s:8.3f} | {q_s / f32_s:9.2f} {i_s / f32_s:8.2f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

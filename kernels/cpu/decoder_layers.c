@@ -43,10 +43,12 @@
 #include "kernels.h"
 
 // A projection kept in GGML blocks: row segments of one block type each, stacked (kernels/quant_linear.py's
-// QuantLinear). Segment i is rows[i] rows of row_bytes[i] bytes from blocks[i].
+// QuantLinear). Segment i is rows[i] rows of row_bytes[i] bytes from blocks[i]. int8_dot: multiplied with int8
+// activations (quant_linear_q8, which runs quant_linear_f32 itself over its cut-over in M and for Q8_K), as
+// quant_linear() does for such a weight.
 #define QUANT_MAX_SEGMENTS 4
 typedef struct QuantWeight {
-    int32_t segments;
+    int32_t segments, int8_dot;
     int32_t qtype[QUANT_MAX_SEGMENTS], rows[QUANT_MAX_SEGMENTS];
     int64_t row_bytes[QUANT_MAX_SEGMENTS];
     const uint8_t *blocks[QUANT_MAX_SEGMENTS];
@@ -120,7 +122,8 @@ static const struct {
     FIELD_AT(LayerArgs, v_scales), FIELD_AT(LayerArgs, k_scale), FIELD_AT(LayerArgs, v_scale),
     FIELD_AT(LayerArgs, qkv_q), FIELD_AT(LayerArgs, o_proj_q), FIELD_AT(LayerArgs, gate_up_q),
     FIELD_AT(LayerArgs, down_q),
-    SIZE_OF(QuantWeight), FIELD_AT(QuantWeight, segments), FIELD_AT(QuantWeight, qtype), FIELD_AT(QuantWeight, rows),
+    SIZE_OF(QuantWeight), FIELD_AT(QuantWeight, segments), FIELD_AT(QuantWeight, int8_dot),
+    FIELD_AT(QuantWeight, qtype), FIELD_AT(QuantWeight, rows),
     FIELD_AT(QuantWeight, row_bytes), FIELD_AT(QuantWeight, blocks),
     SIZE_OF(ModelDims), FIELD_AT(ModelDims, num_layers), FIELD_AT(ModelDims, hidden), FIELD_AT(ModelDims, num_heads),
     FIELD_AT(ModelDims, num_kv_heads), FIELD_AT(ModelDims, head_dim), FIELD_AT(ModelDims, inter),
@@ -175,7 +178,7 @@ static int linear(const ModelDims *d, const Scratch *buf, const void *x, int M, 
     if (q) {  // each segment writes its own output columns, as quant_linear() does
         int row = 0;
         for (int i = 0; i < q->segments; i++) {
-            if (quant_linear_f32(x, K, M, K, q->blocks[i], q->row_bytes[i], q->qtype[i], q->rows[i],
+            if ((q->int8_dot ? quant_linear_q8 : quant_linear_f32)(x, K, M, K, q->blocks[i], q->row_bytes[i], q->qtype[i], q->rows[i],
                                  bias ? (const float *)bias + row : NULL, (float *)out + row, N, threads))
                 return -1;
             row += q->rows[i];

@@ -69,6 +69,12 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 #define LS_Q4_1F 101
 int quant_linear_f32(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
                      int N, const float *bias, float *out, int64_t out_row, int threads);
+// int8 activations (small M): x quantized per 32-block to int8 with a float32 scale, integer dot products with the
+// weight blocks; Q8_K weights and M over the GEMV's cut-over run quant_linear_f32. quant_activations_q8: that
+// quantization alone, x [M, K] -> q [M, K] int8 and d [M, K / 32].
+int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
+                    int N, const float *bias, float *out, int64_t out_row, int threads);
+int quant_activations_q8(const float *x, int64_t x_row, int M, int K, int8_t *q, float *d);
 int quant_dequant_rows(const uint8_t *w, int64_t w_row_bytes, int qtype, int K, const int64_t *rows, int n,
                        float *out, int64_t out_row);
 

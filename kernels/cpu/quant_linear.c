@@ -26,6 +26,7 @@
 //   dequantization is paid once per panel for all M rows.
 // Work split: output rows (GEMV) or panels (tiles) shared among the threads (share.h), as in linear.c.
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__SSE4_1__)
 #include <immintrin.h>
@@ -416,4 +417,371 @@ int quant_dequant_rows(const uint8_t *w, int64_t w_row_bytes, int qtype, int K, 
     switch (qtype) { FOR_EACH_TYPE(RUN) }
 #undef RUN
     return -1;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// int8 activations (quant_linear_q8), llama.cpp's way of multiplying at small M: each row of x is quantized once per
+// call to int8, per block of 32 elements, with a float32 scale (ggml's quantize_row_q8_0 with the scale kept in
+// float32): d = amax / 127, q = rint(x * (1 / d)), round half to even (kernels/quant_linear.py's
+// quantize_activations_ref is the same operations). A weight block's quants then meet the activation's as integer
+// dot products of 32 (exact), and one float FMA a chunk scales them by the weight's scale times the activation's:
+//   y += d_x * (s * sum(q_w q_x)) + o * (d_x * sum(q_x))
+// with s and o the value = q * s + o of each group of the weight block (o = -8 s for Q4_0, the min for Q4_1 and Q4_K,
+// -32 s for Q6_K, ...): the offsets meet the activation blocks' sums (precomputed, per 16 for Q6_K's groups) rather
+// than every quant. Per 32 weights: the decode to bytes (a mask, a shift, the fifth or sixth bits or'd in), one
+// vpmaddubsw + vpmaddwd (or one vpdpbusd with VNNI), one conversion and one FMA, where the float GEMV above widens,
+// converts and FMAs every weight. Q8_0's signed weights take the sign trick (|w| by x with w's sign).
+// The result is the float product of the dequantized activations with the dequantized weights, up to float32
+// summation order: not the float32 activations' product (quant_linear_f32), an error of about 1/254 of each block's
+// largest |x| per element.
+// Q8_K weights, and M above GEMV_MAX_M (where the float tiles share one dequantization among all rows), run
+// quant_linear_f32.
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint8_t b32 __attribute__((vector_size(32)));
+typedef uint8_t b32_u __attribute__((vector_size(32), aligned(1)));
+typedef float f8_u __attribute__((vector_size(32), aligned(4)));
+
+static inline b32 load32(const void *p) { return *(const b32_u *)p; }
+static inline f8 load8f(const float *p) { return *(const f8_u *)p; }
+static inline f8 bcast8(float x) { return x - (f8){0}; }
+
+// Lane j of the result: the sum of the products of bytes 4j .. 4j + 3 of w (unsigned, at most 127: no vpmaddubsw
+// saturation) and of x (signed, |x| <= 127). Every path gives the same integers.
+static inline i8 dot_u8s8(b32 w, const int8_t *x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i8)_mm256_dpbusd_epi32(_mm256_setzero_si256(), (__m256i)w, _mm256_loadu_si256((const __m256i *)x));
+#elif defined(__AVXVNNI__)
+    return (i8)_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (__m256i)w, _mm256_loadu_si256((const __m256i *)x));
+#elif defined(__AVX2__)
+    const __m256i p = _mm256_maddubs_epi16((__m256i)w, _mm256_loadu_si256((const __m256i *)x));
+    return (i8)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#elif defined(__SSSE3__)
+    const __m128i one = _mm_set1_epi16(1);
+    __m128i w2[2];
+    memcpy(w2, &w, 32);
+    const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(w2[0], _mm_loadu_si128((const __m128i *)x)), one);
+    const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(w2[1], _mm_loadu_si128((const __m128i *)(x + 16))), one);
+    i8 r;
+    memcpy(&r, &lo, 16);
+    memcpy((char *)&r + 16, &hi, 16);
+    return r;
+#else
+    i8 r;
+    for (int j = 0; j < 8; j++) {
+        int s = 0;
+        for (int i = 4 * j; i < 4 * j + 4; i++) s += (int)w[i] * (int)x[i];
+        r[j] = s;
+    }
+    return r;
+#endif
+}
+
+// The same for signed weights (Q8_0): |w| by x with w's sign (vpsignb), as ggml's mul_sum_i8_pairs.
+static inline i8 dot_s8s8(b32 w, const int8_t *x) {
+#if defined(__AVX2__)
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i aw = _mm256_sign_epi8((__m256i)w, (__m256i)w), sx = _mm256_sign_epi8(xv, (__m256i)w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i8)_mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx);
+#elif defined(__AVXVNNI__)
+    return (i8)_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, sx);
+#else
+    return (i8)_mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1));
+#endif
+#else
+    i8 r;
+    for (int j = 0; j < 8; j++) {
+        int s = 0;
+        for (int i = 4 * j; i < 4 * j + 4; i++) s += (int)(int8_t)w[i] * (int)x[i];
+        r[j] = s;
+    }
+    return r;
+#endif
+}
+
+// 16 bytes -> 32: the low nibbles (elements 0-15 of a Q4_0 .. Q5_1 block), then the high ones (16-31).
+static inline b32 nibbles16(const uint8_t *p) {
+#if defined(__AVX2__)
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(t), _mm_srli_epi16(t, 4), 1);
+    return (b32)_mm256_and_si256(v, _mm256_set1_epi8(15));
+#else
+    b32 r;
+    for (int i = 0; i < 16; i++) r[i] = p[i] & 15, r[i + 16] = p[i] >> 4;
+    return r;
+#endif
+}
+
+// Byte i = 16 where bit i of the little-endian 32 bits at p is set, else 0 (Q5_0 / Q5_1's fifth bits), as ggml's
+// bytes_from_bits_32.
+static inline b32 bits16(const uint8_t *p) {
+    uint32_t x;
+    memcpy(&x, p, 4);
+#if defined(__AVX2__)
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    return (b32)_mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(16));
+#else
+    b32 r;
+    for (int i = 0; i < 32; i++) r[i] = (x >> i & 1) << 4;
+    return r;
+#endif
+}
+
+// 8 bytes (unsigned, or signed with `sign`) as 8 floats.
+static inline f8 bytes8_to_f(const uint8_t *p, const int sign) {
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return (f8)_mm256_cvtepi32_ps(sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+    f8 r;
+    for (int i = 0; i < 8; i++) r[i] = sign ? (float)(int8_t)p[i] : (float)p[i];
+    return r;
+#endif
+}
+
+static inline f8 lane8(f8 v, const int j) { return __builtin_shuffle(v, (i8){j, j, j, j, j, j, j, j}); }
+static inline f8 to_f8(i8 v) { return __builtin_convertvector(v, f8); }
+
+// One call's quantized activations: M rows of K int8 quants (row stride K), and per row per block of 32 the scale
+// d, d * (the block's quant sum), and per half block d * (the half's sum).
+typedef struct {
+    int8_t *q;
+    float *d, *s32, *s16;
+    int K;
+} Act;
+
+#if defined(__AVX2__)
+static inline int hsum_i8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// One block of 32: its quants into q, its scale and sums (ggml's quantize_row_q8_0; the AVX2 path rounds by
+// vcvtps2dq, half to even as rint).
+static inline void quantize_block(const float *xb, int8_t *q, float *d_out, float *s32, float *s16) {
+    int sum[2] = {0, 0};
+    float d;
+#if defined(__AVX2__)
+    __m256 v[4], a = _mm256_setzero_ps();
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i), a = _mm256_max_ps(a, _mm256_and_ps(v[i], abs_mask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    d = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    sum[0] = hsum_i8(_mm256_add_epi32(qi[0], qi[1]));
+    sum[1] = hsum_i8(_mm256_add_epi32(qi[2], qi[3]));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const float v = __builtin_fabsf(xb[i]);
+        amax = v > amax ? v : amax;
+    }
+    d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int h = 0; h < 2; h++)
+        for (int i = 16 * h; i < 16 * h + 16; i++) {
+            q[i] = (int8_t)__builtin_rintf(xb[i] * id);
+            sum[h] += q[i];
+        }
+#endif
+    *d_out = d;
+    *s32 = d * (float)(sum[0] + sum[1]);
+    s16[0] = d * (float)sum[0];
+    s16[1] = d * (float)sum[1];
+}
+
+static void quantize_act(const float *x, int64_t x_row, int M, int K, const Act *a) {
+    const int nb = K / 32;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < nb; b++)
+            quantize_block(x + m * x_row + 32 * b, a->q + (int64_t)m * K + 32 * b, a->d + m * nb + b,
+                           a->s32 + m * nb + b, a->s16 + 2 * (m * nb + b));
+}
+
+// Rows m0 .. m0 + mt - 1 of the activations by output rows 0 .. nr - 1 of w (nr <= R; the rows past nr repeat the
+// last, their results dropped). mt and R constants at each call site; acc[m][r] the float sums by lane, off[m][r]
+// the 32-element formats' offset terms.
+#define Q8_ROWS 4
+static inline __attribute__((always_inline)) void q8_tile(const int qtype, const Act *a, int m0, const int mt,
+                                                          const uint8_t *w, int64_t w_row_bytes, int nr, const int R,
+                                                          const float *bias, float *out, int64_t out_row) {
+    const int K = a->K, nc = K / 32, qk = block_elems(qtype), nbytes = block_bytes(qtype);
+    f8 acc[2][Q8_ROWS];
+    float off[2][Q8_ROWS];
+    const uint8_t *wr[Q8_ROWS];
+    for (int r = 0; r < R; r++) {
+        wr[r] = w + (int64_t)(r < nr ? r : nr - 1) * w_row_bytes;
+        for (int m = 0; m < mt; m++) acc[m][r] = (f8){0}, off[m][r] = 0.0f;
+    }
+    const int8_t *xq = a->q + (int64_t)m0 * K;
+    const float *xd = a->d + (int64_t)m0 * nc, *xs = a->s32 + (int64_t)m0 * nc, *xh = a->s16 + (int64_t)m0 * 2 * nc;
+    for (int b = 0; b < K / qk; b++) {
+        const int c0 = b * qk / 32;  // the block's first chunk of 32
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *blk = wr[r] + (int64_t)b * nbytes;
+            switch (qtype) {
+                case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: {
+                    const float s = half_to_float(blk);
+                    float o = 0.0f;
+                    b32 q;
+                    if (qtype == GGML_Q4_0) o = -8.0f * s, q = nibbles16(blk + 2);
+                    if (qtype == GGML_Q4_1) o = half_to_float(blk + 2), q = nibbles16(blk + 4);
+                    if (qtype == GGML_Q5_0) o = -16.0f * s, q = nibbles16(blk + 6) | bits16(blk + 2);
+                    if (qtype == GGML_Q5_1) o = half_to_float(blk + 2), q = nibbles16(blk + 8) | bits16(blk + 4);
+                    if (qtype == GGML_Q8_0) q = load32(blk + 2);
+                    for (int m = 0; m < mt; m++) {
+                        const int8_t *x = xq + m * K + 32 * c0;
+                        const i8 dot = qtype == GGML_Q8_0 ? dot_s8s8(q, x) : dot_u8s8(q, x);
+                        acc[m][r] += to_f8(dot) * bcast8(s * xd[m * nc + c0]);
+                        if (qtype != GGML_Q8_0) off[m][r] += o * xs[m * nc + c0];
+                    }
+                    break;
+                }
+                case GGML_Q4_K: case GGML_Q5_K: {
+                    // The 6-bit scales and mins of the 8 sub-blocks, as bytes (ggml's utmp unpacking).
+                    uint32_t u[4];
+                    memcpy(u, blk + 4, 12);
+                    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+                    const uint32_t mins = u[1] & 0x3f3f3f3f;
+                    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+                    u[2] = mins;
+                    u[0] &= 0x3f3f3f3f;
+                    const f8 sv = bcast8(half_to_float(blk)) * bytes8_to_f((const uint8_t *)u, 0);
+                    const f8 ov = -(bcast8(half_to_float(blk + 2)) * bytes8_to_f((const uint8_t *)(u + 2), 0));
+                    f8 sdx[2];
+                    for (int m = 0; m < mt; m++) {
+                        acc[m][r] += ov * load8f(xs + m * nc + c0);  // lane j: sub-block j's min term
+                        sdx[m] = sv * load8f(xd + m * nc + c0);      // lane j: its scale times the chunk's d
+                    }
+                    const uint8_t *qs = blk + (qtype == GGML_Q4_K ? 16 : 48);
+                    const b32 h = load32(blk + 16);
+#pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        const b32 v = load32(qs + 32 * j);
+                        b32 lo = v & 15, hi = v >> 4;
+                        if (qtype == GGML_Q5_K) {
+                            lo |= (h >> (2 * j) & 1) << 4;
+                            hi |= (h >> (2 * j + 1) & 1) << 4;
+                        }
+                        for (int m = 0; m < mt; m++) {
+                            const int8_t *x = xq + m * K + 32 * (c0 + 2 * j);
+                            acc[m][r] += to_f8(dot_u8s8(lo, x)) * lane8(sdx[m], 2 * j);
+                            acc[m][r] += to_f8(dot_u8s8(hi, x + 32)) * lane8(sdx[m], 2 * j + 1);
+                        }
+                    }
+                    break;
+                }
+                case GGML_Q6_K: {
+                    const f8 d = bcast8(half_to_float(blk + 208));
+                    const f8 s_lo = d * bytes8_to_f(blk + 192, 1), s_hi = d * bytes8_to_f(blk + 200, 1);
+                    for (int m = 0; m < mt; m++)  // groups of 16: -32 s each, by the halves' sums
+                        acc[m][r] -= 32.0f * (s_lo * load8f(xh + m * 2 * nc + 2 * c0)
+                                              + s_hi * load8f(xh + m * 2 * nc + 2 * c0 + 8));
+#pragma GCC unroll 2
+                    for (int half = 0; half < 2; half++) {
+                        const b32 a0 = load32(blk + 64 * half), a1 = load32(blk + 64 * half + 32);
+                        const b32 h = load32(blk + 128 + 32 * half);
+                        const b32 q[4] = {(a0 & 15) | (h & 3) << 4, (a1 & 15) | (h >> 2 & 3) << 4,
+                                          (a0 >> 4) | (h >> 4 & 3) << 4, (a1 >> 4) | (h >> 6) << 4};
+                        const f8 sh = half ? s_hi : s_lo;
+#pragma GCC unroll 4
+                        for (int c = 0; c < 4; c++) {
+                            // chunk 4 half + c: groups 8 half + 2c and + 1, lanes 2c, 2c + 1 of this half's scales
+                            const f8 sc = __builtin_shuffle(sh, (i8){2 * c, 2 * c, 2 * c, 2 * c, 2 * c + 1, 2 * c + 1,
+                                                                     2 * c + 1, 2 * c + 1});
+                            for (int m = 0; m < mt; m++) {
+                                const int cc = c0 + 4 * half + c;
+                                acc[m][r] += to_f8(dot_u8s8(q[c], xq + m * K + 32 * cc)) * (sc * xd[m * nc + cc]);
+                            }
+                        }
+                    }
+                    break;
+                }
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int r = 0; r < nr; r++) {
+            float sum = 0.0f;
+            for (int i = 0; i < 8; i++) sum += acc[m][r][i];
+            out[(int64_t)m * out_row + r] = sum + off[m][r] + (bias ? bias[r] : 0.0f);
+        }
+}
+
+// Output rows n .. n + nr - 1 (nr <= Q8_ROWS) for every row of the activations: four rows at a time by one row of
+// x, two by pairs.
+static inline __attribute__((always_inline)) void q8_rows(const int qtype, const Act *a, int M, const uint8_t *w,
+                                                          int64_t w_row_bytes, int nr, const float *bias, float *out,
+                                                          int64_t out_row) {
+    for (int m = 0; m < M;) {
+        if (M - m >= 2) {
+            for (int r = 0; r < nr; r += 2)
+                q8_tile(qtype, a, m, 2, w + r * w_row_bytes, w_row_bytes, nr - r < 2 ? nr - r : 2, 2,
+                        bias ? bias + r : NULL, out + m * out_row + r, out_row);
+            m += 2;
+        } else {
+            q8_tile(qtype, a, m, 1, w, w_row_bytes, nr, Q8_ROWS, bias, out + m * out_row, out_row);
+            m += 1;
+        }
+    }
+}
+
+#define FOR_EACH_Q8_TYPE(CASE)                                                                                   \
+    CASE(GGML_Q4_0) CASE(GGML_Q4_1) CASE(GGML_Q5_0) CASE(GGML_Q5_1) CASE(GGML_Q8_0) CASE(GGML_Q4_K)           \
+    CASE(GGML_Q5_K) CASE(GGML_Q6_K)
+
+int quant_activations_q8(const float *x, int64_t x_row, int M, int K, int8_t *q, float *d) {
+    if (M < 1 || K < 32 || K % 32) return -1;
+    float *sums = malloc(sizeof(float) * 3 * (size_t)M * (K / 32));
+    if (!sums) return -1;
+    const Act a = {q, d, sums, sums + (size_t)M * (K / 32), K};
+    quantize_act(x, x_row, M, K, &a);
+    free(sums);
+    return 0;
+}
+
+int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
+                    int N, const float *bias, float *out, int64_t out_row, int threads) {
+    const int qk = block_elems(qtype);
+    if (qk == 0 || M < 1 || N < 1 || K < qk || K % qk || w_row_bytes < (int64_t)K / qk * block_bytes(qtype))
+        return -1;
+    // Q8_K and lightserve's own formats have no integer path (kernels/quant_linear.py's INT8_DOT_TYPES)
+    if (qtype == GGML_Q8_K || qtype == LS_Q8_0F || qtype == LS_Q4_1F || M > GEMV_MAX_M)
+        return quant_linear_f32(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
+    const size_t nc = (size_t)M * (K / 32);
+    const size_t qbytes = ((size_t)M * K + 63) / 64 * 64;  // the quants, then the floats: d, s32, s16 (2 nc)
+    char *mem = malloc(qbytes + sizeof(float) * 4 * nc);
+    if (!mem) return -1;
+    float *f = (float *)(mem + qbytes);
+    const Act a = {(int8_t *)mem, f, f + nc, f + 2 * nc, K};
+    quantize_act(x, x_row, M, K, &a);
+    Shares shares;
+    shares_init(&shares, ((int64_t)N + Q8_ROWS - 1) / Q8_ROWS, threads);
+    #pragma omp parallel num_threads(threads)
+    for (int64_t g; (g = shares_take(&shares)) >= 0;) {
+        const int64_t n = g * Q8_ROWS;
+        const int nr = N - n < Q8_ROWS ? (int)(N - n) : Q8_ROWS;
+#define Q8_CASE(T)                                                                                               \
+    case T: q8_rows(T, &a, M, w + n * w_row_bytes, w_row_bytes, nr, bias ? bias + n : NULL, out + n, out_row);   \
+        break;
+        switch (qtype) { FOR_EACH_Q8_TYPE(Q8_CASE) }
+#undef Q8_CASE
+    }
+    free(mem);
+    return 0;
 }

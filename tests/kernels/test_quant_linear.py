@@ -3,9 +3,13 @@ kernels (quant_linear.c: the GEMV at small M, the dequantized panels and registe
 reference in every build this CPU runs, over block types, row counts, K that the 256-element super-blocks do not
 divide, output rows that leave partial tiles, strided x and a bias; multi-type weights and their row and column
 slices through the dispatch; and the embedding lookup over packed rows. lightserve's own formats (Q8_0F, Q4_1F: HF
-checkpoints repacked) against their definition s * (q - zero), and weights whose input columns are reordered."""
+checkpoints repacked) against their definition s * (q - zero), and weights whose input columns are reordered. The
+int8-activation path (quant_linear_q8): its quantizer bit for bit the reference's, its products the dequantized int8
+activations' with the weight's, in every build, and its error against the float32 activations' product on realistic
+weights."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -17,6 +21,8 @@ from gguf import quants as gguf_quants
 from lightserve.kernels.cpu import library, variant_library
 from lightserve.kernels.quant_linear import (
     BLOCK_SHAPES,
+    INT8_DOT_MAX_M,
+    INT8_DOT_TYPES,
     OWN_TYPES,
     GGMLType,
     QuantLinear,
@@ -28,8 +34,10 @@ from lightserve.kernels.quant_linear import (
     quant_embedding,
     quant_linear,
     quant_linear_cpu,
+    quant_linear_q8_ref,
     quant_linear_ref,
     quant_tensor,
+    quantize_activations_ref,
     slice_cols,
     slice_rows,
 )
@@ -256,3 +264,115 @@ def test_reordered_input_columns():
         slice_cols(w, 0, 128)
     with pytest.raises(ValueError, match="ordered differently"):
         cat_rows([w, base])
+
+
+def int8(w: QuantLinear) -> QuantLinear:
+    return dataclasses.replace(w, int8_dot=True)
+
+
+def awkward_activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """[m, k] floats of mixed magnitudes with an all-zero block, a block of exact ties (x / d = n + 1/2, which
+    rounds half to even) and one of negative ties."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 4
+    x[0, :32] = 0
+    ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, -0.5, 3.5, 126.5] * 4)  # d = 1
+    x[-1, 32:64] = ties
+    x[-1, 64:96] = -ties
+    return x
+
+
+@needs_c
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_activation_quantizer_matches_reference_bit_for_bit(variant):
+    """quant_activations_q8 (the quantizer quant_linear_q8 runs) against quantize_activations_ref: the same int8
+    quants and float32 scales, ties rounded half to even, strided rows, K of 9 blocks."""
+    lib = variant_library(variant)
+    for m, k in ((1, 512), (3, 288)):
+        wide = torch.zeros(m, k + 40)
+        wide[:, 8:8 + k] = awkward_activations(m, k, seed=k)
+        x = wide[:, 8:8 + k]
+        q, d = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // 32)
+        assert lib.quant_activations_q8(x.data_ptr(), x.stride(0), m, k, q.data_ptr(), d.data_ptr()) == 0
+        want_q, want_d = quantize_activations_ref(x)
+        assert torch.equal(q, want_q) and torch.equal(d, want_d)
+        assert q[-1, 32:40].tolist() == [127, 0, 2, 2, -2, 0, 4, 126]
+
+
+def assert_matches_q8_product(got: torch.Tensor, x: torch.Tensor, w: QuantLinear, bias: torch.Tensor | None):
+    """got [M, N] within 1e-5 of each output's sum of |xq| |w| of quant_linear_q8_ref (float32 sums of the exact
+    integer block dots, in another order)."""
+    q, d = quantize_activations_ref(x)
+    xq = (q.double().reshape(x.shape[0], -1, 32) * d.double().unsqueeze(-1)).reshape(x.shape)
+    want = quant_linear_q8_ref(x, w, bias).double()
+    tol = 1e-5 * (xq.abs() @ dequantize(w).double().abs().T) + 1e-6
+    err = (got.double() - want).abs()
+    assert bool((err <= tol).all()), f"max error {float(err.max()):.3g}, at {(err / tol).argmax()} over tolerance"
+
+
+@needs_c
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("qtype", sorted(INT8_DOT_TYPES), ids=lambda t: t.name)
+def test_int8_path_matches_its_reference(qtype, variant):
+    """quant_linear_q8 in every build: M = 1 (four output rows a pass) and 3 (a pair of x rows by two output rows, then
+    one by four), N = 37 (a partial row group), K of super-blocks and of 9 blocks of 32, strided x, with and without
+    a bias; against the dequantized int8 activations times the dequantized weight."""
+    lib = variant_library(variant)
+    n = 37
+    for k in ks_of(qtype):
+        w = int8(weight(qtype, n, k))
+        for m in (1, 3):
+            wide = torch.zeros(m, k + 24)
+            wide[:, 8:8 + k] = awkward_activations(m, k, seed=m + k)
+            x, bias = wide[:, 8:8 + k], torch.randn(n, generator=torch.Generator().manual_seed(k))
+            for b in (None, bias):
+                got = quant_linear_cpu(x, w, b, lib=lib)
+                assert got is not None and got.shape == (m, n)
+                assert_matches_q8_product(got, x, w, b)
+
+
+@needs_c
+def test_int8_dispatch_over_segments_slices_and_the_cut_over():
+    """An int8_dot weight of Q4_K, Q8_0 and Q8_K rows: the Q8_K segment and M over INT8_DOT_MAX_M run float32
+    activations (bit for bit the weight-only kernel); slices and stacks keep int8_dot; the reference runs without
+    the C library."""
+    k = 512
+    w = int8(cat_rows([weight(GGMLType.Q4_K, 20, k), weight(GGMLType.Q8_0, 12, k), weight(GGMLType.Q8_K, 5, k)]))
+    assert w.int8_dot and slice_rows(w, 3, 30).int8_dot and slice_cols(w, 0, 256).int8_dot
+    assert cat_rows([w, w]).int8_dot and not dataclasses.replace(w, int8_dot=False).int8_dot
+    bias = torch.randn(w.out_features)
+    for m in (1, INT8_DOT_MAX_M, INT8_DOT_MAX_M + 1):
+        x = torch.randn(m, k)
+        got, flt = quant_linear(x, w, bias), quant_linear(x, dataclasses.replace(w, int8_dot=False), bias)
+        assert_matches_q8_product(got, x, w, bias)
+        assert torch.equal(got[:, 32:], flt[:, 32:])  # Q8_K rows
+        assert torch.equal(got, flt) == (m > INT8_DOT_MAX_M)
+    import lightserve.kernels.cpu as cpu
+
+    x = torch.randn(2, k)
+    want = quant_linear(x, w, bias)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu, "library", lambda: None)
+        assert_matches_q8_product(quant_linear(x, w, bias), x, w, bias)
+        torch.testing.assert_close(quant_linear(x, w, bias), want, rtol=1e-5, atol=1e-4)
+
+
+@needs_c
+@pytest.mark.parametrize("qtype", sorted(INT8_DOT_TYPES), ids=lambda t: t.name)
+def test_int8_activations_stay_close_to_the_float_product(qtype):
+    """Realistic weights (the exporter's quantizer over Gaussian rows) and activations (Gaussian with a few large
+    channels, as a transformer's are): the int8 path's output within 1.5% (relative norm) of the float32
+    activations' product."""
+    import gguf
+
+    from lightserve.engine.gguf_export import quantize
+
+    g = torch.Generator().manual_seed(int(qtype))
+    n, k = 64, 1024
+    dense = torch.randn(n, k, generator=g) * 0.05
+    w = quant_tensor(qtype, torch.from_numpy(quantize(dense, gguf.GGMLQuantizationType(int(qtype)))), k)
+    x = torch.randn(2, k, generator=g)
+    x[:, ::97] *= 8
+    got, want = quant_linear(x, int8(w)), quant_linear(x, w)
+    rel = float((got - want).norm() / want.norm())
+    assert rel < 0.015, rel

@@ -111,11 +111,11 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
     assert calls == 2 * ([65, 4, 4, 4, 22] if every_step else [4, 4, 4])
 
 
-def quantize_projections(model) -> None:
+def quantize_projections(model, int8_dot: bool = False) -> None:
     """Give every layer of a float32 model its projections kept in GGML blocks (the same weights quantized by the gguf
     package), then rebuild its one-call driver: q | k in one block type and v in another (two row segments, as a
     Q4_K_M file mixes them), K-quants where K is a multiple of 256 and 32-element blocks elsewhere (by the exporter's
-    quantizers)."""
+    quantizers); with `int8_dot`, multiplied with int8 activations at small M."""
     import dataclasses
 
     import gguf
@@ -125,7 +125,7 @@ def quantize_projections(model) -> None:
 
     def blocks(w: torch.Tensor, qtype: GGMLType) -> QuantLinear:
         raw = quantize(w, gguf.GGMLQuantizationType(int(qtype)))
-        return quant_tensor(qtype, torch.from_numpy(raw), w.shape[1])
+        return dataclasses.replace(quant_tensor(qtype, torch.from_numpy(raw), w.shape[1]), int8_dot=int8_dot)
 
     def pick(k: int, big: GGMLType, small: GGMLType) -> GGMLType:
         return big if k % 256 == 0 else small
@@ -145,22 +145,37 @@ def quantize_projections(model) -> None:
     model.cpu_layers = model._build_cpu_layers()
 
 
+@pytest.mark.parametrize("int8_dot", [False, True], ids=["float_act", "int8_act"])
 @pytest.mark.parametrize("arch", ["llama3", "llama_bias"])
-def test_projections_in_ggml_blocks_run_in_one_call_bit_for_bit(arch, tmp_path):
+def test_projections_in_ggml_blocks_run_in_one_call_bit_for_bit(arch, int8_dot, tmp_path):
     """A float32 model whose projections are kept in GGML blocks (a GGUF checkpoint): the driver runs quant_linear.c's
-    kernel on them segment by segment, bit for bit the per-kernel forward, at every step."""
+    kernel on them segment by segment, bit for bit the per-kernel forward, at every step. With int8 activations
+    (int8_dot) the 4-token decode steps run quant_linear_q8 (the prefills the float tiles), in both forwards alike:
+    their logits differ from the float activations' ones."""
     if library() is None:
         pytest.skip("no C compiler here")
     fused, loop = load_pair(arch, torch.float32, tmp_path)
-    quantize_projections(fused)
-    quantize_projections(loop)
+    quantize_projections(fused, int8_dot)
+    quantize_projections(loop, int8_dot)
     loop.cpu_layers = None
     assert fused.cpu_layers is not None and fused.cpu_layers.max_tokens is None
     assert len(fused.weights.layers[0].qkv_proj.segments) == 2
+    assert all(fused.cpu_layers.quant[0][name].int8_dot == int8_dot for name in ("qkv", "o_proj", "gate_up", "down"))
     calls = count_one_call_steps(fused)
-    for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):
+    got_steps = run_steps(fused)
+    for got, ref in zip(got_steps, run_steps(loop), strict=True):
         assert torch.equal(got, ref)
     assert calls == [65, 4, 4, 4, 22]
+    if int8_dot:  # the decode steps took the int8 path: the same model with float activations computes otherwise
+        import dataclasses
+
+        names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        layers = [dataclasses.replace(layer, **{n: dataclasses.replace(getattr(layer, n), int8_dot=False)
+                                                for n in names}) for layer in loop.weights.layers]
+        loop.weights = dataclasses.replace(loop.weights, layers=layers)
+        float_steps = run_steps(loop)
+        assert torch.equal(got_steps[0], float_steps[0])  # the 65-token prefill: the float tiles
+        assert not torch.equal(got_steps[1], float_steps[1])
 
 
 def test_bf16_weights_with_a_onednn_copy_run_the_decode_steps_in_one_call(tmp_path, monkeypatch):

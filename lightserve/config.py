@@ -40,6 +40,12 @@ class DType(str, Enum):
     FLOAT16 = "float16"
 
 
+class QuantActivations(str, Enum):
+    """--quant_activations: how weights kept in GGML blocks (GGUF) multiply the activations (kernels/quant_linear.py)."""
+    FLOAT32 = "float32"  # weight-only: float32 activations, the product with the dequantized weights
+    INT8 = "int8"        # llama.cpp's: activations quantized to int8 per 32 values, integer dot products
+
+
 class KVCacheDType(str, Enum):
     """--kv_cache_dtype: how the KV cache stores K and V (kernels/kv_store.py has the 8-bit formats)."""
     AUTO = "auto"            # the activation dtype
@@ -122,6 +128,7 @@ class ServerConfig:
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
     kv_cache_dtype: KVCacheDType = field(default=KVCacheDType.AUTO, metadata={"help": "KV cache storage: auto = the activation dtype; int8 (a scale per token and head) and fp8_e4m3 / fp8_e5m2 (fp8 = e4m3; the checkpoint's k_scale / v_scale, else 1.0) hold about twice the tokens and halve the bytes a decode step reads"})
+    quant_activations: QuantActivations = field(default=QuantActivations.FLOAT32, metadata={"help": "GGUF weights kept in GGML blocks only: float32 = weight-only (float32 activations times the dequantized weights; token-exact against transformers on those weights); int8 = llama.cpp-style int8 activations (per 32 values, a float scale) and integer dot products at batches of 1 to 4: faster decode, not token-exact"})
     device: Device = field(default=Device.AUTO, metadata={"help": "auto picks cuda when available"})
     kernel_backend: KernelBackend = field(default=KernelBackend.AUTO, metadata={"help": "auto = triton on CUDA, the C kernels on CPU; triton on CPU runs the GPU code path in Triton's interpreter (slow: for tests)"})
     disable_cudagraph: bool = field(default=False, metadata={"help": "run decode without CUDA graphs"})

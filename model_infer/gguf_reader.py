@@ -192,15 +192,16 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
     `full`/`rows`/`cols` return QuantLinear for a quantized tensor (full(name, dtype) dequantizes it instead, for a
     router or other small tensor the family computes with) and a tensor of the model dtype for a float one. As a
     Mapping (`reader[name]`) it gives a whole tensor dequantized to float32 on the host. Raises ValueError for a
-    tensor type not served packed, KeyError naming a missing tensor."""
+    tensor type not served packed, KeyError naming a missing tensor. `int8_dot`: every QuantLinear it returns is
+    multiplied with int8 activations at small M (--quant_activations int8; kernels/quant_linear.py)."""
 
     def __init__(self, path: str | Path, config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", int8_dot: bool = False) -> None:
         import gguf
 
         if torch.device(device).type != "cpu":
             raise ValueError(f"GGUF weights are served on CPU only (quantized linears run in C), not on {device}")
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.int8_dot = dtype, device, int8_dot
         self.arch = gguf_architecture(config.architecture)
         self._num_heads, self._num_kv_heads = config.num_heads, config.num_kv_heads
         # mode "c": copy-on-write pages, so torch may wrap them (it warns on read-only arrays); never written.
@@ -295,11 +296,12 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
         in_features = int(entry.tensor.shape[0])
         index = self._row_index(entry, blocks.shape[0], span)
         if index is not None:
-            return quant_tensor(entry.qtype, blocks.index_select(0, index), in_features)
+            return replace(quant_tensor(entry.qtype, blocks.index_select(0, index), in_features),
+                           int8_dot=self.int8_dot)
         w = quant_tensor(entry.qtype, blocks, in_features)
         w = w if span is None else slice_rows(w, *span)
-        return replace(w, segments=tuple(replace(s, blocks=s.blocks.clone())
-                                                     for s in w.segments))
+        return replace(w, segments=tuple(replace(s, blocks=s.blocks.clone()) for s in w.segments),
+                       int8_dot=self.int8_dot)
 
     def _float(self, entry: _Entry, dtype: torch.dtype, span: tuple[int, int] | None) -> torch.Tensor:
         if entry.qtype in BLOCK_SHAPES:

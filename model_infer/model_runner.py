@@ -46,20 +46,21 @@ class ModelRunner:
                  tp_rank: int, tp_size: int, tp_group, num_req_rows: int, max_req_total_len: int,
                  kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0,
                  kernel_backend: KernelBackend | None = None, max_step_tokens: int | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, int8_activations: bool = False):
         """`kernel_backend`: --kernel_backend as resolved (None = by device): TRITON on a CPU device runs the GPU
         code path under Triton's interpreter, with no warm-up or graphs (nothing compiles there).
         `max_req_total_len` is capped at the model's context (its rope table's rows). `max_step_tokens`:
         --batch_max_tokens (None: DEFAULT_STEP_TOKENS); on CUDA the activations of a step that large are set aside
         before the KV cache takes the rest of the device (`reserved_bytes`). `kv_dtype`: --kv_cache_dtype as resolved
         (None = the activation dtype); the cache's size counts bytes, so an 8-bit cache holds about twice the
-        tokens."""
+        tokens. `int8_activations`: --quant_activations int8 (GGML-block weights multiply int8 activations)."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
         self.max_req_total_len = _cap_req_len(max_req_total_len, model_config)
         self.model = load_model(model_config, model_dir, dtype=dtype, device=device,
-                                tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, backend=kernel_backend)
+                                tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, backend=kernel_backend,
+                                int8_activations=int8_activations)
         self.staging = HostStaging(device)
         # The model says which cache its attention reads (K/V per head, or DeepSeek-V3's latent rows) and its size.
         self.kv_dtype = kv_dtype or dtype

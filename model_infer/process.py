@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
-from lightserve.config import ServerConfig
+from lightserve.config import QuantActivations, ServerConfig
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan, Shutdown, decode
 from lightserve.model_infer.model_runner import ModelRunner
@@ -55,6 +55,7 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                              kv_size=config.max_total_token_num, ranks_per_node=config.ranks_per_node,
                              kernel_backend=config.kernel_backend, max_step_tokens=config.batch_max_tokens,
                              kv_dtype=torch_dtype(config.kv_cache_dtype.value),
+                             int8_activations=config.quant_activations is QuantActivations.INT8,
                              cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.

@@ -80,5 +80,6 @@ async def server_info(request: Request) -> Response:
                           "disable_radix_cache": cfg.disable_prompt_cache,
                           "device": cfg.device.value, "kernel_backend": cfg.kernel_backend.value,
                           "dtype": cfg.data_type.value, "kv_cache_dtype": cfg.kv_cache_dtype.value,
+                          "quant_activations": cfg.quant_activations.value,
                           "kv_bytes_per_token": cfg.kv_bytes_per_token,
                           "shutdown_grace_s": cfg.shutdown_grace_s, "version": VERSION})

@@ -103,10 +103,11 @@ def load_model(
     tp_size: int = 1,
     tp_group: dist.ProcessGroup | None = None,
     backend: KernelBackend | None = None,
+    int8_activations: bool = False,
 ) -> DecoderLM:
     """This rank's model: its weight shard loaded, packed for the CPU GEMMs where `backend` (--kernel_backend, None =
-    by device) runs them."""
-    weights = load_weights(model_dir, config, dtype, device, tp_rank, tp_size)
+    by device) runs them. `int8_activations`: --quant_activations int8 (see load_weights)."""
+    weights = load_weights(model_dir, config, dtype, device, tp_rank, tp_size, int8_activations)
     return family_of(config.architecture).Model(config, weights, tp_rank, tp_size, tp_group, backend)
 
 
@@ -117,6 +118,7 @@ def load_weights(
     device: torch.device | str = "cpu",
     tp_rank: int = 0,
     tp_size: int = 1,
+    int8_activations: bool = False,
 ) -> ModelWeights:
     """Load this rank's shard of every weight, cast to `dtype`, on `device`, with the family's own HF names
     and TP rules (its `tp_shards` and `read_weights`).
@@ -124,14 +126,16 @@ def load_weights(
     `model_dir`: a folder of *.safetensors, a folder whose weights are one .gguf file, or a .gguf file.
     Raises ValueError for a tp_size the head counts do not allow (or, from GGUF or a quantized checkpoint, for a
     tensor type not served, blocks a rank's slice would cut, or a device other than CPU), FileNotFoundError when the
-    folder has no weights, KeyError naming a missing tensor.
+    folder has no weights, KeyError naming a missing tensor. `int8_activations`: the weights a GGUF file keeps in GGML
+    blocks multiply int8-quantized activations at small batches (QuantLinear.int8_dot); no effect on float weights
+    or on an HF quantized checkpoint's (its own block formats have no integer path).
     """
     family = family_of(config.architecture)
     start = time.perf_counter()
     shards = family.tp_shards(config, tp_rank, tp_size)
     gguf_file = gguf_weights(model_dir)
     if gguf_file is not None:
-        reader = GGUFCheckpointReader(gguf_file, config, dtype, device)
+        reader = GGUFCheckpointReader(gguf_file, config, dtype, device, int8_dot=int8_activations)
     elif config.quantization:
         reader = HFQuantReader(Path(model_dir), QuantScheme.from_json(config.quantization), dtype, device)
     else:

@@ -1,0 +1,61 @@
+"""What --quant_activations int8 costs in accuracy on the default model (SmolLM2-135M-Instruct, Q4_1 with a Q8_0
+embedding / lm_head, served from its GGUF), by teacher forcing against transformers' float32 forward over the same
+weights dequantized (the converted folder ensure_default_model makes): the prompts prefilled, then each later token
+of transformers' own greedy continuation fed back one decode step of all four prompts at a time (M = 4: the int8
+path), and each step's logits compared with transformers' at that position (test_kv_quant_accuracy.py's loop).
+
+Measured (Zen 3, AVX2 build; the first 2 held chat prompts, 64 positions): float32 activations top-1 1.000, mean
+|dlogprob| of the chosen token 1.6e-6 (the control: the weight-only product is the dequantized weights' float32
+product, up to summation order); int8 activations top-1 0.984 (one position of 64), |dlogprob| 0.026 (all 4
+prompts, 128 positions: 0.992, 0.027). The bounds sit above those figures; a broken kernel lands near chance
+(top-1 ~1/V)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightserve.engine.model_prep import default_gguf, ensure_default_model, prepare_gguf
+from lightserve.kernels.cpu import library
+
+from .smollm2_prompts import PROMPTS, one_thread  # noqa: F401 (an autouse fixture)
+from .test_kv_quant_accuracy import NEW_TOKENS, agreement, teacher_forced
+
+# (min top-1 agreement, max mean |dlogprob|) by activations
+BOUNDS = {"float32": (1.0, 1e-4), "int8": (0.95, 0.04)}
+NUM_PROMPTS = 2  # of the four held ones: transformers' greedy continuations are most of the test's time
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf():
+    import transformers
+
+    model_dir = ensure_default_model()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                       tokenize=False), add_special_tokens=False).input_ids
+               for p in PROMPTS[:NUM_PROMPTS]]
+    with torch.no_grad():
+        seqs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0].tolist() for p in prompts]
+        ref = [hf(input_ids=torch.tensor([s])).logits[0, len(p) - 1:-1].float() for s, p in zip(seqs, prompts)]
+    return prepare_gguf(default_gguf()), seqs, [len(p) for p in prompts], ref
+
+
+@pytest.mark.parametrize("activations", list(BOUNDS))
+def test_default_gguf_teacher_forced_against_transformers(smollm2_gguf, activations):
+    from lightserve.kernels.quant_linear import QuantLinear
+    from lightserve.model_infer.models import load_model, read_model_config
+
+    if library() is None:
+        pytest.skip("no C compiler: the reference path has no int8 kernel to check")
+    folder, seqs, prompt_lens, ref = smollm2_gguf
+    model = load_model(read_model_config(folder), folder, torch.float32, int8_activations=activations == "int8")
+    layer = model.weights.layers[0]
+    assert isinstance(layer.qkv_proj, QuantLinear) and layer.qkv_proj.int8_dot == (activations == "int8")
+    assert model.lm_head.int8_dot == (activations == "int8")
+    ours = teacher_forced(model, seqs, prompt_lens, None)
+    top1, dlogprob = agreement(ours, ref, [torch.tensor(s[n:]) for s, n in zip(seqs, prompt_lens)])
+    min_top1, max_dlogprob = BOUNDS[activations]
+    print(f"{activations}: top-1 {top1:.3f}, mean |dlogprob| {dlogprob:.2g} over {sum(len(o) for o in ours)}")
+    assert top1 >= min_top1 and dlogprob <= max_dlogprob, (top1, dlogprob)

@@ -25,6 +25,9 @@
 //   linear.c's panel order ([KC][NR]), and gemm_tile.h's float32 register tile runs every row of x over it: the
 //   dequantization is paid once per panel for all M rows.
 // Work split: output rows (GEMV) or panels (tiles) shared among the threads (share.h), as in linear.c.
+// A third, quant_linear_q8 (at the end of the file): int8 activations and integer block dots at small M, llama.cpp's
+// scheme, chosen per weight (QuantLinear.int8_dot). The paths share the block formats' decoding (block_elems,
+// block_scales, the layouts), which is why the file holds all three and runs past 400 lines.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -57,8 +57,9 @@ def agreement(ours: list[torch.Tensor], ref: list[torch.Tensor], chosen: list[to
     return top1, (lp_ours - lp_ref).abs().mean().item()
 
 
-@pytest.fixture(scope="module")
-def smollm2():
+def reference_continuations(num_prompts: int = len(PROMPTS)) -> tuple[list[list[int]], list[int], list[torch.Tensor]]:
+    """transformers' float32 SmolLM2 on the first num_prompts held chat prompts: each prompt with its greedy
+    continuation of NEW_TOKENS (ids), the prompt lengths, and the logits [n, V] of every continuation position."""
     import transformers
 
     model_dir = ensure_default_model()
@@ -66,12 +67,17 @@ def smollm2():
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                        tokenize=False), add_special_tokens=False).input_ids
-               for p in PROMPTS]
+               for p in PROMPTS[:num_prompts]]
     with torch.no_grad():
         seqs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0].tolist() for p in prompts]
         ref = [hf(input_ids=torch.tensor([s])).logits[0, len(p) - 1:-1].float() for s, p in zip(seqs, prompts)]
-    return load_model_dir(model_dir, dtype=torch.float32), seqs, [len(p) for p in prompts], ref
+    return seqs, [len(p) for p in prompts], ref
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model_dir(ensure_default_model(), dtype=torch.float32), *reference_continuations()
 
 
 @pytest.mark.parametrize("kv", list(KV_DTYPES))

@@ -14,11 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightserve.engine.model_prep import default_gguf, ensure_default_model, prepare_gguf
+from lightserve.engine.model_prep import default_gguf, prepare_gguf
 from lightserve.kernels.cpu import library
 
-from .smollm2_prompts import PROMPTS, one_thread  # noqa: F401 (an autouse fixture)
-from .test_kv_quant_accuracy import NEW_TOKENS, agreement, teacher_forced
+from .smollm2_prompts import one_thread  # noqa: F401 (an autouse fixture)
+from .test_kv_quant_accuracy import agreement, reference_continuations, teacher_forced
 
 # (min top-1 agreement, max mean |dlogprob|) by activations
 BOUNDS = {"float32": (1.0, 1e-4), "int8": (0.95, 0.04)}
@@ -27,19 +27,7 @@ NUM_PROMPTS = 2  # of the four held ones: transformers' greedy continuations are
 
 @pytest.fixture(scope="module")
 def smollm2_gguf():
-    import transformers
-
-    model_dir = ensure_default_model()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    prompts = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                       tokenize=False), add_special_tokens=False).input_ids
-               for p in PROMPTS[:NUM_PROMPTS]]
-    with torch.no_grad():
-        seqs = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0].tolist() for p in prompts]
-        ref = [hf(input_ids=torch.tensor([s])).logits[0, len(p) - 1:-1].float() for s, p in zip(seqs, prompts)]
-    return prepare_gguf(default_gguf()), seqs, [len(p) for p in prompts], ref
+    return prepare_gguf(default_gguf()), *reference_continuations(NUM_PROMPTS)
 
 
 @pytest.mark.parametrize("activations", list(BOUNDS))

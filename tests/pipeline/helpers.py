@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from tests.e2e.server import (
+    MODEL_DIR,
     RUNTIME_DIRS,
     wait_until,  # noqa: F401 - re-exported for the pipeline tests
 )
@@ -20,8 +21,14 @@ def instance_files(instance_id: str) -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def hf_model(model_dir: str):
+    """transformers' float32 model of the pipeline's model_dir; for the default model, served from its GGUF (a
+    metadata folder beside a link to the file, no weights), its float32 conversion: the same weights dequantized."""
+    from pathlib import Path
+
     import torch
     from transformers import AutoModelForCausalLM
+    if any(Path(model_dir).glob("*.gguf")):
+        model_dir = str(MODEL_DIR)
     return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
 
 

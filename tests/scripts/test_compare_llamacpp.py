@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.scripts.test_compare_vllm import _free_port, _port_open  # the same port helpers
 
 pytest.importorskip("aiohttp")
 pytest.importorskip("tokenizers")
@@ -24,18 +25,6 @@ pytest.importorskip("tokenizers")
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE.parents[1] / "scripts" / "compare_llamacpp.sh"
 FAKE = HERE / "fake_llm_server.py"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(1)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture

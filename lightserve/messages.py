@@ -92,6 +92,18 @@ class BatchPlan:
     # it gets logits at every one of them: logits come back [sum over sampled rows of (1 + k), vocab], each row's
     # block in plan order, then the E prompt-logprob rows. Rank 0 verifies the drafts (StepDone.num_accepted).
     spec_lens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))          # [B]
+    # LoRA: each request's slot in the workers' stacked adapter weights (-1: the base model; empty: no request runs
+    # an adapter). The router sends LoadLora for a slot before the first plan that names it.
+    lora_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))         # [B]
+
+
+@message
+class LoadLora:
+    """Router -> workers: put adapter `lora_id` (PEFT files in `path`) into slot `slot` of the stacked LoRA weights,
+    replacing whatever the slot held, before the next plan; from the rank's CPU cache of adapters if it is there."""
+    lora_id: int
+    path: str
+    slot: int
 
 
 @message

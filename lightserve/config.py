@@ -79,6 +79,8 @@ class SpeculativeAlgorithm(str, Enum):
 
 # Draft tokens a request may carry per step: every one is a KV row and a logits row [vocab] float32 on rank 0.
 MAX_SPECULATIVE_TOKENS = 16
+# The largest --max_lora_rank: every resident slot holds rank-padded A and B of each targeted projection.
+MAX_LORA_RANK = 512
 # vLLM's --speculative-config keys and the flags they set.
 _SPECULATIVE_CONFIG_KEYS = {"method": "speculative_algorithm", "num_speculative_tokens": "num_speculative_tokens",
                             "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
@@ -125,6 +127,12 @@ class ServerConfig:
     prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest n-gram looked up"})
     prompt_lookup_min: int = field(default=2, metadata={"help": "ngram: shortest n-gram looked up"})
     speculative_config: str | None = field(default=None, metadata={"help": "vLLM's spelling, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; sets the four flags above"})
+    enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters over the base model: a request names one in `model`; requests of different adapters (and of the base) share each step"})
+    lora_modules: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+", "help": "adapters served from the start, each NAME=PATH (a PEFT folder: adapter_config.json + adapter_model.safetensors); needs --enable_lora"})
+    max_loras: int = field(default=1, metadata={"help": "adapters resident in the kernels' buffers at once (requests of others wait for a free slot)"})
+    max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank accepted (every slot is sized for it)"})
+    max_cpu_loras: int | None = field(default=None, metadata={"help": "adapters kept in each worker's CPU cache (least recently used dropped first); default --max_loras"})
+    allow_runtime_lora_updating: bool = field(default=False, metadata={"help": "accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter"})
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
     kv_cache_dtype: KVCacheDType = field(default=KVCacheDType.AUTO, metadata={"help": "KV cache storage: auto = the activation dtype; int8 (a scale per token and head) and fp8_e4m3 / fp8_e5m2 (fp8 = e4m3; the checkpoint's k_scale / v_scale, else 1.0) hold about twice the tokens and halve the bytes a decode step reads"})
@@ -186,6 +194,17 @@ class ServerConfig:
              f"must be {AUTO} or one of {sorted(TOOL_PARSERS)}")
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
              f"must be one of {sorted(REASONING_PARSERS)}")
+        need(self.max_loras >= 1, "max_loras", f"must be >= 1, got {self.max_loras}")
+        need(1 <= self.max_lora_rank <= MAX_LORA_RANK, "max_lora_rank", f"must be in [1, {MAX_LORA_RANK}], got {self.max_lora_rank}")
+        need(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras, "max_cpu_loras",
+             f"must be >= --max_loras ({self.max_loras}), got {self.max_cpu_loras}")
+        need(self.enable_lora or not self.lora_modules, "lora_modules", "needs --enable_lora")
+        need(self.enable_lora or not self.allow_runtime_lora_updating, "allow_runtime_lora_updating", "needs --enable_lora")
+        if isinstance(self.lora_modules, str):
+            object.__setattr__(self, "lora_modules", (self.lora_modules,))
+        for spec in self.lora_modules or ():
+            name, sep, path = spec.partition("=")
+            need(bool(sep and name.strip() and path.strip()), "lora_modules", f"takes NAME=PATH, got {spec!r}")
         self._apply_speculative_config()
         need(self.speculative_algorithm not in (SpeculativeAlgorithm.DRAFT, SpeculativeAlgorithm.MTP),
              "speculative_algorithm", f"{self.speculative_algorithm.value} is not served yet (ngram is)")

@@ -239,6 +239,15 @@ class ServerConfig:
             object.__setattr__(self, name, value)
 
     @property
+    def lora_items(self) -> tuple[tuple[str, str], ...]:
+        """--lora_modules as (name, path) pairs, in order: the adapter ids 1, 2, ... the front and router agree on."""
+        return tuple((name.strip(), path.strip()) for name, _, path in (m.partition("=") for m in self.lora_modules or ()))
+
+    @property
+    def lora_paths(self) -> tuple[str, ...]:
+        return tuple(path for _, path in self.lora_items)
+
+    @property
     def speculates(self) -> bool:
         return self.speculative_algorithm is not SpeculativeAlgorithm.NONE
 

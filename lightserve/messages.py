@@ -60,6 +60,19 @@ class AbortReq:
     reason: FinishReason = FinishReason.ABORT
 
 
+@message
+class LoraAdded:
+    """A LoRA adapter the front serves from now on (POST /v1/load_lora_adapter): requests may name `lora_id`."""
+    lora_id: int
+    path: str
+
+
+@message
+class LoraRemoved:
+    """The front no longer serves adapter `lora_id` (no request of it is left)."""
+    lora_id: int
+
+
 # ---- router -> every worker rank -------------------------------------------------------------
 @message
 class BatchPlan:

@@ -56,6 +56,7 @@ PARAMS_DTYPE = np.dtype([
     ("allowed_token_ids", np.int32, (MAX_ALLOWED_TOKEN_IDS,)),
     ("grammar_kind", np.uint8),   # GrammarKind; the text is the slot's `grammar` field
     ("group_id", np.int64),       # != 0: one of the n samples of one prompt (prefilled once, router)
+    ("lora_id", np.int32),        # != 0: the LoRA adapter the request runs under (router: its slot and cache keys)
 ])
 _LIST_FIELDS = ("stop_token_ids", "logit_bias", "allowed_token_ids")  # filled by to_record's own code
 
@@ -102,6 +103,7 @@ class SamplingParams:
     grammar_kind: int = GrammarKind.NONE
     grammar: str = ""
     group_id: int = 0  # set by the front for the n samples of one prompt; not a client field
+    lora_id: int = 0  # set by the front from the adapter the request's `model` names (0: the base); not a client field
 
     def validate(self, vocab_size: int | None = None, max_top_logprobs: int = MAX_TOP_LOGPROBS) -> SamplingParams:
         """Raise ParamError naming the first bad field; return self so calls chain. Every rule of a request's

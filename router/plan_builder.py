@@ -62,6 +62,8 @@ def build_plan(pool: ReqPool, step: int, decodes: list[Req], decode_locs: np.nda
         **({} if not fills else dict(fill_rows=fill_rows, fill_pos=fill_pos, fill_locs=fill_locs)),
         **({} if prompt_logit_idx is None else dict(prompt_logit_idx=prompt_logit_idx)),
         **({} if not pending.size else dict(pending_inputs=pending)),
+        **({} if not any(r.lora_slot >= 0 for r in reqs) else
+           dict(lora_slots=np.fromiter((r.lora_slot for r in reqs), np.int32, len(reqs)))),
         **({} if not spec else dict(spec_lens=np.concatenate([np.zeros(len(decodes), np.int32), spec_extend - 1,
                                                               np.zeros(len(chunks), np.int32)]))))
 

@@ -24,7 +24,8 @@ import zmq
 
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
-from lightserve.messages import AbortReq, AddReq, BatchPlan, ReqReleased, Shutdown, StepDone, decode, encode
+from lightserve.messages import (AbortReq, AddReq, BatchPlan, LoraAdded, LoraRemoved, ReqReleased, Shutdown, StepDone,
+                                 decode, encode)
 from lightserve.procutil import child_process, report_ready
 from lightserve.router.scheduler import Scheduler, StepRecord
 from lightserve.shm.req_pool import ReqPool
@@ -110,9 +111,11 @@ class Router:
                 record = self.scheduler.plan_step()
                 planned = record is not None
             if record is not None:
-                data = encode(record.plan)
-                for sock in self.to_workers:
-                    sock.send(data, copy=False)
+                # Adapter loads first: the workers apply them between the step before and this one.
+                loads = self.scheduler.lora.take_loads() if self.scheduler.lora is not None else ()
+                for data in [encode(load) for load in loads] + [encode(record.plan)]:
+                    for sock in self.to_workers:
+                        sock.send(data, copy=False)
                 inflight.append((record, time.monotonic() if idle else None))
                 idle = False
                 if len(inflight) < depth and self.scheduler.may_plan_ahead():
@@ -175,6 +178,10 @@ class Router:
                     self.scheduler.add_req(i, rid)
                 case AbortReq(shm_index=i, req_id=rid, reason=reason):
                     self.scheduler.abort_req(i, rid, reason)
+                case LoraAdded(lora_id=lid, path=path) if self.scheduler.lora is not None:
+                    self.scheduler.lora.register(lid, path)
+                case LoraRemoved(lora_id=lid) if self.scheduler.lora is not None:
+                    self.scheduler.lora.unregister(lid)
                 case _:
                     logger.error("router: unexpected message %r", type(msg).__name__)
 

@@ -4,6 +4,9 @@ that share a prompt prefix share its KV rows. Owned and called only by the route
 Row ownership: every kv_loc is owned by exactly one of the KVAllocator's free pool, one request
 (rows it allocated and has not inserted yet), or this tree. Rows a request got from match_prefix
 stay the tree's; the request borrows them and must keep the returned node locked while it uses them.
+
+Namespaces: KV computed under one LoRA adapter is not the base model's KV of the same tokens, so each adapter id
+has a root of its own (`namespace`, 0 for the base model); a match never crosses from one root into another.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ class RadixCache:
 
     def __init__(self, allocator: KVAllocator) -> None:
         self.allocator = allocator
-        self.root = RadixNode(_EMPTY, _EMPTY, None)
+        self.root = RadixNode(_EMPTY, _EMPTY, None)   # namespace 0's (the base model's)
+        self._roots: dict[int, RadixNode] = {0: self.root}
         self._clock = 0
         # LRU candidates: (last_access when pushed, tie-break, node). Entries go stale when a node is
         # touched, gains a child or is locked; evict() re-checks each entry as it pops it.
@@ -70,20 +74,25 @@ class RadixCache:
         """Rows held by locked nodes (borrowed by running requests)."""
         return self._total_size - self._evictable_size
 
+    @property
+    def roots(self) -> list[RadixNode]:
+        """The root of every namespace (the base model's first)."""
+        return list(self._roots.values())
+
     # ---- lookups and updates -----------------------------------------------------------------------
-    def match_prefix(self, token_ids: np.ndarray) -> tuple[np.ndarray, RadixNode]:
+    def match_prefix(self, token_ids: np.ndarray, namespace: int = 0) -> tuple[np.ndarray, RadixNode]:
         """Find the longest cached prefix of `token_ids`.
 
         Returns (kv_locs, node): a new int32 array of the prefix's rows (len = matched length) and
         the deepest node reached, which covers exactly the matched prefix (the root when nothing
         matched). Modifies: splits the node the match ends inside, and marks the path as used now
         (LRU). Locks nothing: the rows stay the tree's, and the caller must lock(node) before the
-        next evict() if it will use them.
+        next evict() if it will use them. `namespace`: the adapter id whose KV the match may use.
         """
         ids = np.asarray(token_ids, dtype=np.int32)
         ids_bytes = ids.tobytes()
         self._clock += 1
-        node, pos, n = self.root, 0, len(ids)
+        node, pos, n = self._root(namespace), 0, len(ids)
         values = []
         while pos < n:
             child = node.children.get(int(ids[pos]))
@@ -97,7 +106,7 @@ class RadixCache:
             node, pos = child, pos + m
         return (np.concatenate(values) if values else _EMPTY.copy()), node
 
-    def insert(self, token_ids: np.ndarray, kv_locs: np.ndarray) -> int:
+    def insert(self, token_ids: np.ndarray, kv_locs: np.ndarray, namespace: int = 0) -> int:
         """Hand the KV rows of a computed sequence to the tree: kv_locs[i] holds token_ids[i].
 
         Returns prefix_len, the length of the prefix of token_ids that was already in the tree.
@@ -109,14 +118,14 @@ class RadixCache:
         holds the tree's own rows there (locked rows are never evicted or replaced), so its
         duplicates are exactly kv_locs[cached_len:prefix_len] (prefix_len >= cached_len).
         Modifies: may split one node and add one leaf (unlocked, hence evictable); marks the path
-        as used now (LRU). Locks nothing.
+        as used now (LRU). Locks nothing. `namespace`: the adapter id the rows were computed under.
         """
         ids = np.asarray(token_ids, dtype=np.int32)
         locs = np.asarray(kv_locs, dtype=np.int32)
         assert ids.shape == locs.shape and ids.ndim == 1, f"token_ids {ids.shape} vs kv_locs {locs.shape}"
         ids_bytes = ids.tobytes()
         self._clock += 1
-        node, pos, n = self.root, 0, len(ids)
+        node, pos, n = self._root(namespace), 0, len(ids)
         while pos < n:
             first = int(ids[pos])
             child = node.children.get(first)
@@ -138,10 +147,10 @@ class RadixCache:
 
     def lock(self, node: RadixNode) -> None:
         """Protect `node` and its ancestors from eviction (increments their ref). Locks nest: each
-        lock needs one unlock. Locking the root is a no-op. Modifies evictable/protected sizes."""
-        assert node is self.root or node.parent is not None, "lock of an evicted node"
+        lock needs one unlock. Locking a root is a no-op. Modifies evictable/protected sizes."""
+        assert _is_root(node) or node.parent is not None, "lock of an evicted node"
         moved = 0
-        while node is not self.root:
+        while not _is_root(node):
             if node.ref == 0:
                 moved += len(node.key)
             node.ref += 1
@@ -151,14 +160,14 @@ class RadixCache:
     def unlock(self, node: RadixNode) -> None:
         """Undo one lock(node). Nodes whose ref drops to 0 become evictable again."""
         bottom, moved = node, 0
-        while node is not self.root:
+        while not _is_root(node):
             assert node.ref > 0, "unlock without a matching lock"
             node.ref -= 1
             if node.ref == 0:
                 moved += len(node.key)
             node = node.parent
         self._evictable_size += moved
-        if bottom is not self.root and bottom.ref == 0 and not bottom.children:
+        if not _is_root(bottom) and bottom.ref == 0 and not bottom.children:
             self._push(bottom)
 
     def evict(self, num_tokens: int) -> int:
@@ -181,7 +190,7 @@ class RadixCache:
             node.parent = None
             freed.append(node.value)
             num_freed += len(node.value)
-            if parent is not self.root and parent.ref == 0 and not parent.children:
+            if not _is_root(parent) and parent.ref == 0 and not parent.children:
                 self._push(parent)
         if freed:
             self._total_size -= num_freed
@@ -192,7 +201,7 @@ class RadixCache:
     def reset(self) -> None:
         """Free every row the tree holds and empty it. Requires that no node is locked."""
         assert self.protected_size == 0, "reset while requests still borrow cached rows"
-        freed, stack = [], list(self.root.children.values())
+        freed, stack = [], [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -201,10 +210,17 @@ class RadixCache:
         if freed:
             self.allocator.free(np.concatenate(freed))
         self.root = RadixNode(_EMPTY, _EMPTY, None)
+        self._roots = {0: self.root}
         self._heap.clear()
         self._total_size = self._evictable_size = 0
 
     # ---- private -------------------------------------------------------------------------------------
+    def _root(self, namespace: int) -> RadixNode:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = RadixNode(_EMPTY, _EMPTY, None)
+        return root
+
     def _split(self, child: RadixNode, m: int) -> RadixNode:
         """Cut `child` after its first m tokens; return the new node holding them. `child` keeps its
         identity (and its locks, heap entry and children) as the suffix, so handles stay valid."""
@@ -221,6 +237,11 @@ class RadixCache:
         if not node.in_heap:
             node.in_heap = True
             heapq.heappush(self._heap, (node.last_access, next(self._tiebreak), node))
+
+
+def _is_root(node: RadixNode) -> bool:
+    """Roots are the only nodes with an empty key (every other node holds at least one token)."""
+    return not node.key.size
 
 
 def _match_len(key: np.ndarray, ids: np.ndarray, ids_bytes: bytes, pos: int) -> int:

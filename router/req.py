@@ -40,6 +40,9 @@ class Req:
     spec_skip: int = 0             # decodes left before it tries to speculate again
     spec_backoff: int = 0          # the last skip it was given (doubles while lookups find nothing)
     draft_locs: np.ndarray | None = None  # [k] KV rows of the drafts a step in flight scores; not in computed_len
+    # LoRA (router/lora_slots.py):
+    lora_id: int = 0               # the adapter it runs under (0: the base model)
+    lora_slot: int = -1            # the workers' weight slot of that adapter while it runs (-1: none)
 
     @property
     def seq_len(self) -> int:

@@ -37,6 +37,7 @@ from lightserve.messages import BatchPlan, FinishReason
 from lightserve.router.admission import Admission
 from lightserve.router.groups import Groups
 from lightserve.router.kv_allocator import KVAllocator
+from lightserve.router.lora_slots import LoraSlots
 from lightserve.router.plan_builder import build_plan
 from lightserve.router.req import Req, ReqStatus
 from lightserve.router.speculation import SpecRow, Speculation
@@ -76,8 +77,11 @@ class Limits:
 
 class Scheduler:
     def __init__(self, pool: ReqPool, allocator: KVAllocator, cache: RadixCache | None,
-                 admission: Admission, limits: Limits, speculation: Speculation | None = None):
+                 admission: Admission, limits: Limits, speculation: Speculation | None = None,
+                 lora: LoraSlots | None = None):
+        """`lora`: the adapter slots with --enable_lora (requests of an adapter run only while it holds one)."""
         self.pool = pool
+        self.lora = lora
         self.speculation = speculation
         self._spec_step = 0  # the last step planned with drafts
         self.allocator = allocator
@@ -105,8 +109,9 @@ class Scheduler:
         limits = Limits(max_running=config.running_max_req_size, batch_max_tokens=config.batch_max_tokens,
                         chunk_size=config.chunked_prefill_size or config.batch_max_tokens,
                         max_req_total_len=config.max_req_total_len, join_tokens=config.prefill_join_tokens)
+        lora = LoraSlots(config.max_loras, dict(enumerate(config.lora_paths, start=1))) if config.enable_lora else None
         return cls(pool, allocator, cache, Admission(config.admission_policy), limits,
-                   Speculation.from_config(config, pool))
+                   Speculation.from_config(config, pool), lora)
 
     # ---- requests in and out ---------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -122,7 +127,15 @@ class Scheduler:
                   use_cache=self.cache is not None and not bool(params["disable_prompt_cache"]),
                   group_id=int(params["group_id"]), prompt_logprobs=int(params["prompt_logprobs"]) >= 0,
                   min_new_tokens=int(params["min_new_tokens"]),
-                  spec_ok=self.speculation is not None and Speculation.admits(params))
+                  spec_ok=self.speculation is not None and Speculation.admits(params),
+                  lora_id=int(params["lora_id"]))
+        if req.lora_id and (self.lora is None or not self.lora.known(req.lora_id)):
+            # The front names only adapters it registered here first (on the same socket): not reached.
+            logger.error("request %d names LoRA adapter %d, which this router does not know; dropped", req_id,
+                         req.lora_id)
+            self.released.append((shm_index, req_id, FinishReason.ABORT))
+            self.pool.release(Owner.ROUTER, shm_index)
+            return
         if req.group_id and req.use_cache and not req.prompt_logprobs:
             self.groups.join(req)
         else:
@@ -187,7 +200,8 @@ class Scheduler:
         while self.waiting and budget > 0 and prompt_tokens < join and len(self.running) < self.limits.max_running:
             req = self.waiting[0]
             # A request paused while the step in flight samples its next token resumes once that token is known.
-            if req.pending or self.groups.must_wait(req) or self._prefix_in_flight(req, computing):
+            if req.pending or self.groups.must_wait(req) or self._prefix_in_flight(req, computing) \
+                    or (self.lora is not None and not self.lora.can_acquire(req.lora_id)):
                 held.append(self.waiting.popleft())
                 continue
             n = self._admit(req, budget, reserved)
@@ -265,6 +279,8 @@ class Scheduler:
             return False
         ids = self.pool.token_ids[req.shm_index]
         for other in computing:
+            if other.lora_id != req.lora_id:
+                continue  # its KV is another adapter's
             n = min(req.prompt_len, other.prompt_len) - 1
             if n - other.cached_len < SHARED_PREFIX_HOLD:
                 continue
@@ -285,12 +301,12 @@ class Scheduler:
         if req.cached_len >= n:
             return  # the whole prefix came from the cache
         ids = self.pool.token_ids[req.shm_index, :n]
-        present = self.cache.insert(ids, req.kv_locs[:n])
+        present = self.cache.insert(ids, req.kv_locs[:n], req.lora_id)
         if present > req.cached_len:
             # The tree already held [cached_len, present): our rows there duplicate it. We still
             # attend over them, so they are freed when we retire, not now.
             req.dup_locs = req.kv_locs[req.cached_len:present].copy()
-        locs, node = self.cache.match_prefix(ids)
+        locs, node = self.cache.match_prefix(ids, req.lora_id)
         assert len(locs) == n, (len(locs), n)
         self.cache.lock(node)
         self.cache.unlock(req.prefix_node)
@@ -332,7 +348,7 @@ class Scheduler:
             # Leave at least one token to compute: its logits give the next token. A first run that
             # needs prompt logprobs matches nothing (the root): the cache has no logits to give.
             fresh_scoring = req.prompt_logprobs and req.status is ReqStatus.WAITING
-            prefix_locs, node = self.cache.match_prefix(ids[: 0 if fresh_scoring else req.seq_len - 1])
+            prefix_locs, node = self.cache.match_prefix(ids[: 0 if fresh_scoring else req.seq_len - 1], req.lora_id)
             self.cache.lock(node)
         available = self.allocator.num_free + (self.cache.evictable_size if self.cache else 0)
         need = req.seq_len - len(prefix_locs)
@@ -356,6 +372,8 @@ class Scheduler:
             self.counters["prompt_tokens_total"] += req.prompt_len
             self.counters["prompt_tokens_cached_total"] += req.cached_len
             self.pool.cached_len[req.shm_index] = req.cached_len
+        if self.lora is not None:
+            req.lora_slot = self.lora.acquire(req.lora_id)
         req.status = ReqStatus.RUNNING
         self.running.append(req)
         return n
@@ -427,7 +445,7 @@ class Scheduler:
         locs = req.kv_locs[:n]
         if req.use_cache and self.cache is not None:
             ids = self.pool.token_ids[req.shm_index, :n]
-            present = self.cache.insert(ids, locs)
+            present = self.cache.insert(ids, locs, req.lora_id)
             # The tree already held [0, present): our own rows in [cached_len, present) duplicate it.
             if present > req.cached_len:
                 self.allocator.free(locs[req.cached_len: present].copy())
@@ -438,6 +456,9 @@ class Scheduler:
             self.allocator.free(req.dup_locs)
             req.dup_locs = None
         req.prefix_node = None
+        if self.lora is not None:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
 
     # ---- metrics --------------------------------------------------------------------------------------
     def publish_stats(self) -> None:

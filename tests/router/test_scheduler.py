@@ -127,7 +127,8 @@ def assert_kv_accounted(sched):
 
 
 def _tree_rows(cache) -> np.ndarray:
-    nodes, rows = list(cache.root.children.values()) if cache else [], [np.zeros(0, np.int32)]
+    nodes = [child for root in cache.roots for child in root.children.values()] if cache else []
+    rows = [np.zeros(0, np.int32)]
     while nodes:
         node = nodes.pop()
         nodes.extend(node.children.values())

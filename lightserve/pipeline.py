@@ -28,7 +28,7 @@ from lightserve.cli import make_config
 from lightserve.config import ServerConfig
 from lightserve.engine.generation import gather_all
 from lightserve.engine.pipeline_loop import PipelineLoop, Response
-from lightserve.sampling import SamplingParams
+from lightserve.sampling import ParamError, SamplingParams
 
 if TYPE_CHECKING:
     from lightserve.engine.procs import EngineProcs
@@ -39,6 +39,7 @@ ignore_eos, stop, seed, ... Each call works on its own copy, so one config may b
 
 Chat = list[dict[str, Any]]
 Prompt = str | Chat
+Adapter = str | Sequence[str | None] | None  # a LoRA adapter's name for every prompt, or one per prompt
 _DONE = object()          # end of a stream, after its last chunk
 
 
@@ -90,10 +91,11 @@ class Pipeline:
 
     # ---- public API ---------------------------------------------------------------------------------
     def infer(self, prompts: Prompt | Sequence[Prompt], gen_config: SamplingParams | None = None, *,
-              logprobs: bool = False) -> Response | list[Response]:
+              logprobs: bool = False, adapter: Adapter = None) -> Response | list[Response]:
         """Generate to the end. A single prompt (a str or one chat) returns one Response, a list
-        returns one per prompt, in order. Raises ParamError (a ValueError) naming the bad field."""
-        items, single = self._prepare(prompts, gen_config)
+        returns one per prompt, in order. `adapter`: the LoRA adapter (a --lora_modules name) every prompt runs
+        under, or one per prompt (None: the base model). Raises ParamError (a ValueError) naming the bad field."""
+        items, single = self._prepare(prompts, gen_config, adapter)
         want_lp = logprobs or _asks_logprobs(gen_config)
         coros = [self._loop.run_req(i, ids, params, want_lp, None) for i, (ids, params) in enumerate(items)]
         fut = self._submit(gather_all(coros))
@@ -105,18 +107,19 @@ class Pipeline:
         return outs[0] if single else outs
 
     def stream_infer(self, prompts: Prompt | Sequence[Prompt], gen_config: SamplingParams | None = None, *,
-                     logprobs: bool = False) -> Iterator[Response]:
+                     logprobs: bool = False, adapter: Adapter = None) -> Iterator[Response]:
         """Yield chunks as tokens arrive, from every prompt interleaved; `index` says whose.
         Validation errors raise here, before iteration. Leaving the loop early (break, close(),
-        garbage collection) aborts the requests still running."""
-        items, _ = self._prepare(prompts, gen_config)
+        garbage collection) aborts the requests still running. `adapter`: as infer's."""
+        items, _ = self._prepare(prompts, gen_config, adapter)
         return self._stream(items, logprobs or _asks_logprobs(gen_config))
 
     async def generate(self, prompt: Prompt, gen_config: SamplingParams | None = None, *,
-                       logprobs: bool = False) -> AsyncIterator[Response]:
+                       logprobs: bool = False, adapter: str | None = None) -> AsyncIterator[Response]:
         """Async generator of one prompt's chunks, for use on the caller's own event loop (any
-        loop but the pipeline's). Leaving the `async for` early aborts the request."""
-        items, single = self._prepare(prompt, gen_config)
+        loop but the pipeline's). Leaving the `async for` early aborts the request. `adapter`: the LoRA adapter
+        it runs under (None: the base model)."""
+        items, single = self._prepare(prompt, gen_config, adapter)
         if not single:
             raise TypeError("generate() takes one prompt (a str or a chat); use stream_infer() for a list")
         user_loop = asyncio.get_running_loop()
@@ -180,7 +183,7 @@ class Pipeline:
         self.close()
 
     # ---- caller's thread ---------------------------------------------------------------------------------
-    def _prepare(self, prompts: Prompt | Sequence[Prompt], gen_config: SamplingParams | None,
+    def _prepare(self, prompts: Prompt | Sequence[Prompt], gen_config: SamplingParams | None, adapter: Adapter = None,
                  ) -> tuple[list[tuple[list[int], SamplingParams]], bool]:
         """Tokenize and validate every prompt in the calling thread. Returns ([(ids, params)], single).
 
@@ -197,6 +200,7 @@ class Pipeline:
         # A Response carries logprobs only where the config asks for alternatives.
         params = replace(gen_config if gen_config is not None else GenerationConfig(),
                          report_logprobs=_asks_logprobs(gen_config))
+        lora_ids = self._lora_ids(adapter, len(batch))
         items = []
         for i, prompt in enumerate(batch):
             name = "prompt" if single else f"prompts[{i}]"
@@ -204,8 +208,25 @@ class Pipeline:
                 ids = self.tokenizer.encode(prompt)
             else:
                 ids = self.tokenizer.encode(render_chat(self.tokenizer, prompt, name), add_special_tokens=False)
-            items.append((ids, self._loop.engine.check_prompt(ids, params, name)))
+            one = replace(params, lora_id=lora_ids[i]) if lora_ids[i] else params
+            items.append((ids, self._loop.engine.check_prompt(ids, one, name)))
         return items, single
+
+    def _lora_ids(self, adapter: Adapter, num_prompts: int) -> list[int]:
+        """Each prompt's adapter id (0: the base model). ParamError naming `adapter` for a name not served."""
+        names = [adapter] * num_prompts if adapter is None or isinstance(adapter, str) else list(adapter)
+        if len(names) != num_prompts:
+            raise ParamError("adapter", f"gives {len(names)} adapters for {num_prompts} prompts")
+        engine = self._loop.engine
+        ids = []
+        for name in names:
+            lora_id = 0 if name is None else engine.lora_id(name)
+            if lora_id is None:
+                served = ", ".join(sorted(e.name for e in engine.adapters or ()))
+                hint = f"served: {served}" if served else "start it with enable_lora=True, lora_modules=['NAME=PATH']"
+                raise ParamError("adapter", f"{name!r} is not a LoRA adapter of this pipeline ({hint})")
+            ids.append(lora_id)
+        return ids
 
     def _submit(self, coro: typing.Coroutine) -> Future:
         # Under the lock: once close() has begun, no coroutine reaches a loop that may be stopping

@@ -75,6 +75,8 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
             check_gguf(gguf_file, model_config, config.tp)
         except ValueError as exc:
             raise StartError(f"--model_dir {config.model_dir or gguf_file}: {exc}") from None
+    if config.enable_lora:
+        _check_lora_modules(config, model_config, name)
     return replace(config, model_dir=model_dir, gguf_file=gguf_file, model=model_config, device=device,
                    kernel_backend=backend,
                    data_type=dtype, kv_cache_dtype=kv_dtype,
@@ -82,6 +84,28 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
                    prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,
                    served_model_name=config.served_model_name or (name,))
+
+
+def _check_lora_modules(config: ServerConfig, model_config, model_name: str) -> None:
+    """--enable_lora on a family that takes adapters, and every --lora_modules adapter read whole and checked
+    against the model, before any process starts. StartError naming the flag, the adapter and what is wrong."""
+    from lightserve.lora_adapter import LoraAdapterError, load_lora_tensors, lora_target_modules, read_lora_adapter
+
+    try:
+        lora_target_modules(model_config)
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
+    base_names = set(config.served_model_name or (model_name,))
+    seen: set[str] = set()
+    for name, path in config.lora_items:
+        if name in seen or name in base_names:
+            why = "given twice" if name in seen else "the base model's name"
+            raise StartError(f"--lora_modules {name}={path}: {name!r} is {why}")
+        seen.add(name)
+        try:
+            load_lora_tensors(read_lora_adapter(path, model_config, config.max_lora_rank))
+        except LoraAdapterError as exc:
+            raise StartError(f"--lora_modules {name}={path}: {exc}") from None
 
 
 def _model_source(config: ServerConfig, backend: KernelBackend) -> tuple[str, str | None, str]:

@@ -15,7 +15,7 @@ import zmq
 
 from lightserve.config import QuantActivations, ServerConfig
 from lightserve.log import get_logger
-from lightserve.messages import BatchPlan, Shutdown, decode
+from lightserve.messages import BatchPlan, LoadLora, Shutdown, decode
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.procutil import child_process, report_ready
@@ -92,6 +92,10 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                         logits = runner.forward(msg, argmax_only=ask_argmax and writer.argmax_only(msg))
                         if writer is not None:
                             writer.write(msg, logits, time.perf_counter() - t0)
+                    case LoadLora(lora_id=lora_id, path=path, slot=slot):
+                        # Between two steps: the plan before ran with the slot's old adapter, the next runs with
+                        # this one. The front read the whole adapter before serving it, so this does not fail.
+                        runner.load_lora(lora_id, path, slot)
                     case Shutdown():
                         break
                     case _:

@@ -24,8 +24,18 @@ import zmq
 
 from lightserve.config import ServerConfig
 from lightserve.log import get_logger
-from lightserve.messages import (AbortReq, AddReq, BatchPlan, LoraAdded, LoraRemoved, ReqReleased, Shutdown, StepDone,
-                                 decode, encode)
+from lightserve.messages import (
+    AbortReq,
+    AddReq,
+    BatchPlan,
+    LoraAdded,
+    LoraRemoved,
+    ReqReleased,
+    Shutdown,
+    StepDone,
+    decode,
+    encode,
+)
 from lightserve.procutil import child_process, report_ready
 from lightserve.router.scheduler import Scheduler, StepRecord
 from lightserve.shm.req_pool import ReqPool

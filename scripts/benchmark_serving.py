@@ -445,7 +445,9 @@ async def run_conversations(
         for ti, prompt in enumerate(conv.turns):
             messages.append({"role": "user", "content": prompt.text})
             rec = RequestRecord(ci, ti, len(prompt.token_ids), prompt.output_len)
-            payload = _payload(args, model, prompt, list(messages) if multi else None)
+            # Several comma-separated names (LoRA adapters): conversation i sends the i-th, in turn.
+            names = model.split(",") if model else [None]
+            payload = _payload(args, names[ci % len(names)], prompt, list(messages) if multi else None)
             if sem:
                 async with sem:
                     await send_request(session, url, payload, rec, args.backend, t0)
@@ -618,7 +620,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=sorted(BACKEND_PATHS), default="openai")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="model name to send; default: first id of GET /v1/models")
+    p.add_argument("--model", default=None, help="model name to send; default: first id of GET /v1/models; "
+                   "several, comma-separated (LoRA adapters), are sent in turn, one per conversation")
     p.add_argument("--tokenizer", default=default_model_dir(), help="tokenizer folder (or tokenizer.json)")
     p.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn", "copy-edit"], default="random",
                    help="copy-edit: a JSON document of about --input-len tokens to write back with one edit (W4)")

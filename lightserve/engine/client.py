@@ -8,6 +8,7 @@ All methods run on one asyncio event loop; nothing here is thread-safe by itself
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import secrets
 import time
@@ -19,9 +20,21 @@ import zmq
 import zmq.asyncio
 
 from lightserve.config import ServerConfig
+from lightserve.engine.adapters import AdapterError, Adapters
 from lightserve.engine.generation import EngineDead, EngineOverloaded, RequestTimeout, ShuttingDown
 from lightserve.log import get_logger
-from lightserve.messages import AbortReq, AddReq, DeltaBatch, FinishReason, ReqDelta, decode, encode
+from lightserve.lora_adapter import LoraAdapter, LoraAdapterError, load_lora_tensors, read_lora_adapter
+from lightserve.messages import (
+    AbortReq,
+    AddReq,
+    DeltaBatch,
+    FinishReason,
+    LoraAdded,
+    LoraRemoved,
+    ReqDelta,
+    decode,
+    encode,
+)
 from lightserve.sampling import ParamError, SamplingParams
 from lightserve.shm.req_pool import Owner, ReqPool
 
@@ -59,6 +72,11 @@ class EngineClient:
         self._from_detok.bind(config.front_addr)
         self._recv_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # --enable_lora: the adapters served, those of --lora_modules first (ids 1, 2, ..., as the router numbers
+        # them); their files were read and checked against the model at start (resolve_config).
+        self.adapters = Adapters() if config.enable_lora else None
+        for name, path in config.lora_items:
+            self.adapters.add(name, read_lora_adapter(path, config.model_config, config.max_lora_rank))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -118,6 +136,34 @@ class EngineClient:
     def num_queued(self) -> int:
         return len(self._slot_waiters)
 
+    # ---- LoRA adapters ------------------------------------------------------------------------------
+    def lora_id(self, name: str) -> int | None:
+        """The id of the adapter served as `name`, or None."""
+        entry = self.adapters.get(name) if self.adapters is not None else None
+        return None if entry is None else entry.lora_id
+
+    async def load_lora(self, name: str, path: str) -> int:
+        """Serve the PEFT adapter in `path` as `name` from now on; returns its id. The whole file is read here (in a
+        thread) and checked against the model, so the workers' later load cannot fail. AdapterError (400) when the
+        name is taken or the adapter does not fit the model."""
+        if self.adapters.get(name) is not None:  # before reading anything
+            raise AdapterError(f"The LoRA adapter {name!r} has already been loaded.")
+        try:
+            adapter = await asyncio.to_thread(_read_whole_adapter, path, self.config)
+        except LoraAdapterError as exc:
+            raise AdapterError(str(exc), param="lora_path") from None
+        entry = self.adapters.add(name, adapter)
+        self._to_router.send(encode(LoraAdded(entry.lora_id, adapter.path)), copy=False)
+        logger.info("LoRA adapter %r loaded from %s (id %d, rank %d)", name, adapter.path, entry.lora_id,
+                    adapter.rank)
+        return entry.lora_id
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`. AdapterError: 404 unknown, 409 while requests of it run or wait."""
+        entry = self.adapters.remove(name)
+        self._to_router.send(encode(LoraRemoved(entry.lora_id)), copy=False)
+        logger.info("LoRA adapter %r unloaded (id %d)", name, entry.lora_id)
+
     # ---- requests ---------------------------------------------------------------------------------
     def check_prompt(self, prompt_ids: list[int], params: SamplingParams, field_name: str = "prompt") -> SamplingParams:
         """Validate a tokenized prompt and its params against this server (the one validation of a request, for the
@@ -142,11 +188,24 @@ class EngineClient:
         return params
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[ReqDelta]:
-        """Yield deltas until one carries a finish reason. Call check_prompt first."""
+        """Yield deltas until one carries a finish reason. Call check_prompt first (and for an adapter's request,
+        take params.lora_id from lora_id())."""
         if self._dead_reason is not None:
             raise EngineDead(self._dead_reason)
         if self._shutdown_reason is not None:
             raise ShuttingDown(self._shutdown_reason)
+        if params.lora_id:  # counted from now, so an unload cannot pull the adapter from under a queued request
+            self.adapters.in_flight[params.lora_id] += 1
+        try:
+            # aclosing: a client gone closes _run at once, whose finally tells the router to abort.
+            async with contextlib.aclosing(self._run(prompt_ids, params)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            if params.lora_id:
+                self.adapters.in_flight[params.lora_id] -= 1
+
+    async def _run(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[ReqDelta]:
         arrival = time.monotonic()
         timeout_s = self.config.request_timeout_s
         try:
@@ -294,3 +353,11 @@ class EngineClient:
 async def _run_to_end(deltas: AsyncIterator[ReqDelta]) -> None:
     async for _ in deltas:
         pass
+
+
+def _read_whole_adapter(path: str, config: ServerConfig) -> LoraAdapter:
+    """The adapter in `path` checked against the model, its tensors read once (a truncated or corrupt file fails
+    here, not in a worker)."""
+    adapter = read_lora_adapter(path, config.model_config, config.max_lora_rank)
+    load_lora_tensors(adapter)
+    return adapter

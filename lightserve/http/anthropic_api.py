@@ -30,6 +30,7 @@ from lightserve.http.front import (
     make_checked,
     read_request,
     request_params,
+    response_model,
     stop_list,
 )
 from lightserve.http.schema import StrictModel
@@ -93,9 +94,9 @@ async def create_message(request: Request) -> Response:
     params = make_checked(front, chat.prompt_ids, request_params(
         req, front.sampling_defaults, max_new_tokens=min(req.max_tokens, front.max_model_len),
         stop=stop_list(req.stop_sequences, "stop_sequences"), grammar_kind=kind, grammar=grammar,
-        report_logprobs=False), "messages", _NAMES)
+        report_logprobs=False, lora_id=check_model(front, req.model)), "messages", _NAMES)
     output = front.chat_output(chat.plan, chat.prompt)
-    builder = _MessageBuilder(front.model_name, len(chat.prompt_ids), wants_thinking(req.thinking),
+    builder = _MessageBuilder(response_model(front, req.model), len(chat.prompt_ids), wants_thinking(req.thinking),
                               params.max_new_tokens < req.max_tokens)
 
     if req.stream:

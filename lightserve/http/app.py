@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lightserve.chat.tool_parsers import choose_tool_parser
 from lightserve.engine.generation import EngineDead, EngineOverloaded, RequestTimeout, ShuttingDown
-from lightserve.http import anthropic_api, lightllm_api, openai_api, ops_api, responses_api, vllm_api
+from lightserve.http import anthropic_api, lightllm_api, lora_api, openai_api, ops_api, responses_api, vllm_api
 from lightserve.http.drain import Drain
 from lightserve.http.front import (
     ApiError,
@@ -51,7 +51,7 @@ logger = get_logger(__name__)
 router = ApiRouter()  # the utility routes below
 
 # Every route module, in the order their routes are matched.
-ROUTE_MODULES = (ops_api, openai_api, lightllm_api, responses_api, anthropic_api, vllm_api)
+ROUTE_MODULES = (ops_api, openai_api, lightllm_api, responses_api, anthropic_api, vllm_api, lora_api)
 OPEN_PATHS = frozenset({"/health", "/health_generate"})  # reachable without the API key (probes)
 
 
@@ -121,6 +121,10 @@ async def list_models(request: Request) -> Response:
     cards = [{"id": name, "object": "model", "created": _START_TIME, "owned_by": "lightserve",
               "root": front.model_name, "parent": None, "max_model_len": front.max_model_len}
              for name in front.model_names]
+    # Adapters as vLLM lists them: each its own model whose parent is the base.
+    cards += [{"id": entry.name, "object": "model", "created": _START_TIME, "owned_by": "lightserve",
+               "root": entry.adapter.path, "parent": front.model_name, "max_model_len": front.max_model_len}
+              for entry in front.engine.adapters or ()]
     return json_response({"object": "list", "data": cards})
 
 

@@ -176,10 +176,22 @@ def parse_model(cls: type[M], data: dict) -> M:
         raise ApiError(400, err["msg"], param) from None
 
 
-def check_model(front: Front, model: str | None) -> None:
-    if model is not None and model not in front.model_names:
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{front.model_name}`.",
+def check_model(front: Front, model: str | None) -> int:
+    """The LoRA adapter id `model` names: 0 for the base model (any of its names, or none given), an adapter's id
+    under --enable_lora; 404 naming the model otherwise."""
+    if model is None or model in front.model_names:
+        return 0
+    lora_id = front.engine.lora_id(model)
+    if lora_id is None:
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves `{front.model_name}`"
+                            f"{' and its LoRA adapters' if front.engine.adapters is not None else ''}.",
                        "model", "model_not_found")
+    return lora_id
+
+
+def response_model(front: Front, model: str | None) -> str:
+    """The model name a response reports: the adapter the request named, else the base model's first name."""
+    return model if model is not None and model not in front.model_names else front.model_name
 
 
 async def encode_text(front: Front, text: str, param: str, add_special_tokens: bool = True) -> list[int]:

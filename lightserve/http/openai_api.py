@@ -28,10 +28,11 @@ from lightserve.http.front import (
     make_checked,
     read_request,
     request_params,
+    response_model,
     samples_of,
     stop_list,
 )
-from lightserve.http.openai_output import chat_logprobs, completion_choice, completion_chunks, usage
+from lightserve.http.openai_output import chat_logprobs, completion_choice, completion_chunks, token_names, usage
 from lightserve.http.openai_stream import open_stream
 from lightserve.http.schema import SamplingFields, StrictModel
 from lightserve.http.streams import run_all, until_disconnect
@@ -62,6 +63,7 @@ class _SamplingRequest(SamplingFields):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     guided_regex: str | None = None  # vLLM's extension: a regular expression
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token `token_id:N`
 
 
 class CompletionRequest(_SamplingRequest):
@@ -106,9 +108,10 @@ async def completions(request: Request) -> Response:
     # Choice index = prompt index * n + sample index, as OpenAI orders them.
     params = [s for p in one for s in samples_of(p, num_samples)]
     prompts = [ids for ids in given for _ in range(num_samples)]
-    head = _head(front, "cmpl", "text_completion")
+    head = _head(front, req.model, "cmpl", "text_completion")
+    as_ids = bool(req.return_tokens_as_token_ids)
     if req.stream:
-        chunks = completion_chunks(front, prompts, bool(req.echo), req.logprobs, req.prompt_logprobs)
+        chunks = completion_chunks(front, prompts, bool(req.echo), req.logprobs, req.prompt_logprobs, as_ids)
         return await open_stream(request, front, prompts, params, head, chunks, _usage_asked(req), None)
 
     outs = await until_disconnect(request, run_all(front, prompts, params))
@@ -117,7 +120,7 @@ async def completions(request: Request) -> Response:
         for g in outs:
             g.text, g.token_ids, g.token_texts, g.logprobs, g.top_logprobs = "", [], [], [], []
             g.num_output, g.finish = 0, FinishReason.LENGTH
-    choices = [completion_choice(front, i, given[i // n], g, bool(req.echo), req.logprobs, req.prompt_logprobs)
+    choices = [completion_choice(front, i, given[i // n], g, bool(req.echo), req.logprobs, req.prompt_logprobs, as_ids)
                for i, g in enumerate(outs)]
     return json_response({**head, "choices": choices, "usage": usage(outs)})
 
@@ -137,11 +140,11 @@ async def chat_completions(request: Request) -> Response:
         max_tokens, names["max_new_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens = front.max_model_len  # "up to the context": check_prompt caps it to the room left
-    want_logprobs = bool(req.logprobs)
+    want_logprobs, as_ids = bool(req.logprobs), bool(req.return_tokens_as_token_ids)
     params = make_checked(front, prompt_ids, _params(front, req, max_tokens, req.top_logprobs or 0, grammar,
                                                      report_logprobs=want_logprobs),
                           "messages", names)
-    head = _head(front, "chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion")
+    head = _head(front, req.model, "chatcmpl", "chat.completion.chunk" if req.stream else "chat.completion")
 
     if req.stream:
         def chunk(i: int, delta: ReqDelta) -> dict | None:
@@ -149,7 +152,8 @@ async def chat_completions(request: Request) -> Response:
             if not fields and not delta.finish and not (want_logprobs and delta.token_ids):
                 return None
             return {"index": i, "delta": fields,
-                    "logprobs": chat_logprobs(front, delta.token_texts, delta.logprobs, delta.top_logprobs)
+                    "logprobs": chat_logprobs(front, token_names(delta.token_ids, delta.token_texts, as_ids),
+                                              delta.logprobs, delta.top_logprobs, as_ids)
                     if want_logprobs else None,
                     "finish_reason": outputs[i].finish_reason(delta.finish.api_name())}
 
@@ -161,7 +165,8 @@ async def chat_completions(request: Request) -> Response:
     for out, g in zip(outputs, outs):
         out.feed(g.text, final=True)
     choices = [{"index": i, "message": out.message(), "finish_reason": out.finish_reason(g.finish.api_name()),
-                "logprobs": chat_logprobs(front, g.token_texts, g.logprobs, g.top_logprobs) if want_logprobs else None}
+                "logprobs": chat_logprobs(front, token_names(g.token_ids, g.token_texts, as_ids), g.logprobs,
+                                          g.top_logprobs, as_ids) if want_logprobs else None}
                for i, (out, g) in enumerate(zip(outputs, outs))]
     return json_response({**head, "choices": choices, "usage": usage(outs)})
 
@@ -174,10 +179,10 @@ async def _open_request(request: Request, model: type[_R]) -> tuple[Front, _R, i
     return front, req, check_n(front, req.n, "n")
 
 
-def _head(front: Front, id_prefix: str, kind: str) -> dict:
+def _head(front: Front, model: str | None, id_prefix: str, kind: str) -> dict:
     """The fields every response and chunk of one request starts with."""
     return {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()),
-            "model": front.model_name}
+            "model": response_model(front, model)}
 
 
 def _completion_params(front: Front, req: CompletionRequest, max_tokens: int, grammar: tuple[GrammarKind, str],
@@ -243,7 +248,7 @@ def _params(front: Front, req: _SamplingRequest, max_tokens: int, top_logprobs: 
         req, front.sampling_defaults, max_new_tokens=max_tokens,
         min_new_tokens=req.min_tokens if req.min_tokens is not None else 0,
         stop=stop_list(req.stop, "stop"), top_logprobs=top_logprobs, report_logprobs=report_logprobs,
-        grammar_kind=grammar[0], grammar=grammar[1])
+        grammar_kind=grammar[0], grammar=grammar[1], lora_id=check_model(front, req.model))
 
 
 def _refuse(value: Any, param: str) -> None:

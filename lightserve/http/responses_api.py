@@ -27,6 +27,7 @@ from lightserve.http.front import (
     make_checked,
     read_request,
     request_params,
+    response_model,
 )
 from lightserve.http.responses_input import (
     ResponseStore,
@@ -77,7 +78,7 @@ class ResponsesRequest(StrictModel):
 @router.post("/v1/responses")
 async def create_response(request: Request) -> Response:
     front, req = await read_request(request, ResponsesRequest)
-    check_model(front, req.model)
+    lora_id = check_model(front, req.model)
     if req.background:
         raise ApiError(400, "background responses are not supported", "background")
     if req.input is None:
@@ -98,7 +99,8 @@ async def create_response(request: Request) -> Response:
     max_tokens = front.max_model_len if req.max_output_tokens is None else req.max_output_tokens
     params = make_checked(front, prompt_ids, request_params(req, front.sampling_defaults, max_new_tokens=max_tokens,
                                                             grammar_kind=kind, grammar=grammar,
-                                                            report_logprobs=False), "input", _NAMES)
+                                                            report_logprobs=False, lora_id=lora_id),
+                          "input", _NAMES)
     output = front.chat_output(plan, prompt)
     builder = _OutputBuilder(_skeleton(front, req, plan))
     keep = None if req.store is False else (store, messages)
@@ -225,7 +227,7 @@ def _skeleton(front: Front, req: ResponsesRequest, plan: ToolPlan) -> dict:
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if plan.tools else "none")
     return {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "error": None, "incomplete_details": None, "instructions": req.instructions,
-            "max_output_tokens": req.max_output_tokens, "model": front.model_name, "output": [],
+            "max_output_tokens": req.max_output_tokens, "model": response_model(front, req.model), "output": [],
             "parallel_tool_calls": plan.parallel, "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning or {"effort": None, "summary": None}, "store": req.store is not False,
             "temperature": req.temperature, "top_p": req.top_p, "text": req.text or {"format": {"type": "text"}},

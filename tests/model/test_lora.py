@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 from lightserve.kernels.lora import LoraSegments
 from lightserve.lora_adapter import LoraAdapterError, load_lora_tensors, read_lora_adapter
+from lightserve.messages import BatchPlan
 from lightserve.model_infer import lora as lora_module
 from lightserve.model_infer.lora import LoraLimits, LoraWeights
+from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.models import read_model_config
 
 from .fake_worker import FakeWorker
@@ -216,6 +218,28 @@ def test_tp2_gives_the_same_tokens(family, tmp_path):
     assert json.loads(out_path.read_text()) == expected
 
 
+def test_model_runner_loads_adapters_and_runs_a_plan_with_lora_slots(family):
+    base_dir, adapters, prompts, expected, _ = family
+    runner = ModelRunner(str(base_dir), read_model_config(base_dir), torch.float32, torch.device("cpu"), 0, 1, None,
+                         num_req_rows=len(REQS), max_req_total_len=32, kv_size=128,
+                         lora=LoraLimits(len(ADAPTERS), MAX_RANK))
+    for slot, path in enumerate(adapters.values()):
+        runner.load_lora(10 + slot, str(path), slot)
+    slots = slots_of(adapters)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    plan = BatchPlan(step=1, shm_indices=np.arange(len(REQS), dtype=np.int32),
+                     req_ids=np.arange(len(REQS), dtype=np.int64), prefix_lens=np.zeros(len(REQS), np.int32),
+                     extend_lens=lens, sample=np.ones(len(REQS), bool),
+                     input_ids=np.concatenate(prompts).astype(np.int32),
+                     kv_locs=np.arange(1, 1 + lens.sum(), dtype=np.int32), num_decode=0,
+                     lora_slots=np.array(slots, np.int32))
+    assert runner.forward(plan).argmax(-1).tolist() == [e[0] for e in expected]
+    plain = ModelRunner(str(base_dir), read_model_config(base_dir), torch.float32, torch.device("cpu"), 0, 1, None,
+                        num_req_rows=1, max_req_total_len=32, kv_size=64)
+    with pytest.raises(RuntimeError, match="--enable_lora"):
+        plain.load_lora(0, str(adapters["qv"]), 0)
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -294,7 +318,7 @@ def test_refuses_dora(llama_adapter, tmp_path):
 def test_refuses_mlp_targets_on_moe_and_any_adapter_on_mla_or_fused_families(llama_adapter):
     config, path = llama_adapter
     moe = dataclasses.replace(config, architecture="MixtralForCausalLM")
-    with pytest.raises(LoraAdapterError, match="target module 'gate_proj'.*MixtralForCausalLM"):
+    with pytest.raises(LoraAdapterError, match="target module '(gate|up|down)_proj'.*MixtralForCausalLM"):
         read_lora_adapter(path, moe, MAX_RANK)
     for arch in ("DeepseekV3ForCausalLM", "Phi3ForCausalLM"):
         other = dataclasses.replace(config, architecture=arch)

@@ -240,6 +240,18 @@ def test_model_runner_loads_adapters_and_runs_a_plan_with_lora_slots(family):
         plain.load_lora(0, str(adapters["qv"]), 0)
 
 
+def test_moe_family_takes_attention_adapters(tmp_path):
+    """Qwen3-MoE (a dense layer among MoE ones): an adapter on q/k/v/o beside the base model in one batch."""
+    base_dir = make_tiny_model("qwen3_moe", tmp_path / "base")
+    adapters = {"attn": make_adapter(base_dir, tmp_path / "attn", 3, r=4, lora_alpha=6, target_modules=ALL[:4])}
+    prompts = prompts_for(read_model_config(base_dir).vocab_size)[:2]
+    model = load_model_dir(base_dir, torch.float32)
+    attach_store(model, adapters)
+    expected = [hf_greedy(hf_reference(base_dir, adapters.get(name)), prompt, 3)
+                for prompt, name in zip(prompts, ("attn", None))]
+    assert run_ours(model, prompts, [0, -1], 3) == expected
+
+
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

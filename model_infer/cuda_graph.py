@@ -133,8 +133,11 @@ class CudaGraphRunner:
         return self.inputs.max_seq_len
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        """A pure-decode batch that fits a captured size; a step with LoRA segments runs eagerly (the graphs were
+        captured without adapters, and the segments change every step)."""
         return (batch.num_decode == batch.num_reqs and 0 < batch.num_reqs <= self.sizes[-1]
-                and batch.logits_indices.shape[0] == batch.num_reqs and batch.max_seq_len <= self.max_seq_len)
+                and batch.logits_indices.shape[0] == batch.num_reqs and batch.max_seq_len <= self.max_seq_len
+                and batch.lora is None)
 
     def size_for(self, num_reqs: int) -> int:
         """The captured size a batch of num_reqs requests replays: the smallest at least as large."""

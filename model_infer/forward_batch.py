@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from lightserve.kernels.lora import LoraSegments
+
 if TYPE_CHECKING:
     from lightserve.messages import BatchPlan
     from lightserve.model_infer.host_staging import HostStaging
@@ -60,6 +62,9 @@ class ForwardBatch:
     # Only each logits row's argmax is read (every sampled row greedy, unprocessed, reporting no logprob): the model
     # may return logits exact only near each row's maximum (kernels/argmax_head.py).
     argmax_only: bool = False
+    # LoRA: the step's runs of tokens under an adapter slot (BatchPlan.lora_slots per token); None when every
+    # token runs the base model. The model adds each targeted projection's delta for these tokens.
+    lora: LoraSegments | None = None
     # make_forward_batch fills both; a batch built elsewhere (CUDA-graph buffers, tests) leaves them None and the
     # accessors below derive them once.
     extend: ExtendInputs | None = None
@@ -95,7 +100,7 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
     """The step's device tensors. Writes `req_to_token` first: the plan's prefix rows (fill_*) and the KV row
     of every new token, which attention then reads. Logits rows: the sampling requests' last tokens ([S]; a
     speculating request's last 1 + spec_len tokens, its draft positions included), then plan.prompt_logit_idx
-    ([E])."""
+    ([E]). `plan.lora_slots` ([B], -1 = base; empty = none) becomes the batch's `lora` segments."""
     extend = plan.extend_lens
     num_tokens = int(plan.input_ids.shape[0])
     q_start = np.cumsum(extend, dtype=np.int32) - extend                        # [B]
@@ -105,13 +110,18 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
     seq_lens = plan.prefix_lens + extend                                       # [B]
     logits_idx = np.concatenate([_sample_logit_rows(plan, q_start), plan.prompt_logit_idx]).astype(np.int32)
     nd = plan.num_decode
+    # LoRA segments cut on the host (runs of tokens under one slot), uploaded with the step's other arrays.
+    segs = LoraSegments.from_token_slots(np.repeat(plan.lora_slots, extend)) if plan.lora_slots.size else None
+    lora_arrays = [segs.host_starts, segs.host_lens, segs.host_slots] if segs is not None else []
     # Every integer array of the step in one host-to-device copy (pinned and asynchronous on CUDA), each 16-byte
     # aligned; the extend requests' arrays are copied as their own segments (ExtendInputs).
     (input_ids, positions_t, kv_locs, rows_t, req_rows, prefix_lens, extend_t, seq_lens_t, q_start_t,
-     logits_idx_t, fill_rows, fill_pos, fill_locs, *extend_inputs) = staging.upload(
+     logits_idx_t, fill_rows, fill_pos, fill_locs, *rest) = staging.upload(
         [plan.input_ids, positions, plan.kv_locs, rows, plan.shm_indices, plan.prefix_lens, extend, seq_lens,
          q_start, logits_idx, plan.fill_rows, plan.fill_pos, plan.fill_locs,
-         plan.shm_indices[nd:], q_start[nd:] - nd, plan.prefix_lens[nd:], extend[nd:]])
+         plan.shm_indices[nd:], q_start[nd:] - nd, plan.prefix_lens[nd:], extend[nd:], *lora_arrays])
+    extend_inputs, lora_t = rest[:4], rest[4:]
+    lora = LoraSegments(*lora_t, *lora_arrays) if segs is not None else None
     if plan.fill_rows.size:
         req_to_token[fill_rows.long(), fill_pos.long()] = fill_locs
     positions_t = positions_t.long()
@@ -131,6 +141,7 @@ def make_forward_batch(plan: BatchPlan, req_to_token: torch.Tensor, staging: Hos
         max_extend_len=int(extend[nd:].max()) if extend.shape[0] > nd else 0,
         req_to_token=req_to_token,
         argmax_only=argmax_only,
+        lora=lora,
         extend=ExtendInputs(*extend_inputs),
         host=HostMetadata(*(np.asarray(a, np.int32) for a in (plan.shm_indices, plan.prefix_lens, extend, q_start))),
     )

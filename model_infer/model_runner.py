@@ -17,6 +17,7 @@ from lightserve.messages import BatchPlan
 from lightserve.model_infer.cuda_graph import CudaGraphRunner, GraphInputs, graph_output_bytes
 from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
+from lightserve.model_infer.lora import LoraLimits, LoraWeights
 from lightserve.model_infer.models import load_model
 
 if TYPE_CHECKING:
@@ -46,14 +47,17 @@ class ModelRunner:
                  tp_rank: int, tp_size: int, tp_group, num_req_rows: int, max_req_total_len: int,
                  kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0,
                  kernel_backend: KernelBackend | None = None, max_step_tokens: int | None = None,
-                 kv_dtype: torch.dtype | None = None, int8_activations: bool = False):
+                 kv_dtype: torch.dtype | None = None, int8_activations: bool = False,
+                 lora: LoraLimits | None = None):
         """`kernel_backend`: --kernel_backend as resolved (None = by device): TRITON on a CPU device runs the GPU
         code path under Triton's interpreter, with no warm-up or graphs (nothing compiles there).
         `max_req_total_len` is capped at the model's context (its rope table's rows). `max_step_tokens`:
         --batch_max_tokens (None: DEFAULT_STEP_TOKENS); on CUDA the activations of a step that large are set aside
         before the KV cache takes the rest of the device (`reserved_bytes`). `kv_dtype`: --kv_cache_dtype as resolved
         (None = the activation dtype); the cache's size counts bytes, so an 8-bit cache holds about twice the
-        tokens. `int8_activations`: --quant_activations int8 (GGML-block weights multiply int8 activations)."""
+        tokens. `int8_activations`: --quant_activations int8 (GGML-block weights multiply int8 activations).
+        `lora`: --enable_lora's limits (None: no adapters); ValueError naming --enable_lora for a model family that
+        takes none. The adapters' slots are allocated before the KV cache is sized."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -61,6 +65,13 @@ class ModelRunner:
         self.model = load_model(model_config, model_dir, dtype=dtype, device=device,
                                 tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, backend=kernel_backend,
                                 int8_activations=int8_activations)
+        self.lora = None
+        if lora is not None:
+            self.lora = LoraWeights(model_config, self.model.weights.shards, lora, device)
+            self.model.attach_lora(self.lora)
+            logger.info("LoRA: %d slots of rank %d over %s, %.1f MiB; CPU cache of %d adapters", lora.max_loras,
+                        lora.max_rank, ", ".join(self.lora.targetable), self.lora.nbytes / 2**20,
+                        self.lora.max_cpu_loras)
         self.staging = HostStaging(device)
         # The model says which cache its attention reads (K/V per head, or DeepSeek-V3's latent rows) and its size.
         self.kv_dtype = kv_dtype or dtype
@@ -114,6 +125,16 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         return self.model.forward(batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def load_lora(self, lora_id: int, path: str, slot: int) -> None:
+        """Put adapter `lora_id` (PEFT folder `path`) into LoRA slot `slot` before the next step that names it
+        (the router's LoadLora), from this rank's CPU cache when it holds it. Raises RuntimeError without
+        --enable_lora, ValueError for a slot past --max_loras, lora_adapter.LoraAdapterError for an adapter that
+        cannot be served (the slot then keeps what it held)."""
+        if self.lora is None:
+            raise RuntimeError(f"LoadLora for adapter {lora_id} on a worker started without --enable_lora")
+        self.lora.load(lora_id, path, slot)
 
     @torch.inference_mode()
     def warm_up(self) -> None:

@@ -29,10 +29,12 @@ LIBRARIES = ("lightserve.shm", "lightserve.kernels")
 # harness, the debug knobs and the model's facts (read once by the launcher, carried in the resolved
 # config). And chat/'s parser registries with the base they stand on: config names the tool and
 # reasoning parsers to check its flags, and rank 0's grammar waits out the reasoning by the reasoning
-# parser's own tags and rule.
+# parser's own tags and rule. And the LoRA adapter reader: the front validates an adapter with it before
+# accepting it, and each worker reads the adapter with it.
 SHARED = frozenset({"lightserve.config", "lightserve.messages", "lightserve.sampling", "lightserve.log",
                     "lightserve.procutil", "lightserve.envs", "lightserve.model_config",
-                    "lightserve.chat.tool_call", "lightserve.chat.tool_parsers", "lightserve.chat.reasoning_parsers"})
+                    "lightserve.chat.tool_call", "lightserve.chat.tool_parsers", "lightserve.chat.reasoning_parsers",
+                    "lightserve.lora_adapter"})
 # The rest of lightserve/'s top: the launch's entry modules. The package itself (the pipeline's public
 # names), the server launcher, the offline pipeline, the config's resolution and its command line.
 ENTRIES = frozenset({"lightserve", "lightserve.launch_server", "lightserve.pipeline", "lightserve.resolve_config",

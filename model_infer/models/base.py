@@ -23,12 +23,15 @@ from lightserve.kernels.decode_attention import warm_up_decode_attention
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.kernels.quant_linear import QuantLinear, quant_embedding
 from lightserve.model_infer.kv_cache import KVCache
+from lightserve.model_infer.lora import LoraGroup
 from lightserve.model_infer.rope import build_cos_sin_cache
 
 if TYPE_CHECKING:
     from lightserve.kernels.linear import PackedLinear, PrepackedLinear
+    from lightserve.kernels.lora import LoraSegments
     from lightserve.model_config import ModelConfig
     from lightserve.model_infer.forward_batch import ForwardBatch
+    from lightserve.model_infer.lora import LoraWeights
     from lightserve.model_infer.weights import LayerWeights, ModelWeights
 
 _ACTIVATIONS = {"silu": kernels.silu_and_mul, "gelu_tanh": kernels.gelu_tanh_and_mul}
@@ -74,6 +77,13 @@ class DecoderLM:
                 and not isinstance(weights.lm_head, QuantLinear):
             self.argmax_head = make_argmax_head(weights.lm_head, self.lm_head)
         self._init_layers(pack)
+        # The resident LoRA adapters (attach_lora); None serves the base model only.
+        self.lora: LoraWeights | None = None
+
+    def attach_lora(self, lora: LoraWeights) -> None:
+        """Serve the adapters of `lora` (ModelRunner builds it with --enable_lora): a step whose batch has LoRA
+        segments adds their deltas after q/k/v, o, gate/up and down. The store's slots are filled later, in place."""
+        self.lora = lora
 
     def _init_layers(self, pack: Callable[[torch.Tensor], PackedLinear | PrepackedLinear] | None) -> None:
         """The layers' attention state (heads, rope tables) and, with `pack`, their projections packed.
@@ -152,6 +162,7 @@ class DecoderLM:
         k_cache, v_cache = kv_cache.k_caches[i], kv_cache.v_caches[i]
         scales = {"k_scale": kv_cache.k_scales[i], "v_scale": kv_cache.v_scales[i]}  # an 8-bit cache's
         qkv = kernels.linear(x, layer.qkv_proj, layer.qkv_bias)  # [T, (Hq + 2Hk) * D]
+        self._add_lora(i, LoraGroup.QKV_PROJ, x, qkv, batch.lora)  # before the split, q/k norm and rope
         q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
         q = q.view(num_tokens, hq, d)  # [T, Hq, D], strided view into qkv
         k = k.view(num_tokens, hk, d)  # [T, Hk, D]
@@ -180,19 +191,34 @@ class DecoderLM:
         o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, Hq, D]
         o = o.reshape(num_tokens, hq * d)  # [T, Hq * D]
         if self.tp_size == 1:
-            return kernels.linear(o, layer.o_proj, layer.o_bias)  # [T, hidden]
+            out = kernels.linear(o, layer.o_proj, layer.o_bias)  # [T, hidden]
+            self._add_lora(i, LoraGroup.O_PROJ, o, out, batch.lora)
+            return out
         out = kernels.linear(o, layer.o_proj)  # [T, hidden], partial sum of this rank's heads
+        self._add_lora(i, LoraGroup.O_PROJ, o, out, batch.lora)  # this rank's columns' share, summed by the all-reduce
         dist.all_reduce(out, group=self.tp_group)
         if layer.o_bias is not None:  # once, after the reduction, not once per rank
             out += layer.o_bias
         return out
 
-    def _mlp(self, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: LayerWeights, x: torch.Tensor, i: int = 0, lora: LoraSegments | None = None) -> torch.Tensor:
+        """Layer i's gated MLP on the normed x [T, hidden], all-reduced; `lora`: the step's segments (batch.lora)."""
         gate_up = kernels.linear(x, layer.gate_up_proj)  # [T, 2 * I_local]
-        out = kernels.linear(self.act_and_mul(gate_up, self.backend), layer.down_proj)  # [T, hidden]
+        self._add_lora(i, LoraGroup.GATE_UP_PROJ, x, gate_up, lora)
+        act = self.act_and_mul(gate_up, self.backend)  # [T, I_local]
+        out = kernels.linear(act, layer.down_proj)  # [T, hidden]
+        self._add_lora(i, LoraGroup.DOWN_PROJ, act, out, lora)  # before the all-reduce, as o's
         if self.tp_size > 1:
             dist.all_reduce(out, group=self.tp_group)
         return out
+
+    def _add_lora(self, i: int, group: LoraGroup, x: torch.Tensor, y: torch.Tensor,
+                  lora: LoraSegments | None) -> None:
+        """y [T, N] += the LoRA delta of layer i's `group` for its input x [T, K], in place, where the step has
+        adapter segments."""
+        if lora is not None:
+            assert self.lora is not None, "a step with LoRA segments on a model without adapters"
+            self.lora.apply(i, group, x, y, lora)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -178,7 +178,8 @@ class DeepseekV3ForCausalLM(llama.LlamaForCausalLM):
                    attn: AttentionInputs, kv_cache: LatentKVCache) -> torch.Tensor:
         return self.mla_layers[i](x, batch, kv_cache.latent_caches[i], kv_cache.latent_scales[i])  # [T, hidden]
 
-    def _ffn(self, i: int, layer: DeepseekLayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, i: int, layer: DeepseekLayerWeights, x: torch.Tensor, lora: None = None) -> torch.Tensor:
+        # No LoRA here: lora_adapter.lora_target_modules refuses --enable_lora on DeepSeek.
         block = self.moe_blocks.get(i)
         return self._mlp(layer, x) if block is None else block(x)
 

@@ -117,7 +117,7 @@ class GemmaForCausalLM(DecoderLM):
             a = self._attention(i, layer, x, batch, attn, kv_cache)  # [T, hidden]
             a = kernels.rmsnorm(a, layer.attn_out_norm, eps, be)
             x = kernels.add_rmsnorm(a, residual, layer.post_attn_norm, eps, be)  # residual += attention output
-            hidden = kernels.rmsnorm(self._mlp(layer, x), layer.mlp_out_norm, eps, be)  # [T, hidden]
+            hidden = kernels.rmsnorm(self._mlp(layer, x, i, batch.lora), layer.mlp_out_norm, eps, be)  # [T, hidden]
         # Only the sampled positions need the final norm and lm_head.
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]

@@ -19,6 +19,7 @@ from lightserve.model_infer.models.hf_config import base_fields, layer_windows, 
 from lightserve.model_infer.weights import LayerWeights, ModelWeights, TPShards, cat_weights, vocab_rows
 
 if TYPE_CHECKING:
+    from lightserve.kernels.lora import LoraSegments
     from lightserve.model_infer.forward_batch import ForwardBatch
     from lightserve.model_infer.kv_cache import KVCache
     from lightserve.model_infer.weights import CheckpointReader
@@ -156,7 +157,8 @@ class LlamaForCausalLM(DecoderLM):
         attn = AttentionInputs.from_batch(batch)
         hidden = self._embed(batch.input_ids)  # [T, hidden]
         residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
-        one_call = self.cpu_layers is not None and self.cpu_layers.takes(hidden.shape[0])
+        # The C driver runs no LoRA: a step with adapter segments takes the loop.
+        one_call = self.cpu_layers is not None and self.cpu_layers.takes(hidden.shape[0]) and batch.lora is None
         if one_call:
             hidden = self.cpu_layers.run(
                 residual, kv_cache.k_caches, kv_cache.v_caches, batch.req_to_token, batch.positions, batch.kv_locs,
@@ -170,16 +172,17 @@ class LlamaForCausalLM(DecoderLM):
                 x = kernels.add_rmsnorm(hidden, residual, layer.input_norm, cfg.rms_norm_eps, self.backend)
             x = self._attention(i, layer, x, batch, attn, kv_cache)
             x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps, self.backend)
-            hidden = self._ffn(i, layer, x)  # [T, hidden]
+            hidden = self._ffn(i, layer, x, batch.lora)  # [T, hidden]
         # Only the sampled positions need the final norm and lm_head.
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]
         x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps, self.backend)
         return self._logits(x, batch.argmax_only)
 
-    def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-        """Layer i's feed-forward block on the normed hidden states, all-reduced (models/moe.py: its experts)."""
-        return self._mlp(layer, x)
+    def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
+        """Layer i's feed-forward block on the normed hidden states, all-reduced (models/moe.py: its experts);
+        `lora`: the step's adapter segments."""
+        return self._mlp(layer, x, i, lora)
 
 
 Model = LlamaForCausalLM

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
     import torch.distributed as dist
 
+    from lightserve.kernels.lora import LoraSegments
     from lightserve.model_infer.kv_cache import KVCache
     from lightserve.model_infer.weights import CheckpointReader, LayerWeights, ModelWeights
 
@@ -136,9 +137,11 @@ class MoEForCausalLM(llama.LlamaForCausalLM):
         self.weights = dataclasses.replace(
             self.weights, layers=[dataclasses.replace(layer, moe=None) for layer in self.weights.layers])
 
-    def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
+        """A MoE layer's block, a dense layer's MLP. Adapters target attention only here (lora_adapter refuses
+        MLP targets on MoE models), so the dense MLP's LoRA groups are always skipped."""
         block = self.moe_blocks.get(i)
-        return self._mlp(layer, x) if block is None else block(x)
+        return self._mlp(layer, x, i, lora) if block is None else block(x)
 
     def warm_up_kernels(self, kv_cache: KVCache, req_rows: torch.Tensor, seq_lens: torch.Tensor) -> None:
         """Decode attention as every family, plus the MoE blocks' grouped GEMMs at both block sizes."""

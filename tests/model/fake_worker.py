@@ -30,15 +30,17 @@ class FakeWorker:
         self.kv_cache.req_to_token[dst_row, :num_tokens] = torch.tensor(locs, dtype=torch.int32)
 
     def step(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False,
-             argmax_only: bool = False) -> torch.Tensor:
+             argmax_only: bool = False, lora_slots: list[int] | None = None) -> torch.Tensor:
         """items: (req_row, new token ids), decodes (one token each) first. Returns [B, V] logits of each
         request's last new token, or with all_logits [T, V] logits of every new token; argmax_only as the worker
-        asks when only their argmax is read (ForwardBatch.argmax_only)."""
-        batch = self.make_batch(items, num_decode, all_logits)
+        asks when only their argmax is read (ForwardBatch.argmax_only); lora_slots: each item's LoRA slot (-1: the
+        base model), as BatchPlan.lora_slots."""
+        batch = self.make_batch(items, num_decode, all_logits, lora_slots)
         batch.argmax_only = argmax_only
         return self.model.forward(batch, self.kv_cache)
 
-    def make_plan(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False) -> BatchPlan:
+    def make_plan(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False,
+                  lora_slots: list[int] | None = None) -> BatchPlan:
         input_ids, kv_locs, prefix_lens, extend_lens = [], [], [], []
         for row, new_ids in items:
             cached = self.kv_locs.setdefault(row, [])
@@ -60,8 +62,10 @@ class FakeWorker:
             # all_logits: no sampling rows, every token as a prompt-logprob row
             sample=np.full(num_reqs, not all_logits), input_ids=i32(input_ids), kv_locs=i32(kv_locs),
             num_decode=num_decode, prompt_logit_idx=np.arange(num_tokens, dtype=np.int32) if all_logits else i32([]),
+            lora_slots=i32(lora_slots or []),
         )
 
-    def make_batch(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False) -> ForwardBatch:
-        plan = self.make_plan(items, num_decode, all_logits)
+    def make_batch(self, items: list[tuple[int, list[int]]], num_decode: int, all_logits: bool = False,
+                   lora_slots: list[int] | None = None) -> ForwardBatch:
+        plan = self.make_plan(items, num_decode, all_logits, lora_slots)
         return make_forward_batch(plan, self.kv_cache.req_to_token, self.staging)

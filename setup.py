@@ -36,8 +36,9 @@ setup(
         # sglang-router: the cache-aware load balancer the replica tests run lightserve behind (a
         # ~30 MB Rust wheel; its own deps are fastapi, uvicorn, aiohttp, orjson, setproctitle).
         # anthropic: the official client that tests/e2e/test_anthropic_api.py drives /v1/messages with.
+        # peft: makes the LoRA tests' adapters and merges them into transformers' reference.
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "openai>=1.40", "anthropic>=2", "aiohttp>=3.9", "httpx",
-                 "jsonschema", "sglang-router>=0.3.2,<0.4", "ruff>=0.6"],  # ruff: `make lint` (ruff.toml)
+                 "jsonschema", "sglang-router>=0.3.2,<0.4", "ruff>=0.6", "peft>=0.13"],  # ruff: `make lint` (ruff.toml)
     },
     entry_points={"console_scripts": ["lightserve-launch=lightserve.launch_server:main"]},
 )

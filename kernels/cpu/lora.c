@@ -26,9 +26,11 @@
 // - expand: a work item is a segment's chunk of up to EXPAND_TOKENS tokens, one slice and a block of EXPAND_COLS
 //   output columns. In it columns go by chunks of 4 vectors, over which each group of 4 tokens accumulates 4 x 2
 //   vectors and each leftover token 1 x 4 (four independent FMA chains: the decode case), rank row by rank row:
-//   rank-1 updates over contiguous BT rows, whose [rj, 4 VL] block stays in L1 across the chunk's tokens.
+//   rank-1 updates over contiguous BT rows, whose [rj, 4 VL] block (packed into a row first, expand_item says why)
+//   stays in L1 across the chunk's tokens.
 // Work items are shared among the threads by share.h; lora_apply runs both phases in one parallel region with a
-// barrier between them (one ctypes call and one fork per LoRA product, as the model makes 4 per layer).
+// barrier between them (one ctypes call and one fork per LoRA product, as the model makes 4 per layer), xa in a
+// [T, R] buffer of its own.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

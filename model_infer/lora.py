@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from lightserve.kernels.lora import LoraSegments, Slice, lora_expand, lora_shrink
+from lightserve.kernels.lora import LoraSegments, Slice, lora_apply
 from lightserve.log import get_logger
 from lightserve.lora_adapter import load_lora_tensors, lora_target_modules, read_lora_adapter
 
 if TYPE_CHECKING:
+    from lightserve.config import KernelBackend
     from lightserve.model_config import ModelConfig
     from lightserve.model_infer.weights import TPShards
 
@@ -139,13 +140,15 @@ class LoraWeights:
         logger.info("LoRA %d (rank %d, %s) in slot %d from %s in %.2fs", lora_id, cached.rank, path, slot,
                     "the CPU cache" if hit else "disk", time.perf_counter() - start)
 
-    def apply(self, layer: int, group: LoraGroup, x: torch.Tensor, y: torch.Tensor, segs: LoraSegments) -> None:
+    def apply(self, layer: int, group: LoraGroup, x: torch.Tensor, y: torch.Tensor, segs: LoraSegments,
+              backend: KernelBackend | None = None) -> None:
         """y [T, N] += each segment's delta of layer `layer`'s `group` for its input x [T, K]; rows outside every
-        segment untouched. Skipped when no slot of the step targets the group in this layer."""
+        segment untouched. Skipped when no slot of the step targets the group in this layer. `backend`: the
+        model's (--kernel_backend; None: by the device)."""
         if not self.targeted[layer, group, segs.host_slots].any():
             return
         buffers = self.layers[layer][group]
-        _shrink_expand(y, x, buffers.a, buffers.bt, segs, buffers.slices)
+        lora_apply(y, x, buffers.a, buffers.bt, segs, buffers.slices, backend)  # shrink and expand in one call
 
     def _read(self, lora_id: int, path: str) -> CachedAdapter:
         """The adapter from disk: checked, this rank's shard cut, scaling folded into B."""
@@ -186,8 +189,3 @@ class LoraWeights:
             assert rank <= r
             self.targeted[layer, group, slot] = True
 
-
-def _shrink_expand(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, segs: LoraSegments,
-                   slices: tuple[Slice, ...]) -> None:
-    """y += (x @ A[slot]^T) @ BT[slot] per segment and slice: the one call site of the LoRA kernels."""
-    lora_expand(y, lora_shrink(x, a, segs), bt, segs, slices)

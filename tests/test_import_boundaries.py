@@ -40,7 +40,7 @@ SHARED = frozenset({"lightserve.config", "lightserve.messages", "lightserve.samp
 ENTRIES = frozenset({"lightserve", "lightserve.launch_server", "lightserve.pipeline", "lightserve.resolve_config",
                      "lightserve.cli"})
 # What the HTTP front may use of the engine: the client and what a request's run gives its caller.
-ENGINE_CLIENT = ("lightserve.engine.client", "lightserve.engine.generation")
+ENGINE_CLIENT = ("lightserve.engine.client", "lightserve.engine.generation", "lightserve.engine.adapters")
 # lightserve/'s folders (its top is "lightserve") and what each may import besides itself, the shared
 # words and the libraries.
 FOLDER_RULES = {

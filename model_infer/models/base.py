@@ -218,7 +218,7 @@ class DecoderLM:
         adapter segments."""
         if lora is not None:
             assert self.lora is not None, "a step with LoRA segments on a model without adapters"
-            self.lora.apply(i, group, x, y, lora)
+            self.lora.apply(i, group, x, y, lora, self.backend)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -42,6 +42,7 @@ class FakeEngine:
     `tokens_per_delta` per delta. Records calls and early closes (the real client's abort path)."""
 
     check_prompt = EngineClient.check_prompt  # the real prompt validation and max_new_tokens cap
+    lora_id = EngineClient.lora_id  # no adapters here (adapters None): every name but the model's is unknown
 
     def __init__(self, max_req_total_len: int = CONTEXT, vocab_size: int = VOCAB):
         self.pool = FakePool()
@@ -64,6 +65,7 @@ class FakeEngine:
         self.num_aborted = 0
         self.num_finished = 0
         self.aborted = threading.Event()         # set by an early close (the tests may run uvicorn in a thread)
+        self.adapters = None                     # no --enable_lora
 
     def start(self) -> None:
         self.started = True

@@ -120,6 +120,15 @@ class LoadLora:
 
 
 @message
+class PrefetchLora:
+    """Router -> workers: a request waits for adapter `lora_id`, which no slot holds: read it from `path` into the
+    rank's CPU cache in the background, so the LoadLora that follows copies it between two steps instead of reading
+    the disk there."""
+    lora_id: int
+    path: str
+
+
+@message
 class Shutdown:
     """Router -> workers: leave the loop and exit cleanly."""
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -111,11 +112,28 @@ class LoraWeights:
         self.targeted = np.zeros((model.num_layers, len(LoraGroup), self.num_slots), dtype=bool)
         self.slot_ids: list[int | None] = [None] * self.num_slots   # the lora_id each slot holds
         self.cache: OrderedDict[int, CachedAdapter] = OrderedDict()  # lora_id -> adapter, least recently used first
+        # Reads the router asked for ahead of their load (prefetch): lora_id -> (path, the read), oldest first.
+        self._reading: dict[int, tuple[str, Future[CachedAdapter]]] = {}
+        self._reader: ThreadPoolExecutor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes of the stacked device buffers (the CPU cache not counted)."""
         return sum(b.a.nbytes + b.bt.nbytes for groups in self.layers for b in groups.values())
+
+    def prefetch(self, lora_id: int, path: str) -> None:
+        """Start reading adapter `lora_id` from `path` in a background thread (the router's PrefetchLora: a request
+        waits for it), unless the CPU cache holds it or it is being read; `load` then takes the read, waiting only
+        for what is left of it. Reads release the GIL for most of their time (file reads, torch ops), so the steps
+        meanwhile run on. At most max_cpu_loras reads are kept (the oldest dropped: a request that never ran)."""
+        cached = self.cache.get(lora_id)
+        if (cached is not None and cached.path == path) or self._reading.get(lora_id, ("",))[0] == path:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-read")
+        while len(self._reading) >= self.max_cpu_loras:
+            del self._reading[next(iter(self._reading))]
+        self._reading[lora_id] = (path, self._reader.submit(self._read, lora_id, path))
 
     def load(self, lora_id: int, path: str, slot: int) -> None:
         """Put adapter `lora_id` (PEFT folder `path`) into `slot`, replacing what the slot held: from the CPU cache
@@ -125,6 +143,9 @@ class LoraWeights:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"LoRA slot {slot} is out of range: --max_loras is {self.num_slots}")
         start = time.perf_counter()
+        reading = self._reading.pop(lora_id, None)
+        if reading is not None and reading[0] == str(path) and reading[1].exception() is None:
+            self.cache[lora_id] = reading[1].result()  # a failed read is read again below, to raise here
         cached = self.cache.get(lora_id)
         hit = cached is not None and cached.path == str(path)
         if hit:
@@ -133,8 +154,8 @@ class LoraWeights:
             cached = self._read(lora_id, str(path))
             self.cache[lora_id] = cached
             self.cache.move_to_end(lora_id)
-            while len(self.cache) > self.max_cpu_loras:
-                self.cache.popitem(last=False)
+        while len(self.cache) > self.max_cpu_loras:
+            self.cache.popitem(last=False)
         self._fill_slot(slot, cached)
         self.slot_ids[slot] = lora_id
         logger.info("LoRA %d (rank %d, %s) in slot %d from %s in %.2fs", lora_id, cached.rank, path, slot,

@@ -136,6 +136,12 @@ class ModelRunner:
             raise RuntimeError(f"LoadLora for adapter {lora_id} on a worker started without --enable_lora")
         self.lora.load(lora_id, path, slot)
 
+    def prefetch_lora(self, lora_id: int, path: str) -> None:
+        """Start reading adapter `lora_id` into this rank's CPU cache in the background (the router's PrefetchLora),
+        so its LoadLora copies instead of reading the disk between two steps."""
+        if self.lora is not None:
+            self.lora.prefetch(lora_id, path)
+
     @torch.inference_mode()
     def warm_up(self) -> None:
         """Compile every Triton kernel variant an eager step can launch, before the first request pays for it (a

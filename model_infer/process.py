@@ -15,7 +15,7 @@ import zmq
 
 from lightserve.config import QuantActivations, ServerConfig
 from lightserve.log import get_logger
-from lightserve.messages import BatchPlan, LoadLora, Shutdown, decode
+from lightserve.messages import BatchPlan, LoadLora, PrefetchLora, Shutdown, decode
 from lightserve.model_infer.lora import LoraLimits
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.output_writer import OutputWriter
@@ -99,6 +99,8 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                         # Between two steps: the plan before ran with the slot's old adapter, the next runs with
                         # this one. The front read the whole adapter before serving it, so this does not fail.
                         runner.load_lora(lora_id, path, slot)
+                    case PrefetchLora(lora_id=lora_id, path=path):
+                        runner.prefetch_lora(lora_id, path)  # a background read; returns at once
                     case Shutdown():
                         break
                     case _:

@@ -120,12 +120,12 @@ class Router:
             if len(inflight) < depth:
                 record = self.scheduler.plan_step()
                 planned = record is not None
+            # Adapter prefetches and loads first: the workers apply them between the step before and this one.
+            loads = self.scheduler.lora.take_loads() if self.scheduler.lora is not None else []
+            for data in [encode(load) for load in loads] + ([encode(record.plan)] if record is not None else []):
+                for sock in self.to_workers:
+                    sock.send(data, copy=False)
             if record is not None:
-                # Adapter loads first: the workers apply them between the step before and this one.
-                loads = self.scheduler.lora.take_loads() if self.scheduler.lora is not None else ()
-                for data in [encode(load) for load in loads] + [encode(record.plan)]:
-                    for sock in self.to_workers:
-                        sock.send(data, copy=False)
                 inflight.append((record, time.monotonic() if idle else None))
                 idle = False
                 if len(inflight) < depth and self.scheduler.may_plan_ahead():

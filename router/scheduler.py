@@ -143,6 +143,8 @@ class Scheduler:
         self.pool.cached_len[shm_index] = 0
         self.by_slot[shm_index] = req
         self.waiting.append(req)
+        if self.lora is not None:
+            self.lora.on_arrival(req.lora_id)
 
     def abort_req(self, shm_index: int, req_id: int, reason: FinishReason) -> None:
         """Between plan_step and finish_step calls, possibly with a step in flight: its rows stay valid (see the

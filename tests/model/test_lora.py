@@ -354,3 +354,23 @@ def test_load_refuses_a_bad_slot_and_keeps_the_slot_on_a_bad_adapter(llama_adapt
 def _shards(config):
     from lightserve.model_infer.weights import TPShards
     return TPShards.for_rank(config, 0, 1)
+
+
+def test_a_prefetched_adapter_loads_from_the_background_read(tmp_path):
+    """prefetch reads in the background; the load that follows takes that read (the folder may be gone by then), and
+    its tokens are the disk load's."""
+    base_dir = make_tiny_model("llama3", tmp_path / "base")
+    adapter = make_adapter(base_dir, tmp_path / "a", 7, **ADAPTERS["mlp_rs"])
+    model = load_model_dir(base_dir, torch.float32)
+    store = LoraWeights(model.config, model.weights.shards, LoraLimits(2, 16), "cpu")
+    store.prefetch(1, str(adapter))
+    store._reading[1][1].result()  # the read is done
+    moved = shutil.move(adapter, tmp_path / "moved")
+    store.load(1, str(adapter), 0)
+    shutil.move(moved, adapter)
+    disk = LoraWeights(model.config, model.weights.shards, LoraLimits(2, 16), "cpu")
+    disk.load(1, str(adapter), 0)
+    for mine, theirs in zip(store.layers, disk.layers):
+        for group in mine:
+            assert torch.equal(mine[group].a, theirs[group].a) and torch.equal(mine[group].bt, theirs[group].bt)
+    assert not store._reading and list(store.cache) == [1]

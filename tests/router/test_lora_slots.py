@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightserve.messages import LoadLora
+from lightserve.messages import LoadLora, PrefetchLora
 from lightserve.router.lora_slots import LoraSlots
 from tests.router.test_scheduler import (
     add,
@@ -62,12 +62,16 @@ def test_scheduler_runs_more_adapters_than_slots(pool):
         lora_of[slot] = slot % 4  # 0 = base
         add(sched, pool, slot, list(range(1 + slot, 9 + slot)), max_new=4 + slot % 3, lora_id=lora_of[slot])
     resident: dict[int, int] = {}  # what the workers' slots hold, as the loads sent so far made them
+    prefetched: list[int] = []
     plans = 0
     while sched.has_work():
         record = sched.plan_step()
         assert record is not None, "a stall"
-        for load in sched.lora.take_loads():
-            resident[load.slot] = load.lora_id
+        for msg in sched.lora.take_loads():
+            if isinstance(msg, PrefetchLora):
+                prefetched.append(msg.lora_id)
+                continue
+            resident[msg.slot] = msg.lora_id
         plan = record.plan
         want = np.array([lora_of[int(s)] for s in plan.shm_indices])
         if (want == 0).all():
@@ -87,6 +91,26 @@ def test_scheduler_runs_more_adapters_than_slots(pool):
         assert pool.output_ids(slot, 0, n).tolist() == expected_outputs(list(range(1 + slot, 9 + slot)), n)
     assert sched.lora.users == [0, 0]
     assert sched.lora.num_loads >= 3
+    # Every adapter was asked to be read ahead once, on its first request's arrival (none was resident then).
+    assert sorted(prefetched) == [1, 2, 3]
+
+
+def test_prefetch_once_per_adapter_not_resident():
+    slots = LoraSlots(1, PATHS)
+    slots.on_arrival(0)
+    slots.on_arrival(1)
+    slots.on_arrival(1)  # already asked for
+    assert slots.take_loads() == [PrefetchLora(1, "/a")]
+    s = slots.acquire(1)
+    assert slots.take_loads() == [LoadLora(1, "/a", s)]
+    slots.on_arrival(1)  # resident: nothing to read
+    slots.on_arrival(2)
+    assert slots.take_loads() == [PrefetchLora(2, "/b")]
+    slots.release(s)
+    slots.acquire(2)
+    slots.take_loads()
+    slots.on_arrival(1)  # evicted since: read ahead again
+    assert slots.take_loads() == [PrefetchLora(1, "/a")]
 
 
 def test_prefix_cache_never_matches_across_adapters(pool):

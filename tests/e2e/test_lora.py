@@ -228,3 +228,21 @@ def test_a_bad_lora_module_stops_the_start_naming_it(tmp_path):
     log = srv.log_tail()
     assert "--lora_modules broken=" in log and "adapter_model.safetensors" in log, log
     assert not files_left(before, [srv.pid])
+
+
+def test_pipeline_runs_each_prompt_under_its_adapter(lora_server):
+    from lightserve.pipeline import GenerationConfig, pipeline
+
+    _, dirs, expected, root = lora_server
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    with pipeline(str(root / "base"), data_type="float32", enable_lora=True, max_loras=2,
+                  lora_modules=[f"alpha={dirs['alpha']}", f"gamma={dirs['gamma']}"]) as pipe:
+        names = ["alpha", None, "gamma", "alpha"]
+        outs = pipe.infer([PROMPTS[1], PROMPTS[1], PROMPTS[0], PROMPTS[0]], config, adapter=names)
+        assert [o.token_ids for o in outs] == [expected[("alpha", PROMPTS[1])], expected[(None, PROMPTS[1])],
+                                               expected[("gamma", PROMPTS[0])], expected[("alpha", PROMPTS[0])]]
+        assert pipe.infer(PROMPTS[1], config, adapter="gamma").token_ids == expected[("gamma", PROMPTS[1])]
+        with pytest.raises(ValueError, match="adapter.*'beta'.*served: alpha, gamma"):
+            pipe.infer(PROMPTS[0], config, adapter="beta")
+        with pytest.raises(ValueError, match="adapter.*2 adapters for 1 prompts"):
+            pipe.infer([PROMPTS[0]], config, adapter=["alpha", "gamma"])

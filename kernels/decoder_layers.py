@@ -4,20 +4,30 @@ The reference is the model's forward one kernel call at a time (model_infer/mode
 driver runs the same kernels in the same order with the same arguments, so its output is bit for bit that loop's,
 without the 7-9 us of Python and ctypes each of the loop's ~10 calls a layer costs. `CpuDecoderLayers.build`
 returns None for a model whose layers it does not take, and `takes(tokens)` says which steps it runs; the model
-runs the loop for the others.
+runs the loop for the others. A step with LoRA segments runs here too once the model's adapters are bound
+(`bind_lora`): the driver adds each projection's delta with lora.c's kernel where the loop calls it.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightserve.kernels.kv_store import KV_KIND, QUANT_KV_DTYPES, KVScale, c_kv_layout, c_scale_args
 from lightserve.kernels.linear import PAIR_MAX_M, PackedLinear, PrepackedLinear
 from lightserve.kernels.quant_linear import BLOCK_SHAPES, QuantLinear
+
+if TYPE_CHECKING:
+    from lightserve.kernels.lora import LoraSegments, Slice
+
+    # One group's stacked LoRA weights: a [num_slots, R, K], bt [num_slots, R, N] float32, the expand's slices.
+    LoraStack = tuple[Tensor, Tensor, tuple[Slice, ...]]
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
 
@@ -30,7 +40,22 @@ class LayerArgs(ctypes.Structure):
                 ("qkv_bias_f", _P), ("o_proj_f", _P), ("o_bias_f", _P), ("gate_up_f", _P), ("down_f", _P),
                 ("k_cache", _P), ("v_cache", _P), ("cos_sin", _P), ("cos_sin_row", _I64), ("window", _I32),
                 ("k_scales", _P), ("v_scales", _P), ("k_scale", _F32), ("v_scale", _F32), ("qkv_q", _P),
-                ("o_proj_q", _P), ("gate_up_q", _P), ("down_q", _P)]
+                ("o_proj_q", _P), ("gate_up_q", _P), ("down_q", _P), ("lora", _P)]
+
+
+LORA_GROUPS = 4  # decoder_layers.c's LoraGroupArgs per layer: QKV, O, GATE_UP, DOWN (model_infer/lora.py's LoraGroup)
+
+
+class LoraGroupArgs(ctypes.Structure):
+    """decoder_layers.c's LoraGroupArgs: one layer's stacked LoRA weights of one group of projections."""
+
+    _fields_ = [("a", _P), ("bt", _P), ("slices", _P), ("targeted", _P), ("rank", _I32), ("num_slices", _I32)]
+
+
+class LoraStep(ctypes.Structure):
+    """decoder_layers.c's LoraStep: one step's adapter segments."""
+
+    _fields_ = [("starts", _P), ("lens", _P), ("slots", _P), ("segments", _I32), ("num_slots", _I32)]
 
 
 QUANT_MAX_SEGMENTS = 4  # decoder_layers.c's: the most row segments of one projection (q | k | v types, say)
@@ -67,7 +92,7 @@ class StepArgs(ctypes.Structure):
     _fields_ = [("tokens", _I32), ("num_decode", _I32), ("num_extend", _I32), ("locs_i64", _I32),
                 ("positions", _P), ("kv_locs", _P), ("req_to_token", _P), ("r2t_row", _I64), ("decode_rows", _P),
                 ("decode_lens", _P), ("extend_rows", _P), ("extend_q_start", _P), ("extend_prefix_lens", _P),
-                ("extend_lens", _P)]
+                ("extend_lens", _P), ("lora", _P)]
 
 
 class Scratch(ctypes.Structure):
@@ -82,7 +107,7 @@ def timed_labels(dtype: torch.dtype) -> tuple[str, ...]:
     wrappers use, so scripts/profile_step.py groups both forwards alike."""
     linear = "linear_bf16_cpu" if dtype == torch.bfloat16 else "linear_cpu"
     return ("rmsnorm_cpu", linear, "rotary_cpu", "store_kv_cpu", "decode_attention_cpu", "prefill_attention_cpu",
-            "silu_and_mul_cpu")
+            "silu_and_mul_cpu", "lora_cpu")
 
 
 @dataclass(frozen=True)
@@ -141,6 +166,9 @@ class CpuDecoderLayers:
                       for layer in layers]
         # (k_caches, v_caches, dims, layer args) of the cache last run with: the lists are held, so `is` finds them.
         self._bound: tuple[list[Tensor], list[Tensor], ModelDims, ctypes.Array] | None = None
+        # bind_lora's: the adapters' stacks and targeted table (held: C reads them), their descriptors
+        # [layers * LORA_GROUPS] and slot count
+        self._lora: tuple[list, np.ndarray, ctypes.Array, int] | None = None
 
     @classmethod
     def build(cls, layers: list[DecoderLayer], shape: ModelShape, dtype: torch.dtype,
@@ -173,6 +201,45 @@ class CpuDecoderLayers:
         self = cls(lib, layers, shape, dtype, None if every_m else PAIR_MAX_M, widened)
         return self if lib.decoder_layers_supported(ctypes.byref(self.model_dims(0, (0, 0), (0, 0)))) else None
 
+    def bind_lora(self, stacks: Sequence[Sequence[LoraStack | None]], targeted: np.ndarray) -> None:
+        """Run the steps with LoRA segments on these adapters: stacks[layer][group] (LORA_GROUPS of them, in
+        model_infer/lora.py's LoraGroup order) as that group's (a, bt, slices), None where no adapter can target it;
+        targeted [layers, LORA_GROUPS, num_slots] uint8, 1 where a slot's adapter targets the group in the layer.
+        The store fills slots in place later (the tensors and the table keep their memory), so this binds once.
+        ValueError for stacks of other shapes than the layers' projections."""
+        sh = self.shape
+        num_layers = len(self.layers)
+        num_slots = targeted.shape[-1]
+        if targeted.dtype != np.uint8 or targeted.shape != (num_layers, LORA_GROUPS, num_slots) \
+                or not targeted.flags.c_contiguous or len(stacks) != num_layers:
+            raise ValueError(f"decoder_layers: a LoRA targeted table {targeted.shape} {targeted.dtype} or "
+                             f"{len(stacks)} layers of stacks for {num_layers} layers")
+        # Each group's (K, N): its projection's input and output widths.
+        widths = [(sh.hidden, (sh.num_heads + 2 * sh.num_kv_heads) * sh.head_dim),
+                  (sh.num_heads * sh.head_dim, sh.hidden), (sh.hidden, 2 * sh.inter), (sh.inter, sh.hidden)]
+        args = (LoraGroupArgs * (num_layers * LORA_GROUPS))()
+        held = []
+        for layer, groups in enumerate(stacks):
+            for g, stack in enumerate(groups):
+                if stack is None:
+                    continue
+                a, bt, slices = stack
+                (k, n), r = widths[g], a.shape[1]
+                if not (a.dtype == bt.dtype == torch.float32 and a.is_cpu and bt.is_cpu and a.is_contiguous()
+                        and bt.is_contiguous() and a.shape == (num_slots, r, k) and bt.shape == (num_slots, r, n)):
+                    raise ValueError(f"decoder_layers: LoRA stacks of layer {layer} group {g}: a {tuple(a.shape)}, "
+                                     f"bt {tuple(bt.shape)} {bt.dtype}, want [{num_slots}, R, {k}] and "
+                                     f"[{num_slots}, R, {n}] float32")
+                flat = [int(v) for sl in slices for v in sl]  # [num_slices, 4] (r0, rj, n0, nj)
+                table = (_I32 * max(len(flat), 1))(*flat)
+                num_slices = len(slices)
+                held.append(table)
+                targets = targeted.ctypes.data + (layer * LORA_GROUPS + g) * num_slots  # [num_slots] uint8
+                args[layer * LORA_GROUPS + g] = LoraGroupArgs(a.data_ptr(), bt.data_ptr(), ctypes.addressof(table),
+                                                              targets, r, num_slices)
+        self._lora = ([stacks, held], targeted, args, num_slots)
+        self._bound = None  # the layer args point at the descriptors: built anew at the next step
+
     def takes(self, tokens: int) -> bool:
         """Whether run() takes a step of this many tokens (the per-kernel forward runs the others)."""
         return self.max_tokens is None or tokens <= self.max_tokens
@@ -180,11 +247,13 @@ class CpuDecoderLayers:
     def run(self, residual: Tensor, k_caches: list[Tensor], v_caches: list[Tensor], req_to_token: Tensor,
             positions: Tensor, kv_locs: Tensor, num_decode: int, decode_rows: Tensor, decode_lens: Tensor,
             extend_rows: Tensor, extend_q_start: Tensor, extend_prefix_lens: Tensor, extend_lens: Tensor,
-            k_scales: list[KVScale] | None = None, v_scales: list[KVScale] | None = None) -> Tensor:
+            k_scales: list[KVScale] | None = None, v_scales: list[KVScale] | None = None,
+            lora: LoraSegments | None = None) -> Tensor:
         """residual [T, H]: the embeddings, updated in place into the residual stream; returns the last layer's MLP
         output [T, H] (the model's final add + RMSNorm takes both). Token order and attention metadata as the
         model's AttentionInputs: decode tokens first; extend q starts count from the first prefill token.
-        k_scales / v_scales: an 8-bit cache's scales per layer (KVCache.k_scales; None: a float cache)."""
+        k_scales / v_scales: an 8-bit cache's scales per layer (KVCache.k_scales; None: a float cache). lora: the
+        step's adapter segments (batch.lora), over the adapters bind_lora bound."""
         from lightserve.kernels.cpu import active_kernel_times, profiled
 
         sh, es = self.shape, residual.element_size()
@@ -206,6 +275,10 @@ class CpuDecoderLayers:
         step = StepArgs(tokens, num_decode, meta[2].shape[0], int(locs.dtype == torch.int64), pos.data_ptr(),
                         locs.data_ptr(), req_to_token.data_ptr(), req_to_token.stride(0),
                         *(t.data_ptr() for t in meta))
+        if lora is not None:
+            assert self._lora is not None, "a step with LoRA segments on a driver without adapters (bind_lora)"
+            segments = LoraStep(*lora.host_c_args, self._lora[3])  # alive until the call returns
+            step.lora = ctypes.addressof(segments)
         scratch = torch.empty(tokens * sum(self.widths), dtype=self.dtype)  # a [T, w] block per width, back to back
         base, offsets = scratch.data_ptr(), [0]
         for w in self.widths[:-1]:
@@ -225,8 +298,8 @@ class CpuDecoderLayers:
                                          residual.data_ptr(), hidden.data_ptr(), secs, torch.get_num_threads())
         if rc != 0:
             layer, kernel = divmod(-rc - 1, len(self.labels))
-            raise RuntimeError(f"decoder_layers: {self.labels[kernel]} failed at layer {layer} (a KV loc out of "
-                               f"range, or out of memory)")
+            raise RuntimeError(f"decoder_layers: {self.labels[kernel]} failed at layer {layer} (a KV loc or LoRA "
+                               f"segment out of range, or out of memory)")
         if times is not None:
             for label, sec in zip(self.labels, secs):
                 if sec:
@@ -263,6 +336,10 @@ class CpuDecoderLayers:
             _layer_args(layer, biases, k, v, c_scale_args(ks, vs), quant)
             for layer, biases, k, v, ks, vs, quant in zip(self.layers, self.float_biases, k_caches, v_caches,
                                                           k_scales, v_scales, self.quant, strict=True)))
+        if self._lora is not None:  # each layer's LORA_GROUPS descriptors
+            base = ctypes.addressof(self._lora[2])
+            for i, args in enumerate(layer_args):
+                args.lora = base + i * LORA_GROUPS * ctypes.sizeof(LoraGroupArgs)
         dims = self.model_dims(k0.shape[0], k0.stride()[:2], v_caches[0].stride()[:2], k0.dtype)
         self._bound = (k_caches, v_caches, dims, layer_args)
         return dims, layer_args

@@ -107,9 +107,10 @@ class LoraWeights:
                     bt=torch.zeros(self.num_slots, len(widths) * r, sum(widths), dtype=torch.float32, device=device),
                     slices=slices)
             self.layers.append(groups)
-        # [layer, group, slot]: whether the slot's adapter targets the group there; the forward skips a group none
-        # of a step's slots targets (host numpy, read without a device sync).
-        self.targeted = np.zeros((model.num_layers, len(LoraGroup), self.num_slots), dtype=bool)
+        # [layer, group, slot]: 1 where the slot's adapter targets the group there; the forward skips a group none
+        # of a step's slots targets (host numpy, read without a device sync). uint8 and never reallocated: the CPU
+        # one-call driver reads it through a pointer (kernels/decoder_layers.py, bind_lora).
+        self.targeted = np.zeros((model.num_layers, len(LoraGroup), self.num_slots), dtype=np.uint8)
         self.slot_ids: list[int | None] = [None] * self.num_slots   # the lora_id each slot holds
         self.cache: OrderedDict[int, CachedAdapter] = OrderedDict()  # lora_id -> adapter, least recently used first
         # Reads the router asked for ahead of their load (prefetch): lora_id -> (path, the read), oldest first.
@@ -161,6 +162,12 @@ class LoraWeights:
         logger.info("LoRA %d (rank %d, %s) in slot %d from %s in %.2fs", lora_id, cached.rank, path, slot,
                     "the CPU cache" if hit else "disk", time.perf_counter() - start)
 
+    def stacks(self) -> list[list[tuple[torch.Tensor, torch.Tensor, tuple[Slice, ...]] | None]]:
+        """Per layer, per LoraGroup: the group's (a, bt, slices), None where no adapter can target it (the MLP of a
+        family whose adapters target attention only). What the CPU one-call driver binds."""
+        return [[(b.a, b.bt, b.slices) if (b := groups.get(g)) is not None else None for g in LoraGroup]
+                for groups in self.layers]
+
     def apply(self, layer: int, group: LoraGroup, x: torch.Tensor, y: torch.Tensor, segs: LoraSegments,
               backend: KernelBackend | None = None) -> None:
         """y [T, N] += each segment's delta of layer `layer`'s `group` for its input x [T, K]; rows outside every
@@ -195,7 +202,7 @@ class LoraWeights:
 
     def _fill_slot(self, slot: int, adapter: CachedAdapter) -> None:
         r = self.limits.max_rank
-        self.targeted[:, :, slot] = False
+        self.targeted[:, :, slot] = 0
         for groups in self.layers:
             for buffers in groups.values():
                 buffers.a[slot].zero_()
@@ -208,5 +215,5 @@ class LoraWeights:
             buffers.a[slot, r0:r0 + rank].copy_(a)                      # [r, K]
             buffers.bt[slot, r0:r0 + rank, n0:n0 + n].copy_(bt)         # [r, N_block]
             assert rank <= r
-            self.targeted[layer, group, slot] = True
+            self.targeted[layer, group, slot] = 1
 

@@ -34,6 +34,14 @@
 // A float32 model's projections may instead be kept in GGML blocks (a GGUF checkpoint; kernels/quant_linear.py):
 // then the layer's `*_q` descriptor is set and the projection runs quant_linear.c's kernel segment by segment, with
 // the activation as its own call after gate_up (linear_packed_silu takes float32 panels only).
+// LoRA (S-LoRA's segmented adapters, model_infer/lora.py): where the step has adapter segments (StepArgs.lora) and
+// a layer's group of projections has adapters bound (LayerArgs.lora), each projection's delta is added right after
+// its GEMM, with lora.c's lora_apply over the same x and output as the per-kernel forward's `_add_lora` passes it:
+//   qkv     += lora(x)        before the q/k norms and rotary
+//   hidden  += lora(attn)     after the o GEMM (and its bias), before the post-attention norm
+//   gate_up += lora(x)        before the activation: gate_up is then written (no linear_packed_silu)
+//   hidden  += lora(act)      after the down GEMM
+// A group is skipped where no segment's slot targets it in that layer, as LoraWeights.apply skips it.
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -53,6 +61,18 @@ typedef struct QuantWeight {
     int64_t row_bytes[QUANT_MAX_SEGMENTS];
     const uint8_t *blocks[QUANT_MAX_SEGMENTS];
 } QuantWeight;
+
+// One layer's stacked LoRA weights of one group of projections (model_infer/lora.py's GroupBuffers), float32:
+// a [num_slots, R, K], bt [num_slots, R, N] with the adapters' scaling folded in, and the expand's slices.
+typedef struct LoraGroupArgs {
+    const float *a, *bt;
+    const int32_t *slices;    // [num_slices, 4] (r0, rj, n0, nj): rank rows [r0, r0 + rj) write columns [n0, n0 + nj)
+    const uint8_t *targeted;  // [num_slots]: 1 where the slot's adapter targets this group in this layer
+    int32_t rank, num_slices; // rank: R, the rows of a slot's a and bt (all rank blocks of the group)
+} LoraGroupArgs;
+
+// The groups in LoraGroupArgs arrays, in model_infer/lora.py's LoraGroup order.
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_GROUPS };
 
 // One layer's tensors. Linear weights as packed at load; biases and the cos/sin table as noted.
 typedef struct LayerArgs {
@@ -74,6 +94,9 @@ typedef struct LayerArgs {
     // float32 models whose projections are kept in GGML blocks: their descriptors (then qkv .. down are unused),
     // else NULL
     const QuantWeight *qkv_q, *o_proj_q, *gate_up_q, *down_q;
+    // [LORA_GROUPS] of the model's LoRA adapters, or NULL (none bound); a group with a NULL `a` takes no adapter
+    // (the MLP of a family whose adapters target attention only)
+    const LoraGroupArgs *lora;
 } LayerArgs;
 
 // The model's shapes, the same for every layer and step.
@@ -85,6 +108,13 @@ typedef struct ModelDims {
     int32_t kv_kind;  // the KV cache's format, KV_F32 .. KV_FP8_E5M2 (kernels.h); a float cache is the activations'
 } ModelDims;
 
+// A step's LoRA segments (kernels/lora.py's LoraSegments): tokens [starts[i], starts[i] + lens[i]) run under
+// slot slots[i], [segments] int32 each, ascending and disjoint; tokens in no segment run the base model.
+typedef struct LoraStep {
+    const int32_t *starts, *lens, *slots;
+    int32_t segments, num_slots;  // num_slots: the slots of the bound adapters' stacks
+} LoraStep;
+
 // One step's batch: token order is the decode tokens, then each prefill chunk's.
 typedef struct StepArgs {
     int32_t tokens, num_decode, num_extend, locs_i64;
@@ -95,6 +125,7 @@ typedef struct StepArgs {
     const int32_t *decode_rows, *decode_lens;       // [num_decode]
     // [num_extend]; q_start counts from the first prefill token (token num_decode)
     const int32_t *extend_rows, *extend_q_start, *extend_prefix_lens, *extend_lens;
+    const LoraStep *lora;                           // the step's adapter segments, or NULL: none
 } StepArgs;
 
 // Scratch the caller allocates for the step, each [T, width] in the activation dtype.
@@ -121,7 +152,11 @@ static const struct {
     FIELD_AT(LayerArgs, cos_sin_row), FIELD_AT(LayerArgs, window), FIELD_AT(LayerArgs, k_scales),
     FIELD_AT(LayerArgs, v_scales), FIELD_AT(LayerArgs, k_scale), FIELD_AT(LayerArgs, v_scale),
     FIELD_AT(LayerArgs, qkv_q), FIELD_AT(LayerArgs, o_proj_q), FIELD_AT(LayerArgs, gate_up_q),
-    FIELD_AT(LayerArgs, down_q),
+    FIELD_AT(LayerArgs, down_q), FIELD_AT(LayerArgs, lora),
+    SIZE_OF(LoraGroupArgs), FIELD_AT(LoraGroupArgs, a), FIELD_AT(LoraGroupArgs, bt), FIELD_AT(LoraGroupArgs, slices),
+    FIELD_AT(LoraGroupArgs, targeted), FIELD_AT(LoraGroupArgs, rank), FIELD_AT(LoraGroupArgs, num_slices),
+    SIZE_OF(LoraStep), FIELD_AT(LoraStep, starts), FIELD_AT(LoraStep, lens), FIELD_AT(LoraStep, slots),
+    FIELD_AT(LoraStep, segments), FIELD_AT(LoraStep, num_slots),
     SIZE_OF(QuantWeight), FIELD_AT(QuantWeight, segments), FIELD_AT(QuantWeight, int8_dot),
     FIELD_AT(QuantWeight, qtype), FIELD_AT(QuantWeight, rows),
     FIELD_AT(QuantWeight, row_bytes), FIELD_AT(QuantWeight, blocks),
@@ -135,7 +170,7 @@ static const struct {
     FIELD_AT(StepArgs, locs_i64), FIELD_AT(StepArgs, positions), FIELD_AT(StepArgs, kv_locs),
     FIELD_AT(StepArgs, req_to_token), FIELD_AT(StepArgs, r2t_row), FIELD_AT(StepArgs, decode_rows),
     FIELD_AT(StepArgs, decode_lens), FIELD_AT(StepArgs, extend_rows), FIELD_AT(StepArgs, extend_q_start),
-    FIELD_AT(StepArgs, extend_prefix_lens), FIELD_AT(StepArgs, extend_lens),
+    FIELD_AT(StepArgs, extend_prefix_lens), FIELD_AT(StepArgs, extend_lens), FIELD_AT(StepArgs, lora),
     SIZE_OF(Scratch), FIELD_AT(Scratch, x), FIELD_AT(Scratch, qkv), FIELD_AT(Scratch, attn), FIELD_AT(Scratch, gate_up),
     FIELD_AT(Scratch, act), FIELD_AT(Scratch, q), FIELD_AT(Scratch, k), FIELD_AT(Scratch, xf), FIELD_AT(Scratch, yf),
 };
@@ -148,7 +183,7 @@ int64_t struct_layout(const char *name) {
 
 // Per-kernel wall times, in seconds, added into times[] when the caller passes it (Python's kernel_times()
 // labels in kernels/decoder_layers.py, in this order).
-enum { T_NORM, T_LINEAR, T_ROTARY, T_STORE_KV, T_DECODE, T_PREFILL, T_ACT, NUM_TIMED };
+enum { T_NORM, T_LINEAR, T_ROTARY, T_STORE_KV, T_DECODE, T_PREFILL, T_ACT, T_LORA, NUM_TIMED };
 
 static double now(void) {
     struct timespec ts;
@@ -199,6 +234,26 @@ static int linear(const ModelDims *d, const Scratch *buf, const void *x, int M, 
     return 0;
 }
 
+// Layer w's group g where the step's segments need it: adapters bound there and some segment's slot targeting it
+// (LoraWeights.apply's rule); else NULL. A slot out of range counts as targeting, so lora_apply reports it.
+static const LoraGroupArgs *lora_group(const LoraStep *ls, const LayerArgs *w, int g) {
+    if (!ls || !w->lora || !w->lora[g].a) return NULL;
+    const LoraGroupArgs *lg = &w->lora[g];
+    for (int i = 0; i < ls->segments; i++) {
+        const int32_t slot = ls->slots[i];
+        if (slot < 0 || slot >= ls->num_slots || lg->targeted[slot]) return lg;
+    }
+    return NULL;
+}
+
+// y [T, N] += group lg's delta for x [T, K], both contiguous in the activation dtype: lora_apply with the
+// arguments kernels/lora.py's lora_apply_cpu gives it for the per-kernel forward's tensors.
+static int add_lora(const LoraStep *ls, const LoraGroupArgs *lg, void *y, int N, const void *x, int K, int T,
+                    int bf16, int threads) {
+    return lora_apply(y, N, bf16, x, K, bf16, T, K, N, lg->a, lg->bt, ls->num_slots, lg->rank, ls->starts, ls->lens,
+                      ls->slots, ls->segments, lg->slices, lg->num_slices, threads);
+}
+
 // 1 when decoder_layers takes this model: shapes its kernels take (the bf16 pair GEMMs need an even K).
 int decoder_layers_supported(const ModelDims *d) {
     // A float cache holds the activations' dtype; an 8-bit one any format the attention kernels read.
@@ -217,6 +272,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
     const int hq = d->num_heads, hk = d->num_kv_heads, I = d->inter;
     const int qkv_w = (hq + 2 * hk) * D, es = bf16 ? 2 : 4;
     char *qkv = buf->qkv, *attn = buf->attn;
+    const LoraStep *ls = s->lora;
+    const LoraGroupArgs *lg;
     Timer t = {times, 0.0};
 #define FAIL(layer, kernel) return -(1 + (layer) * NUM_TIMED + (kernel))
     for (int l = 0; l < d->num_layers; l++) {
@@ -231,6 +288,11 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
                    threads))
             FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
+        if ((lg = lora_group(ls, w, LORA_QKV))) {  // before the q/k norms and rotary read q and k
+            tic(&t);
+            if (add_lora(ls, lg, qkv, qkv_w, buf->x, H, T, bf16, threads)) FAIL(l, T_LORA);
+            toc(&t, T_LORA);
+        }
         // q [T, Hq, D] and k [T, Hk, D] with token strides q_tok / k_tok; v stays a view of qkv.
         char *q = qkv, *k = qkv + (int64_t)hq * D * es, *v = k + (int64_t)hk * D * es;
         int64_t q_tok = qkv_w, k_tok = qkv_w;
@@ -281,20 +343,32 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
                    threads))
             FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
+        if ((lg = lora_group(ls, w, LORA_O))) {
+            tic(&t);
+            if (add_lora(ls, lg, hidden, H, attn, hq * D, T, bf16, threads)) FAIL(l, T_LORA);
+            toc(&t, T_LORA);
+        }
 
         tic(&t);
         rmsnorm(hidden, H, residual, w->post_attn_norm, T, H, d->eps, buf->x, bf16, threads);
         toc(&t, T_NORM);
         // float32: gate_up with SiLU-and-mul as its epilogue where linear_packed_silu takes the shapes (timed as the
-        // GEMM it is); else the GEMM, then the activation.
+        // GEMM it is) and no LoRA delta goes between them; else the GEMM, its delta, then the activation.
+        const LoraGroupArgs *gate_up_lora = lora_group(ls, w, LORA_GATE_UP);
         tic(&t);
-        if (!bf16 && !w->gate_up_q && linear_packed_silu(buf->x, H, T, H, w->gate_up, I, buf->act, threads) == 0) {
+        if (!bf16 && !w->gate_up_q && !gate_up_lora &&
+            linear_packed_silu(buf->x, H, T, H, w->gate_up, I, buf->act, threads) == 0) {
             toc(&t, T_LINEAR);
         } else {
             if (linear(d, buf, buf->x, T, H, w->gate_up, 2 * I, NULL, w->gate_up_f, NULL, w->gate_up_q, buf->gate_up,
                        threads))
                 FAIL(l, T_LINEAR);
             toc(&t, T_LINEAR);
+            if (gate_up_lora) {
+                tic(&t);
+                if (add_lora(ls, gate_up_lora, buf->gate_up, 2 * I, buf->x, H, T, bf16, threads)) FAIL(l, T_LORA);
+                toc(&t, T_LORA);
+            }
             tic(&t);
             silu_and_mul(buf->gate_up, 2 * I, T, I, buf->act, bf16, threads);
             toc(&t, T_ACT);
@@ -303,6 +377,11 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
         if (linear(d, buf, buf->act, T, I, w->down, H, NULL, w->down_f, NULL, w->down_q, hidden, threads))
             FAIL(l, T_LINEAR);
         toc(&t, T_LINEAR);
+        if ((lg = lora_group(ls, w, LORA_DOWN))) {
+            tic(&t);
+            if (add_lora(ls, lg, hidden, H, buf->act, I, T, bf16, threads)) FAIL(l, T_LORA);
+            toc(&t, T_LORA);
+        }
     }
 #undef FAIL
     return 0;

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from lightserve.kernels.lora import LoraSegments
     from lightserve.model_infer.forward_batch import ForwardBatch
     from lightserve.model_infer.kv_cache import KVCache
+    from lightserve.model_infer.lora import LoraWeights
     from lightserve.model_infer.weights import CheckpointReader
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -124,8 +125,9 @@ class LlamaForCausalLM(DecoderLM):
     """Pre-norm decoder: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norm.
 
     On CPU, where every kernel of a layer runs in C, the layers run in one C call (kernels/decoder_layers.py):
-    the same kernels as the loop below, bit for bit, without the Python between them. With bf16 GEMMs on oneDNN
-    above a few rows (AMX), that is the steps of up to PAIR_MAX_M tokens; the loop runs the others."""
+    the same kernels as the loop below, bit for bit, without the Python between them, LoRA deltas included. With
+    bf16 GEMMs on oneDNN above a few rows (AMX), that is the steps of up to PAIR_MAX_M tokens; the loop runs the
+    others."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
                  tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
@@ -151,20 +153,24 @@ class LlamaForCausalLM(DecoderLM):
                            cfg.rms_norm_eps, self.sm_scale, cfg.attn_softcap)
         return CpuDecoderLayers.build(layers, shape, self.dtype)
 
+    def attach_lora(self, lora: LoraWeights) -> None:
+        super().attach_lora(lora)
+        if self.cpu_layers is not None:  # the driver adds the deltas itself, so LoRA steps keep the one call
+            self.cpu_layers.bind_lora(lora.stacks(), lora.targeted)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         cfg, w = self.config, self.weights
         attn = AttentionInputs.from_batch(batch)
         hidden = self._embed(batch.input_ids)  # [T, hidden]
         residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
-        # The C driver runs no LoRA: a step with adapter segments takes the loop.
-        one_call = self.cpu_layers is not None and self.cpu_layers.takes(hidden.shape[0]) and batch.lora is None
+        one_call = self.cpu_layers is not None and self.cpu_layers.takes(hidden.shape[0])
         if one_call:
             hidden = self.cpu_layers.run(
                 residual, kv_cache.k_caches, kv_cache.v_caches, batch.req_to_token, batch.positions, batch.kv_locs,
                 batch.num_decode, attn.decode_req_rows, attn.decode_seq_lens, attn.extend_req_rows,
                 attn.extend_q_start_locs, attn.extend_prefix_lens, attn.extend_lens, kv_cache.k_scales,
-                kv_cache.v_scales)  # [T, hidden]
+                kv_cache.v_scales, batch.lora)  # [T, hidden]
         for i, layer in enumerate(() if one_call else w.layers):  # the loop the C call replaces
             if i == 0:
                 x = kernels.rmsnorm(hidden, layer.input_norm, cfg.rms_norm_eps, self.backend)

@@ -2,13 +2,15 @@
 at a time: logits and every layer's KV cache bit for bit equal, over a ragged prefill, decode steps and a mixed
 decode + extend batch with a prefix-cache hit, for the Llama-family variants the driver takes (biases, windows,
 Qwen3's q/k norms, GQA groups of 1-3), in float32 and bf16: every step where this CPU's bf16 GEMMs all run in C,
-the decode steps of up to PAIR_MAX_M tokens where larger ones run on oneDNN. Also which models it declines."""
+the decode steps of up to PAIR_MAX_M tokens where larger ones run on oneDNN; the same with LoRA adapters on some
+requests. Also which models it declines."""
 from __future__ import annotations
 
 import ctypes
 import dataclasses
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +18,8 @@ from lightserve.kernels.cpu import kernel_times, library, variant_library
 from lightserve.kernels.decoder_layers import (
     CpuDecoderLayers,
     LayerArgs,
+    LoraGroupArgs,
+    LoraStep,
     ModelDims,
     QuantWeight,
     Scratch,
@@ -30,6 +34,7 @@ from lightserve.kernels.linear import (
     unpack_linear_weight,
 )
 from lightserve.kernels.quant_linear import QuantLinear
+from lightserve.model_infer.lora import LoraGroup, LoraLimits, LoraWeights
 from tests.kernels.kernel_cases import c_library_variants
 
 from .fake_worker import FakeWorker
@@ -67,27 +72,150 @@ def count_one_call_steps(model) -> list[int]:
     return calls
 
 
-def run_steps(model, gen_seed: int = 0) -> list[torch.Tensor]:
+def run_steps(model, gen_seed: int = 0, lora_slots: dict[int, int] | None = None) -> list[torch.Tensor]:
     """A ragged prefill (65 tokens), three decode steps of 4 tokens (greedy), then 3 decodes beside a prefix-hit
-    extend and a fresh prefill (22 tokens): the logits of every step, then every layer's K and V."""
+    extend and a fresh prefill (22 tokens): the logits of every step, then every layer's K and V. lora_slots: each
+    request row's LoRA slot (rows 0-5; -1 or absent: the base model)."""
     gen = torch.Generator().manual_seed(gen_seed)
     vocab = model.config.vocab_size
     worker = FakeWorker(model)
+
+    def step(items, **kw):
+        slots = None if lora_slots is None else [lora_slots.get(row, -1) for row, _ in items]
+        return worker.step(items, lora_slots=slots, **kw)
+
     seqs = {row: torch.randint(3, vocab, (n,), generator=gen).tolist() for row, n in enumerate((5, 19, 1, 40))}
-    out = [worker.step([(row, s) for row, s in seqs.items()], num_decode=0, all_logits=True)]  # [T, V]
+    out = [step([(row, s) for row, s in seqs.items()], num_decode=0, all_logits=True)]  # [T, V]
     last = torch.tensor([len(s) for s in seqs.values()]).cumsum(0) - 1  # each request's last token in [T]
     logits = out[0][last]  # [B, V]
     for _ in range(3):
         for row, tok in zip(seqs, logits.argmax(-1).tolist()):
             seqs[row].append(tok)
-        logits = worker.step([(row, [s[-1]]) for row, s in seqs.items()], num_decode=len(seqs))
+        logits = step([(row, [s[-1]]) for row, s in seqs.items()], num_decode=len(seqs))
         out.append(logits)
     worker.share_prefix(4, 1, 6)
     items = [(row, [seqs[row][-1]]) for row in (0, 1, 2)] + [
         (4, torch.randint(3, vocab, (7,), generator=gen).tolist()),
         (5, torch.randint(3, vocab, (12,), generator=gen).tolist())]
-    out.append(worker.step(items, num_decode=3))
+    out.append(step(items, num_decode=3))
     return out + list(worker.kv_cache.k_caches) + list(worker.kv_cache.v_caches)
+
+
+def random_lora_store(model, targets: dict[int, tuple[LoraGroup, ...]]) -> LoraWeights:
+    """A LoRA store of 3 slots of rank 8 over the model, attached to it: slot -> the groups its random adapter targets
+    (every layer; rank 8 in some blocks and 3 in others, so the padding matters); a slot not in `targets` is empty."""
+    store = LoraWeights(model.config, model.weights.shards, LoraLimits(3, 8), "cpu")
+    gen = torch.Generator().manual_seed(11)
+    for slot, groups in targets.items():
+        for layer, stacks in enumerate(store.layers):
+            for group in groups:
+                buffers = stacks[group]
+                for r0, rj, n0, nj in buffers.slices:
+                    rank = rj if (r0 // rj + slot) % 2 == 0 else 3
+                    a, bt = buffers.a[slot, r0:r0 + rank], buffers.bt[slot, r0:r0 + rank, n0:n0 + nj]
+                    a.copy_(torch.randn(a.shape, generator=gen) * 0.3)     # [rank, K]
+                    bt.copy_(torch.randn(bt.shape, generator=gen) * 0.3)   # [rank, nj]
+                store.targeted[layer, group, slot] = 1
+    model.attach_lora(store)
+    return store
+
+
+EVERY_GROUP = tuple(LoraGroup)
+# Rows 0 and 3 under slot 0, rows 2 and 4 under slot 1 (no gate_up: its step still runs the fused float32 MLP where
+# no slot-0 token is in it), rows 1 and 5 the base model; the mixed step's extends run one adapter each.
+MIXED_SLOTS = {0: 0, 2: 1, 3: 0, 4: 1, 5: 0}
+LORA_TARGETS = {0: EVERY_GROUP, 1: (LoraGroup.QKV_PROJ, LoraGroup.O_PROJ, LoraGroup.DOWN_PROJ)}
+
+
+def check_lora_steps(fused, loop, lora_slots: dict[int, int], every_step: bool = True) -> None:
+    """Both models on the same adapters: the one-call steps bit for bit the loop's, and the adapters matter."""
+    store = random_lora_store(fused, LORA_TARGETS)
+    loop.attach_lora(store)
+    calls = count_one_call_steps(fused)
+    with kernel_times() as times:
+        got = run_steps(fused, lora_slots=lora_slots)
+    want = run_steps(loop, lora_slots=lora_slots)
+    for g, ref in zip(got, want, strict=True):
+        assert torch.equal(g, ref)
+    assert calls == ([65, 4, 4, 4, 22] if every_step else [4, 4, 4])
+    assert times["lora_cpu"] > 0 and "decoder_layers_cpu" not in times
+    assert not torch.equal(got[1], run_steps(loop)[1])  # the deltas change the logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama3", "llama_bias", "qwen3"])
+def test_lora_steps_run_in_one_call_bit_for_bit(arch, dtype, tmp_path):
+    """Steps whose tokens mix the base model and two adapters (one targeting every projection, one not gate_up),
+    decodes beside prefills: the driver adds each delta where the loop does (qkv's before the q/k norms and rotary,
+    gate_up's before the activation), with the same kernel and arguments, so its results are the loop's bits."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair(arch, dtype, tmp_path)
+    check_lora_steps(fused, loop, MIXED_SLOTS, fused.cpu_layers.max_tokens is None)
+
+
+def test_lora_steps_without_a_gate_up_adapter_keep_the_fused_mlp(tmp_path):
+    """float32, every LoRA token under the slot whose adapter has no gate_up: the MLP runs gate_up with its SiLU
+    epilogue in one kernel, as without adapters, and the qkv, o and down deltas still match the loop's bits."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair("llama3", torch.float32, tmp_path)
+    check_lora_steps(fused, loop, {0: 1, 3: 1, 4: 1})
+    with kernel_times() as times:
+        run_steps(fused, lora_slots={0: 1, 3: 1, 4: 1})
+    assert "silu_and_mul_cpu" not in times
+    with kernel_times() as times:
+        run_steps(fused, lora_slots={0: 0})
+    assert times["silu_and_mul_cpu"] > 0  # gate_up's delta goes between the GEMM and the activation
+
+
+def test_lora_on_projections_in_ggml_blocks_runs_in_one_call_bit_for_bit(tmp_path):
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair("llama3", torch.float32, tmp_path)
+    quantize_projections(fused)
+    quantize_projections(loop)
+    loop.cpu_layers = None
+    assert fused.cpu_layers is not None and fused.cpu_layers.quant[0]
+    check_lora_steps(fused, loop, MIXED_SLOTS)
+
+
+def test_a_lora_slot_filled_later_is_read_in_place(tmp_path):
+    """The driver binds the store once: a slot filled after attach_lora (as LoadLora does) takes effect at the next
+    step, and one emptied again runs the base model."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair("llama3", torch.float32, tmp_path)
+    store = random_lora_store(fused, {})
+    loop.attach_lora(store)
+    base = run_steps(loop)
+    assert all(torch.equal(g, b) for g, b in zip(run_steps(fused, lora_slots=MIXED_SLOTS), base, strict=True))
+    full = random_lora_store(loop, LORA_TARGETS)  # the loop on a filled store; the driver's store filled in place
+    for stacks, filled in zip(store.layers, full.layers):
+        for group, buffers in stacks.items():
+            buffers.a.copy_(filled[group].a)
+            buffers.bt.copy_(filled[group].bt)
+    store.targeted[...] = full.targeted
+    for g, ref in zip(run_steps(fused, lora_slots=MIXED_SLOTS), run_steps(loop, lora_slots=MIXED_SLOTS),
+                      strict=True):
+        assert torch.equal(g, ref)
+    store.targeted[...] = 0
+    assert all(torch.equal(g, b) for g, b in zip(run_steps(fused, lora_slots=MIXED_SLOTS), base, strict=True))
+
+
+def test_bind_lora_refuses_stacks_of_other_shapes(tmp_path):
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, _ = load_pair("llama3", torch.float32, tmp_path)
+    store = LoraWeights(fused.config, fused.weights.shards, LoraLimits(2, 4), "cpu")
+    stacks = store.stacks()
+    a, bt, slices = stacks[1][LoraGroup.O_PROJ]
+    stacks[1][LoraGroup.O_PROJ] = (a[:, :, :-1].contiguous(), bt, slices)
+    with pytest.raises(ValueError, match="layer 1 group 1"):
+        fused.cpu_layers.bind_lora(stacks, store.targeted)
+    with pytest.raises(ValueError, match="targeted table"):
+        fused.cpu_layers.bind_lora(store.stacks(), store.targeted.astype(bool))
+    assert np.all(store.targeted == 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -290,9 +418,9 @@ def test_kernel_times_report_each_kernel_of_the_one_call_layers(tmp_path):
     with kernel_times() as times:
         worker.step([(0, [9])], num_decode=1)  # a decode step: no prefill attention
     # float32 gate_up runs with its SiLU epilogue (intermediate 128): no activation kernel of its own.
-    want = set(timed_labels(torch.float32)) - {"prefill_attention_cpu", "silu_and_mul_cpu"}
+    want = set(timed_labels(torch.float32)) - {"prefill_attention_cpu", "silu_and_mul_cpu", "lora_cpu"}
     assert want <= set(times) and all(times[k] > 0 for k in want)
-    assert not {"prefill_attention_cpu", "silu_and_mul_cpu", "decoder_layers_cpu"} & set(times)
+    assert not {"prefill_attention_cpu", "silu_and_mul_cpu", "lora_cpu", "decoder_layers_cpu"} & set(times)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "mixtral"])
@@ -335,7 +463,8 @@ def test_a_kv_loc_out_of_range_raises_and_leaves_the_cache(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, worker.kv_cache.k_caches))
 
 
-@pytest.mark.parametrize("struct", [LayerArgs, ModelDims, StepArgs, Scratch, QuantWeight], ids=lambda s: s.__name__)
+@pytest.mark.parametrize("struct", [LayerArgs, ModelDims, StepArgs, Scratch, QuantWeight, LoraGroupArgs, LoraStep],
+                         ids=lambda s: s.__name__)
 def test_structs_match_the_c_side(struct):
     """The C driver reads each struct through a pointer: every ctypes mirror has its C struct's size and every field
     its C offset (decoder_layers.c's struct_layout: sizeof and offsetof by name, -1 for a field C does not have)."""

@@ -1,8 +1,8 @@
 """Multi-LoRA serving on the model side: PEFT adapters made here (random weights, different ranks, targets, alphas,
 one rsLoRA) read by lightserve.lora_adapter, held in model_infer.lora.LoraWeights, and applied in one batch that
 mixes the base model and every adapter (an adapter's tokens in two runs of the batch). Each request's greedy tokens
-equal transformers + peft's with its adapter merged; tp 2 over gloo gives the same; read_lora_adapter refuses what
-it cannot serve, naming the culprit."""
+equal transformers + peft's with its adapter merged, through the per-kernel forward and the CPU's one-call decoder
+layers alike; tp 2 over gloo gives the same; read_lora_adapter refuses what it cannot serve, naming the culprit."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +42,9 @@ ADAPTERS = {
 # Requests: (prompt length, adapter or None for the base model). "qv" serves two requests, rows 0 and 3, so the
 # batch holds its tokens in two runs; the last request joins one step late, its prompt beside the others' decodes.
 REQS = [(7, "qv"), (5, None), (9, "mlp_rs"), (4, "qv"), (6, "all")]
+# Fixture name -> (tiny model kind, its overrides). The tiny models' head_dim of 16 runs the per-kernel forward on
+# CPU; "llama3_one_call"'s 64 is what the one-call decoder layers take (kernels/decoder_layers.py).
+FAMILIES = {"llama3": ("llama3", {}), "gemma3": ("gemma3", {}), "llama3_one_call": ("llama3", {"hidden_size": 256})}
 
 
 def make_adapter(base_dir: Path, out_dir: Path, seed: int, **lora_args) -> Path:
@@ -116,11 +119,12 @@ def slots_of(adapters: dict[str, Path]) -> list[int]:
     return [-1 if name is None else names.index(name) for _, name in REQS]
 
 
-@pytest.fixture(scope="module", params=["llama3", "gemma3"])
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     """(base folder, adapter folders by name, each request's expected tokens from transformers + peft)."""
     root = tmp_path_factory.mktemp(request.param)
-    base_dir = make_tiny_model(request.param, root / "base")
+    kind, overrides = FAMILIES[request.param]
+    base_dir = make_tiny_model(kind, root / "base", **overrides)
     adapters = {name: make_adapter(base_dir, root / name, seed, **args)
                 for seed, (name, args) in enumerate(ADAPTERS.items())}
     prompts = prompts_for(read_model_config(base_dir).vocab_size)
@@ -138,6 +142,26 @@ def test_mixed_batch_matches_transformers_with_each_adapter_merged(family):
     model = load_model_dir(base_dir, torch.float32)
     attach_store(model, adapters)
     assert run_ours(model, prompts, slots_of(adapters), NEW_TOKENS) == expected
+
+
+@pytest.mark.parametrize("family", ["llama3_one_call"], indirect=True)
+def test_the_one_call_layers_run_the_lora_steps(family):
+    """Every step of the mixed batch runs in the CPU's one-call decoder layers, adapters and all: the same tokens."""
+    base_dir, adapters, prompts, expected, _ = family
+    model = load_model_dir(base_dir, torch.float32)
+    if model.cpu_layers is None:
+        pytest.skip("no C compiler here")
+    attach_store(model, adapters)
+    calls, run = [], model.cpu_layers.run
+
+    def counted(*args):
+        calls.append(args[-1])  # the step's LoRA segments
+        return run(*args)
+
+    model.cpu_layers.run = counted
+    assert run_ours(model, prompts, slots_of(adapters), NEW_TOKENS) == expected
+    # every step of run_ours (the last request joins one step late) with adapter segments
+    assert len(calls) == NEW_TOKENS + 1 and all(segs is not None for segs in calls)
 
 
 def test_bfloat16_activations_agree_on_the_first_tokens(family):

@@ -3,7 +3,8 @@ model's GPU layout (plain weights for F.linear, token-major KV, no C layers, no 
 launches its Triton kernel, here in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1). Tiny Llama,
 Qwen3, Gemma 2, Mixtral and DeepSeek-V3 checkpoints in float32 (the interpreter's bf16 dot is wrong) against
 transformers: a prompt prefilled in chunks, decode steps, a prefix-cache hit extended in a step that also decodes and
-prefills (a mixed step), and a decode batch padded to a CUDA-graph size as the graph runner pads it."""
+prefills (a mixed step), a decode batch padded to a CUDA-graph size as the graph runner pads it, and a batch mixing LoRA
+adapters and the base model."""
 from __future__ import annotations
 
 import dataclasses
@@ -185,3 +186,35 @@ def test_8bit_kv_cache_through_triton_matches_the_reference_path(tiny, kv_name, 
             g = getattr(worker.kv_cache, name).view(torch.uint8)
             w = getattr(ref_worker.kv_cache, name).contiguous().view(torch.uint8)
             assert (g != w).float().mean() <= 0.01, name
+
+
+def test_lora_adapters_on_the_triton_path(tmp_path, no_cpu_paths, monkeypatch):
+    """A batch mixing the base model and three adapters through the Triton LoRA kernels (interpreter), greedy-equal to
+    transformers + peft with each adapter merged, the C LoRA kernels and the references never reached."""
+    from lightserve.kernels import lora as lora_kernels
+
+    from .test_lora import (
+        ADAPTERS,
+        NEW_TOKENS,
+        REQS,
+        attach_store,
+        hf_greedy,
+        hf_reference,
+        make_adapter,
+        prompts_for,
+        run_ours,
+        slots_of,
+    )
+
+    for name in ("lora_apply_ref", "lora_shrink_ref", "lora_expand_ref", "lora_apply_cpu"):
+        monkeypatch.setattr(lora_kernels, name, lambda *a, _n=name, **k: pytest.fail(f"{_n} reached"))
+    base_dir = make_tiny_model("llama3", tmp_path / "base")
+    adapters = {name: make_adapter(base_dir, tmp_path / name, seed, **args)
+                for seed, (name, args) in enumerate(ADAPTERS.items())}
+    prompts = prompts_for(read_model_config(base_dir).vocab_size)
+    refs = {name: hf_reference(base_dir, adapters.get(name)) for name in (None, *ADAPTERS)}
+    expected = [hf_greedy(refs[name], prompt, NEW_TOKENS) for prompt, (_, name) in zip(prompts, REQS)]
+    assert any(tokens != hf_greedy(refs[None], prompt, NEW_TOKENS) for prompt, tokens in zip(prompts, expected))
+    model = load_model(read_model_config(base_dir), base_dir, torch.float32, backend=KernelBackend.TRITON)
+    attach_store(model, adapters)
+    assert run_ours(model, prompts, slots_of(adapters), NEW_TOKENS) == expected

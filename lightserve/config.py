@@ -122,7 +122,7 @@ class ServerConfig:
     disable_prompt_cache: bool = field(default=False, metadata={"help": "turn the radix prefix cache off"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "plan each step only after the one before has finished, never while it runs (tp > 1 always does)"})
     overlap_max_step_ms: float = field(default=20.0, metadata={"help": "with tp 1 the router plans a step while the one before runs when the step before that took less than this (short steps, where the router's time between steps counts; after longer ones a request arriving meanwhile would join a step later)"})
-    speculative_algorithm: SpeculativeAlgorithm = field(default=SpeculativeAlgorithm.NONE, metadata={"help": "speculative decoding: ngram = prompt lookup over each request's prompt and output, verified by the model (greedy requests only; output unchanged); draft and mtp are not served yet"})
+    speculative_algorithm: SpeculativeAlgorithm = field(default=SpeculativeAlgorithm.NONE, metadata={"help": "speculative decoding: ngram = prompt lookup over each request's prompt and output, verified by the model (greedy requests: the same tokens; sampling requests: speculative sampling, the same distribution); draft and mtp are not served yet"})
     num_speculative_tokens: int = field(default=4, metadata={"help": f"draft tokens per request and step, 1..{MAX_SPECULATIVE_TOKENS}"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest n-gram looked up"})
     prompt_lookup_min: int = field(default=2, metadata={"help": "ngram: shortest n-gram looked up"})

@@ -14,8 +14,8 @@ from lightserve.messages import BatchPlan, FinishReason, StepDone, TokensReady, 
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.grammar import GrammarSet
 from lightserve.model_infer.logits_process import needs_processing, process_logits
-from lightserve.model_infer.sampler import SamplingTensors, greedy_host, greedy_rows, sample
-from lightserve.model_infer.spec_verify import accept_greedy
+from lightserve.model_infer.sampler import SamplingTensors, greedy_host, greedy_rows, sample, sampling_probs
+from lightserve.model_infer.spec_verify import accept_greedy, accept_sampled, block_positions
 from lightserve.model_infer.token_history import TokenHistory
 from lightserve.shm.req_pool import ReqPool
 
@@ -210,34 +210,36 @@ class OutputWriter:
     def _verify_and_publish(self, plan: BatchPlan, rows: np.ndarray, logits: torch.Tensor,
                             first: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The plan rows `rows` [R] carried drafts (plan.spec_lens); their logits are logits[first[r] : first[r] + 1 +
-        k_r]. Accept each row's leading drafts that match the greedy tokens (spec_verify.accept_greedy), then publish
-        the burst: the accepted drafts and the token after them, cut at the first that ends the request (eos, a stop
-        id, the length), in the pool's write order (tokens and logprobs, then num_output, then finish) so a reader
-        sees the whole burst or none of it. Such rows are greedy and unprocessed (router/speculation.py admits no
-        other). Returns (FinishReason [R] uint8, tokens published beyond the first [R] int32)."""
+        k_r]. Accept each row's leading drafts (spec_verify: accept_greedy for a greedy row, accept_sampled for a row
+        that samples), then publish the burst: the accepted drafts and the token after them, cut at the first that
+        ends the request (eos, a stop id, the length), in the pool's write order (tokens and logprobs, then
+        num_output, then finish) so a reader sees the whole burst or none of it. Such rows are unprocessed
+        (router/speculation.py admits no request with penalties, bias, allowed ids or a grammar, and none below its
+        min_new_tokens). Returns (FinishReason [R] uint8, tokens published beyond the first [R] int32)."""
         pool = self.pool
         idx = plan.shm_indices[rows]                                             # [R] slots
         k = plan.spec_lens[rows].astype(np.int64)                                # [R] drafts each
         counts = 1 + k
-        total = int(counts.sum())
-        within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)   # [N] offset in its block
-        owner = np.repeat(np.arange(rows.size), counts)                          # [N] its row in [R]
+        owner, within = block_positions(counts)                                  # [N] each position's row, offset
         block = logits[torch.from_numpy(np.repeat(first, counts) + within).to(logits.device)]   # [N, vocab]
         params = pool.params[idx]                                                # [R]
         num_out = pool.num_output[idx].astype(np.int64)                          # [R]
-        # The same greedy choice (and logprob) as a plain decode of each position: greedy_host, else sample().
-        host = greedy_host(block, params[owner])
-        if host is not None:
-            targets, lps = host[0].astype(np.int32), host[1]
-        else:
-            next_ids, logprobs = sample(block, SamplingTensors.from_params(params[owner], num_out[owner]),
-                                        logprobs=bool(params["report_logprobs"].any()))
-            targets, lps = _host_arrays(next_ids, logprobs)
         q_start = np.cumsum(plan.extend_lens) - plan.extend_lens                 # [B]
         # A row's inputs are its last token then its drafts: drafts at q_start + 1 ..
-        drafts = plan.input_ids[np.repeat(q_start[rows] + 1, k) + np.arange(int(k.sum()))
-                                - np.repeat(np.cumsum(k) - k, k)]                # [N - R]
-        accepted = accept_greedy(targets, drafts, counts)                        # [R]
+        draft_owner, draft_within = block_positions(k)
+        drafts = plan.input_ids[q_start[rows][draft_owner] + 1 + draft_within]   # [N - R]
+        # targets [N]: each position's token where it is published (the accepted drafts, then the row's own token).
+        targets = np.zeros(owner.size, np.int32)
+        lps = np.zeros(owner.size, np.float32)
+        accepted = np.zeros(rows.size, np.int32)
+        sampling = ~greedy_rows(params["temperature"], params["top_k"])          # [R]
+        for mask, verify in ((~sampling, _verify_greedy), (sampling, _verify_sampled)):
+            if not mask.any():
+                continue
+            at = mask[owner]                                                     # [N] this kind's positions
+            sub = block if mask.all() else block[torch.from_numpy(np.flatnonzero(at)).to(block.device)]
+            targets[at], lps[at], accepted[mask] = verify(sub, params[mask], num_out[mask], drafts[mask[draft_owner]],
+                                                          counts[mask])
         # The burst of each row: targets within its block up to accepted + 1, each token's finish status.
         in_burst = within <= accepted[owner]                                     # [N]
         pos = pool.prompt_len[idx][owner].astype(np.int64) + num_out[owner] + within   # [N] output positions
@@ -259,6 +261,45 @@ class OutputWriter:
         pool.num_output[idx] = (num_out + published).astype(np.int32)
         pool.finish[idx] = finish
         return finish, published - 1
+
+
+def _verify_greedy(block: torch.Tensor, params: np.ndarray, num_out: np.ndarray, drafts: np.ndarray,
+                   counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy rows of _verify_and_publish: block [N, vocab] their logits, params/num_out/counts [R], drafts [N - R].
+    Returns (targets [N] int32, logprobs [N] float32, accepted [R] int32): every position's greedy token and its
+    logprob, as a plain decode of it would choose and report them (greedy_host, else sample())."""
+    owner, _ = block_positions(counts)
+    host = greedy_host(block, params[owner])
+    if host is not None:
+        targets, lps = host[0].astype(np.int32), host[1]
+    else:
+        next_ids, logprobs = sample(block, SamplingTensors.from_params(params[owner], num_out[owner]),
+                                    logprobs=bool(params["report_logprobs"].any()))
+        targets, lps = _host_arrays(next_ids, logprobs)
+    return targets, lps, accept_greedy(targets, drafts, counts)
+
+
+def _verify_sampled(block: torch.Tensor, params: np.ndarray, num_out: np.ndarray, drafts: np.ndarray,
+                    counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sampling rows of _verify_and_publish (the arguments and results of _verify_greedy): speculative sampling
+    against each position's distribution as sample() would draw from it (spec_verify.accept_sampled). targets hold
+    the drafts, then each row's drawn token at block start + accepted (positions after it are never published); a
+    published token's logprob is what sample() reports, log_softmax of the model's logits at its position."""
+    owner, within = block_positions(counts)
+    steps = num_out[owner] + within                                          # [N] the output index each samples
+    probs = sampling_probs(block, SamplingTensors.from_params(params[owner], steps))    # [N, vocab]
+    accepted, tokens = accept_sampled(probs, drafts, counts, params["seed"], num_out)
+    del probs
+    targets = np.zeros(owner.size, np.int32)
+    targets[within < (counts - 1)[owner]] = drafts
+    targets[np.cumsum(counts) - counts + accepted] = tokens
+    lps = np.zeros(owner.size, np.float32)
+    if params["report_logprobs"].any():
+        burst = torch.from_numpy(np.flatnonzero(within <= accepted[owner])).to(block.device)   # [P]
+        rows = block[burst]                                                  # [P, vocab]
+        chosen = rows.gather(1, torch.from_numpy(targets).to(block.device, torch.int64)[burst, None])[:, 0]
+        lps[burst.cpu().numpy()] = (chosen - torch.logsumexp(rows, dim=-1)).cpu().numpy()
+    return targets, lps, accepted
 
 
 def _host_arrays(next_ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:

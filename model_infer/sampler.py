@@ -64,7 +64,6 @@ def sample(logits: torch.Tensor, params: SamplingTensors, raw_logits: torch.Tens
     at the chosen token. Does not modify its inputs.
     """
     dev = logits.device
-    vocab = logits.shape[1]
     # Host copies in fixed dtypes (the parameters usually come from numpy arrays of any int/float width).
     temperatures = params.temperature.to("cpu", torch.float32)
     top_ks = params.top_k.to("cpu", torch.int64)
@@ -77,30 +76,15 @@ def sample(logits: torch.Tensor, params: SamplingTensors, raw_logits: torch.Tens
         fused = _greedy_fused(logits)  # argmax and logsumexp in one C call on CPU
         if fused is not None:
             return torch.from_numpy(fused[0]), torch.from_numpy(fused[1])
-    top_ps = params.top_p.to("cpu", torch.float32)
-    top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
-    seeds, steps = params.seed, params.step
-    min_ps = torch.zeros_like(temperatures) if params.min_p is None else params.min_p.to("cpu", torch.float32)
     greedy_ids = logits.argmax(dim=-1)  # [B]
     if all_greedy:
         next_ids = greedy_ids
     else:
-        # Rows to filter, chosen on the host ([R] and [M] indices), so no nonzero() waits for the GPU.
-        filter_rows = (~greedy & ((top_ks < vocab) | (top_ps < 1.0))).nonzero().squeeze(1)
-        min_p_rows = (~greedy & (min_ps > 0)).nonzero().squeeze(1)
-        filter_ks = top_ks[filter_rows]                                        # [R]
-        k_needed = int(torch.where(filter_ks < vocab, filter_ks, 0).max()) if filter_rows.numel() else 0
-        all_have_k = bool((filter_ks < vocab).all())
-
-        def to_dev(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-            return t.to(dev, dtype, non_blocking=True)
-
-        greedy_dev = to_dev(greedy)
-        random_ids = _sample_random(
-            logits, to_dev(temperatures, logits.dtype), to_dev(top_ps, logits.dtype), to_dev(top_ks),
-            to_dev(min_ps, logits.dtype), to_dev(seeds.to(torch.int64)),  # via int64: uint64 supports few ops
-            to_dev(steps, torch.int64), greedy_dev, to_dev(filter_rows), to_dev(min_p_rows), k_needed, all_have_k)
-        next_ids = torch.where(greedy_dev, greedy_ids, random_ids)
+        greedy_dev = greedy.to(dev, non_blocking=True)
+        probs = _filtered_probs(logits, params, temperatures, top_ks, greedy)
+        u = uniform_from_seed(params.seed.to(dev, torch.int64, non_blocking=True),  # via int64: uint64 has few ops
+                              params.step.to(dev, torch.int64, non_blocking=True))
+        next_ids = torch.where(greedy_dev, greedy_ids, draw_tokens(probs, u))
     if not logprobs:
         return next_ids, torch.zeros(next_ids.shape[0], dtype=torch.float32, device=dev)
     chosen = raw.gather(1, next_ids.unsqueeze(1)).squeeze(1)  # [B]
@@ -164,49 +148,73 @@ def _argmax_logsumexp(logits: torch.Tensor, lib=None) -> tuple[np.ndarray, np.nd
     return ids, lse
 
 
-def uniform_from_seed(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """[B] float64 in (0, 1), a deterministic function of each (seed, step) pair (splitmix64).
-    seeds, steps: [B] int64."""
+def uniform_from_seed(seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """[B] float64 in (0, 1), a deterministic function of each (seed, step, stream) triple (splitmix64).
+    seeds, steps: [B] int64. Stream 0 is the draw of a token (sample); another stream is a further draw at the same
+    step that must be independent of it (speculative decoding's acceptance test, spec_verify.accept_sampled)."""
     z = _splitmix64(_splitmix64(seeds + _GOLDEN) + steps * _GOLDEN)
+    if stream:
+        z = _splitmix64(z + stream * _GOLDEN)
     return (_shift_right(z, 11).double() + 0.5) * 2.0 ** -53  # top 53 bits
 
 
-def _sample_random(
-    logits: torch.Tensor,
-    temperatures: torch.Tensor,
-    top_ps: torch.Tensor,
-    top_ks: torch.Tensor,
-    min_ps: torch.Tensor,
-    seeds: torch.Tensor,
-    steps: torch.Tensor,
-    greedy: torch.Tensor,
-    filter_rows: torch.Tensor,
-    min_p_rows: torch.Tensor,
-    k_needed: int,
-    all_have_k: bool,
-) -> torch.Tensor:
-    """Every tensor on logits' device; top_ks already clamped to [1, V]. filter_rows [R]: rows with top-k
-    or top-p; min_p_rows [M]; k_needed: the largest top-k among filter_rows (0 if none has one); all_have_k:
-    every filter row has a top-k. The row choices come from the host (sample), not from a device nonzero()."""
-    temps = torch.where(greedy, torch.ones_like(temperatures), temperatures)  # greedy rows: any finite value
-    scaled = logits / temps.unsqueeze(1)  # [B, V], a new tensor
-    rows = filter_rows  # [R]
-    if rows.numel() > 0:
-        scaled[rows] = _filter_top_k_top_p(scaled[rows], top_ks[rows], top_ps[rows], k_needed, all_have_k)
-    rows = min_p_rows  # [M]
-    if rows.numel() > 0:
-        # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); the top token always survives.
-        sub = scaled[rows]
-        floor = sub.max(dim=-1).values + torch.log(min_ps[rows])
-        scaled[rows] = sub.masked_fill(sub < floor.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)  # [B, V]
+def sampling_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """The distribution sample() draws each row's token from: softmax(logits / temperature) after top_k, top_p and
+    min_p, [B, V] on logits' device. logits [B, V] float32; every row samples (none greedy). Does not modify logits."""
+    temperatures = params.temperature.to("cpu", torch.float32)
+    top_ks = params.top_k.to("cpu", torch.int64)
+    greedy = greedy_rows(temperatures, top_ks)
+    assert not bool(greedy.any()), "sampling_probs of a greedy row"
+    return _filtered_probs(logits, params, temperatures, top_ks, greedy)
+
+
+def draw_tokens(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: probs [B, V] (each row's weights, any positive total), u [B] float64 in (0, 1) -> [B] int64,
+    token i with probability probs[i] / probs.sum()."""
     cdf = probs.cumsum(dim=-1)  # [B, V]
     # Scale by the row total rather than trusting cumsum to end at exactly 1.
-    target = uniform_from_seed(seeds, steps).to(cdf.dtype) * cdf[:, -1]  # [B]
+    target = u.to(cdf.dtype) * cdf[:, -1]  # [B]
     # First index whose cdf exceeds the target; a zero-probability token repeats the previous cdf
     # value and so can never be the first to exceed it.
     ids = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)  # [B]
-    return ids.clamp_(max=logits.shape[1] - 1)
+    return ids.clamp_(max=probs.shape[1] - 1)
+
+
+def _filtered_probs(logits: torch.Tensor, params: SamplingTensors, temperatures: torch.Tensor, top_ks: torch.Tensor,
+                    greedy: torch.Tensor) -> torch.Tensor:
+    """sample()'s distribution of every row that samples, [B, V] on logits' device (a greedy row's is its softmax
+    at temperature 1, never read). temperatures [B] float32, top_ks [B] int64 and greedy [B] bool: host tensors.
+    Every decision on the parameters (which rows filter?) is made on the host and they reach logits' device by
+    non-blocking copies, so no nonzero() waits for a GPU."""
+    dev = logits.device
+    vocab = logits.shape[1]
+    top_ps = params.top_p.to("cpu", torch.float32)
+    top_ks = torch.where((top_ks <= 0) | (top_ks > vocab), torch.full_like(top_ks, vocab), top_ks)
+    min_ps = torch.zeros_like(temperatures) if params.min_p is None else params.min_p.to("cpu", torch.float32)
+    # Rows to filter, chosen on the host ([R] and [M] indices).
+    filter_rows = (~greedy & ((top_ks < vocab) | (top_ps < 1.0))).nonzero().squeeze(1)
+    min_p_rows = (~greedy & (min_ps > 0)).nonzero().squeeze(1)
+    filter_ks = top_ks[filter_rows]                                        # [R]
+    k_needed = int(torch.where(filter_ks < vocab, filter_ks, 0).max()) if filter_rows.numel() else 0
+    all_have_k = bool((filter_ks < vocab).all())
+
+    def to_dev(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return t.to(dev, dtype, non_blocking=True)
+
+    # Greedy rows: any finite temperature.
+    temps = to_dev(torch.where(greedy, torch.ones_like(temperatures), temperatures), logits.dtype)
+    scaled = logits / temps.unsqueeze(1)  # [B, V], a new tensor
+    rows = to_dev(filter_rows)  # [R]
+    if rows.numel() > 0:
+        scaled[rows] = _filter_top_k_top_p(scaled[rows], to_dev(top_ks)[rows], to_dev(top_ps, logits.dtype)[rows],
+                                           k_needed, all_have_k)
+    rows = to_dev(min_p_rows)  # [M]
+    if rows.numel() > 0:
+        # p < min_p * p_max  <=>  scaled < max(scaled) + log(min_p); the top token always survives.
+        sub = scaled[rows]
+        floor = sub.max(dim=-1).values + torch.log(to_dev(min_ps, logits.dtype)[rows])
+        scaled[rows] = sub.masked_fill(sub < floor.unsqueeze(1), float("-inf"))
+    return torch.softmax(scaled, dim=-1)  # [B, V]
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, k_needed: int,

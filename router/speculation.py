@@ -4,9 +4,10 @@ verification taught (acceptance counters, per-request back-off). Owned by the Sc
 
 A speculating request is planned as an extend of 1 + k tokens after its computed prefix: its last sampled token
 (whose KV the step writes, as a decode would) and k draft tokens, each with a KV row of its own (`Req.draft_locs`,
-outside `computed_len`). Rank 0 scores all of them in one forward and accepts drafts while each equals the model's
-greedy token before it (output_writer.py), then reports how many; `settle` keeps the accepted rows and frees the
-rest, so a rejected token's row never reaches the radix cache.
+outside `computed_len`). Rank 0 scores all of them in one forward and accepts drafts (a greedy request's while each
+equals the model's greedy token before it, a sampling request's by speculative sampling: model_infer/spec_verify.py),
+then reports how many; `settle` keeps the accepted rows and frees the rest, so a rejected token's row never reaches
+the radix cache.
 """
 from __future__ import annotations
 
@@ -66,11 +67,14 @@ class Speculation:
 
     @staticmethod
     def admits(params: np.void) -> bool:
-        """Whether a request's sampling params (a PARAMS_DTYPE record) let it speculate: greedy, and nothing that
-        changes or reports the distribution per token (a grammar, bias, allowed ids, penalties, top logprobs), so that
-        rank 0's argmax at every draft position is the token the request would have got without speculation."""
-        greedy = params["temperature"] <= 0 or params["top_k"] == 1
-        return bool(greedy and params["grammar_kind"] == 0 and params["top_logprobs"] == 0
+        """Whether a request's sampling params (a PARAMS_DTYPE record) let it speculate: greedy or sampling
+        (temperature, top_p, top_k, min_p; rank 0 verifies the one by argmax, the other by speculative sampling,
+        model_infer/spec_verify.py), with nothing that changes or reports the distribution per token. Excluded:
+        penalties and a grammar, which depend on the tokens before each position (rank 0 would have to apply them
+        to every draft position with the drafts before it as history, and roll a grammar back past a rejection);
+        logit bias and allowed ids, which the verify path does not apply (it scores unprocessed logits); top
+        logprobs, whose alternatives it does not write. Chosen-token logprobs are fine."""
+        return bool(params["grammar_kind"] == 0 and params["top_logprobs"] == 0
                     and params["num_logit_bias"] == 0 and params["num_allowed_token_ids"] == 0
                     and params["repetition_penalty"] == 1.0 and params["presence_penalty"] == 0.0
                     and params["frequency_penalty"] == 0.0)

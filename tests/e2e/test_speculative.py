@@ -1,7 +1,8 @@
 """Speculative decoding end to end: a server with --speculative_algorithm ngram gives the same greedy tokens and
 finish reasons as one without, on prompts with something to copy (a list written out again, where drafts are
 accepted) and with nothing to copy, with requests that end by eos, a stop id, a stop string and max_tokens inside
-a burst, beside a sampling request that does not speculate; its metrics count accepted drafts."""
+a burst, beside a sampling request (which speculates too, so its tokens differ from the plain server's); its metrics
+count accepted drafts. A seeded sampling request speculates and gives the same text on every run."""
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +38,7 @@ def _bodies() -> list[dict]:
         {"inputs": "The capital of France is", "parameters": {"max_new_tokens": 16}},          # nothing to copy
         {"inputs": chat_prompt("Say hi."), "parameters": {"max_new_tokens": 24}},
         {"inputs": listing, "parameters": {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8,
-                                           "seed": 7}},                                         # samples: no drafts
+                                           "seed": 7}},                                         # samples: last
     ]
     for body in bodies:
         body["parameters"] |= {"return_details": True, "add_special_tokens": False}
@@ -62,6 +63,7 @@ def test_ngram_speculation_gives_the_same_greedy_output(servers):
     spec_server, plain = servers
     bodies = _bodies()
     got, want = _run(spec_server.url, bodies), _run(plain.url, bodies)
+    got, want = got[:-1], want[:-1]        # the sampling request's tokens differ with speculation (spec_verify.py)
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert [g[2] for g in got] == [w[2] for w in want]
     reasons = [reason for _, reason, _ in want]
@@ -75,3 +77,31 @@ def test_ngram_speculation_gives_the_same_greedy_output(servers):
     accepted = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
     assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name=' in text
+
+
+def _num_drafts(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    line = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
+    assert line, "no vllm:spec_decode_num_drafts_total"
+    return float(line[0].rsplit(" ", 1)[1])
+
+
+def test_seeded_sampling_speculates_and_repeats(servers):
+    """Temperature 0.8 with a seed on a prompt to copy: the request carries drafts, and its text is the same on
+    every run (the random numbers are keyed by seed and output index, spec_verify.py), with drafts accepted.
+    NOTE: a different text than the server without speculation gives for the seed (vLLM's behaviour too)."""
+    spec_server, _ = servers
+    fruit = "apple, banana, cherry, grape, lemon, mango, orange, peach, pear, plum"
+    body = {"inputs": "\n".join([fruit] * 4) + "\n", "parameters": {
+        "max_new_tokens": 24, "do_sample": True, "temperature": 0.8, "top_p": 0.95, "seed": 11,
+        "add_special_tokens": False}}
+    assert wait_until(lambda: spec_server.metrics()["lightserve_requests_running"] == 0, 30)
+    before, accepted_before = _num_drafts(spec_server), spec_server.metrics()["lightserve_spec_accepted_tokens_total"]
+    texts = []
+    for _ in range(2):
+        resp = httpx.post(spec_server.url + "/generate", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        texts.append(resp.json()["generated_text"])
+    assert texts[0] == texts[1] and texts[0]
+    assert _num_drafts(spec_server) > before
+    assert spec_server.metrics()["lightserve_spec_accepted_tokens_total"] > accepted_before

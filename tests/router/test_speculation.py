@@ -225,10 +225,32 @@ def test_stop_id_and_length_inside_a_burst(pool):
     assert sched.counters["generation_tokens_total"] == 17
 
 
-def test_no_speculation_for_sampling_requests_big_batches_or_nothing_to_copy(pool):
+@pytest.mark.parametrize("kw, admitted", [
+    (dict(), True), (dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=3), True),
+    (dict(temperature=0.8, repetition_penalty=1.1), False), (dict(presence_penalty=0.5), False),
+    (dict(frequency_penalty=0.5), False), (dict(temperature=0.8, logit_bias={5: 1.0}), False),
+    (dict(allowed_token_ids=[5, 6]), False), (dict(temperature=0.8, top_logprobs=2), False),
+    (dict(grammar_kind=1, grammar="{}"), False),
+], ids=["greedy", "sampling", "repetition", "presence", "frequency", "bias", "allowed", "top_logprobs", "grammar"])
+def test_admits_greedy_and_sampling_requests_without_per_token_processing(pool, kw, admitted):
+    pool.acquire(0, req_id=1)
+    pool.write_request(0, [1, 2, 3], SamplingParams(max_new_tokens=8, **kw), seed=0)
+    assert Speculation.admits(pool.params[0]) == admitted
+
+
+def test_sampling_request_speculates(pool):
+    """The fake rank 0 verifies by its own rule; what matters here is that the router plans drafts for the request."""
+    sched = make_scheduler(pool)
+    add(sched, pool, 0, chain(5, 30) + [1, 2, 5], temperature=0.8, top_p=0.9, seed=1)
+    records = run(sched, pool, FakeRank0(pool))
+    assert any(r.plan.spec_lens.any() for r in records)
+    assert sched.speculation.counters["spec_accepted_tokens_total"] > 0
+
+
+def test_no_speculation_for_penalized_requests_big_batches_or_nothing_to_copy(pool):
     sched = make_scheduler(pool, max_batch=2)
     rank0 = FakeRank0(pool)
-    add(sched, pool, 0, chain(5, 30) + [1, 2, 5], temperature=0.8)   # sampling: never speculates
+    add(sched, pool, 0, chain(5, 30) + [1, 2, 5], temperature=0.8, repetition_penalty=1.2)   # never speculates
     add(sched, pool, 1, [1, 2, 3, 4, 6, 9, 11, 12, 5])                 # nothing to copy: backs off
     records = run(sched, pool, rank0)
     assert not any(r.plan.spec_lens.size for r in records)

@@ -26,7 +26,7 @@ from lightserve.kernels.quant_linear import BLOCK_SHAPES, QuantLinear
 if TYPE_CHECKING:
     from lightserve.kernels.lora import LoraSegments, Slice
 
-    # One group's stacked LoRA weights: a [num_slots, R, K], bt [num_slots, R, N] float32, the expand's slices.
+    # One group's stacked LoRA weights: a [num_slots, R, K], bt [num_slots, R, N] float32 or bf16, the expand's slices.
     LoraStack = tuple[Tensor, Tensor, tuple[Slice, ...]]
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
@@ -44,12 +44,14 @@ class LayerArgs(ctypes.Structure):
 
 
 LORA_GROUPS = 4  # decoder_layers.c's LoraGroupArgs per layer: QKV, O, GATE_UP, DOWN (model_infer/lora.py's LoraGroup)
+LORA_C_DTYPES = (torch.float32, torch.bfloat16)  # of the stacks lora.c reads (LoraGroupArgs.w_bf16)
 
 
 class LoraGroupArgs(ctypes.Structure):
     """decoder_layers.c's LoraGroupArgs: one layer's stacked LoRA weights of one group of projections."""
 
-    _fields_ = [("a", _P), ("bt", _P), ("slices", _P), ("targeted", _P), ("rank", _I32), ("num_slices", _I32)]
+    _fields_ = [("a", _P), ("bt", _P), ("slices", _P), ("targeted", _P), ("rank", _I32), ("num_slices", _I32),
+                ("w_bf16", _I32)]
 
 
 class LoraStep(ctypes.Structure):
@@ -203,10 +205,11 @@ class CpuDecoderLayers:
 
     def bind_lora(self, stacks: Sequence[Sequence[LoraStack | None]], targeted: np.ndarray) -> None:
         """Run the steps with LoRA segments on these adapters: stacks[layer][group] (LORA_GROUPS of them, in
-        model_infer/lora.py's LoraGroup order) as that group's (a, bt, slices), None where no adapter can target it;
+        model_infer/lora.py's LoraGroup order) as that group's (a, bt, slices), None where no adapter can target it,
+        a and bt float32 or bf16 (--lora_dtype; float16 stacks run the per-kernel forward, whose dispatch takes them);
         targeted [layers, LORA_GROUPS, num_slots] uint8, 1 where a slot's adapter targets the group in the layer.
         The store fills slots in place later (the tensors and the table keep their memory), so this binds once.
-        ValueError for stacks of other shapes than the layers' projections."""
+        ValueError for stacks of other shapes than the layers' projections, or of another dtype."""
         sh = self.shape
         num_layers = len(self.layers)
         num_slots = targeted.shape[-1]
@@ -225,18 +228,19 @@ class CpuDecoderLayers:
                     continue
                 a, bt, slices = stack
                 (k, n), r = widths[g], a.shape[1]
-                if not (a.dtype == bt.dtype == torch.float32 and a.is_cpu and bt.is_cpu and a.is_contiguous()
-                        and bt.is_contiguous() and a.shape == (num_slots, r, k) and bt.shape == (num_slots, r, n)):
-                    raise ValueError(f"decoder_layers: LoRA stacks of layer {layer} group {g}: a {tuple(a.shape)}, "
-                                     f"bt {tuple(bt.shape)} {bt.dtype}, want [{num_slots}, R, {k}] and "
-                                     f"[{num_slots}, R, {n}] float32")
+                if not (a.dtype == bt.dtype and a.dtype in LORA_C_DTYPES and a.is_cpu and bt.is_cpu
+                        and a.is_contiguous() and bt.is_contiguous() and a.shape == (num_slots, r, k)
+                        and bt.shape == (num_slots, r, n)):
+                    raise ValueError(f"decoder_layers: LoRA stacks of layer {layer} group {g}: a {tuple(a.shape)} "
+                                     f"{a.dtype}, bt {tuple(bt.shape)} {bt.dtype}, want [{num_slots}, R, {k}] and "
+                                     f"[{num_slots}, R, {n}], both float32 or both bfloat16")
                 flat = [int(v) for sl in slices for v in sl]  # [num_slices, 4] (r0, rj, n0, nj)
                 table = (_I32 * max(len(flat), 1))(*flat)
                 num_slices = len(slices)
                 held.append(table)
                 targets = targeted.ctypes.data + (layer * LORA_GROUPS + g) * num_slots  # [num_slots] uint8
                 args[layer * LORA_GROUPS + g] = LoraGroupArgs(a.data_ptr(), bt.data_ptr(), ctypes.addressof(table),
-                                                              targets, r, num_slices)
+                                                              targets, r, num_slices, a.dtype == torch.bfloat16)
         self._lora = ([stacks, held], targeted, args, num_slots)
         self._bound = None  # the layer args point at the descriptors: built anew at the next step
 

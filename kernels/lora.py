@@ -8,13 +8,15 @@ belong to no segment. Each adapter occupies a slot of stacked, rank-padded weigh
 
 A fused projection (q/k/v, gate/up) is one shrink over its A's stacked along R and one expand whose slices map each
 rank block to its own output columns. The adapter's scaling (alpha/r, rsLoRA's alpha/sqrt(r)) is folded into BT at
-load. A and BT are float32 whatever the activation dtype (they are small); xa is float32; y is updated in place.
+load. A and BT are stored in --lora_dtype (float32, bfloat16 or float16, both the same) whatever the activation dtype,
+and every kernel widens them to float32 as it loads them: products and sums are float32, so bf16 stacks only halve
+the bytes read (at batch 1 the product is bound by them); xa is float32; y is updated in place.
 
 The model calls `lora_apply` (shrink then expand, one C call on CPU: a ctypes call costs 5-10 us and a step makes four
 LoRA products a layer); `lora_shrink` and `lora_expand` are its halves. Each dispatches to Triton where runs_triton
 says so (segment-parallel kernels below: a grid over segments x token blocks x output blocks), to
-kernels/cpu/lora.c on CPU for float32 and bfloat16 activations, else to the reference. The file holds the op's
-reference, its C wrappers and its Triton kernels together (one op, one file), hence its length.
+kernels/cpu/lora.c on CPU for float32 and bfloat16 activations and weights, else (float16 on CPU) to the reference.
+The file holds the op's reference, its C wrappers and its Triton kernels together (one op, one file), hence its length.
 """
 from __future__ import annotations
 
@@ -78,20 +80,21 @@ Slice = tuple[int, int, int, int]
 
 
 def lora_shrink_ref(x: Tensor, a: Tensor, segs: LoraSegments) -> Tensor:
-    """x [T, K] (model dtype), a [num_slots, R, K] float32 -> xa [T, R] float32; rows outside every segment zero."""
+    """x [T, K] (model dtype), a [num_slots, R, K] (its dtype widened to float32) -> xa [T, R] float32; rows outside
+    every segment zero."""
     xa = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     for s0, n, slot in zip(segs.host_starts.tolist(), segs.host_lens.tolist(), segs.host_slots.tolist()):
-        xa[s0:s0 + n] = x[s0:s0 + n].float() @ a[slot].t()
+        xa[s0:s0 + n] = x[s0:s0 + n].float() @ a[slot].float().t()
     return xa
 
 
 def lora_expand_ref(y: Tensor, xa: Tensor, bt: Tensor, segs: LoraSegments, slices: tuple[Slice, ...]) -> Tensor:
-    """y [T, N] (model dtype) += each slice's xa [T, R] block @ bt [num_slots, R, N] block, in float32, rounded once
-    to y's dtype; rows outside every segment untouched. Returns y."""
+    """y [T, N] (model dtype) += each slice's xa [T, R] block @ bt [num_slots, R, N] block (bt's dtype widened), in
+    float32, rounded once to y's dtype; rows outside every segment untouched. Returns y."""
     for s0, n, slot in zip(segs.host_starts.tolist(), segs.host_lens.tolist(), segs.host_slots.tolist()):
         rows = y[s0:s0 + n]
         for r0, rj, n0, nj in slices:
-            delta = xa[s0:s0 + n, r0:r0 + rj] @ bt[slot, r0:r0 + rj, n0:n0 + nj]   # [n, nj] float32
+            delta = xa[s0:s0 + n, r0:r0 + rj] @ bt[slot, r0:r0 + rj, n0:n0 + nj].float()   # [n, nj] float32
             rows[:, n0:n0 + nj] = (rows[:, n0:n0 + nj].float() + delta).to(y.dtype)
     return y
 
@@ -138,15 +141,16 @@ def lora_apply(y: Tensor, x: Tensor, a: Tensor, bt: Tensor, segs: LoraSegments |
 
 # ---------------------------------------------------------------------------------------------------------------
 # CPU: kernels/cpu/lora.c. Each wrapper returns None where the C kernel does not run (no library, a non-CPU tensor,
-# another dtype or layout); `lib` is a kernel library other than the default build (tests of each build).
+# another dtype or layout: float16 activations or weights); `lib` is a kernel library other than the default build
+# (tests of each build).
 # cpu_kernels.library is looked up at each call, so a test that patches it out sends these to the reference.
 
 def lora_shrink_cpu(x: Tensor, a: Tensor, segs: LoraSegments, lib=None) -> Tensor | None:
-    """lora.c's lora_shrink: x [T, K] float32 or bf16 (rows may be strided), a [num_slots, R, K] float32 ->
+    """lora.c's lora_shrink: x [T, K] float32 or bf16 (rows may be strided), a [num_slots, R, K] float32 or bf16 ->
     xa [T, R] float32."""
     lib = lib or cpu_kernels.library()
     if lib is None or not (x.is_cpu and a.is_cpu) or x.dtype not in cpu_kernels.C_DTYPES or x.stride(1) != 1 \
-            or a.dtype != torch.float32:
+            or a.dtype not in cpu_kernels.C_DTYPES:
         return None
     t, k = x.shape
     num_slots, r, _ = a.shape
@@ -155,17 +159,19 @@ def lora_shrink_cpu(x: Tensor, a: Tensor, segs: LoraSegments, lib=None) -> Tenso
     xa = torch.empty(t, r, dtype=torch.float32)  # [T, R]; the kernel zeroes the rows outside every segment
     with cpu_kernels.profiled("lora_cpu"):  # visible in scripts/profile_step.py
         rc = lib.lora_shrink(x.data_ptr(), x.stride(0), x.dtype == torch.bfloat16, t, k, a.data_ptr(),
-                             num_slots, r, *segs.host_c_args, xa.data_ptr(), torch.get_num_threads())
+                             a.dtype == torch.bfloat16, num_slots, r, *segs.host_c_args, xa.data_ptr(),
+                             torch.get_num_threads())
     return _checked(rc, xa)
 
 
 def lora_expand_cpu(y: Tensor, xa: Tensor, bt: Tensor, segs: LoraSegments, slices: tuple[Slice, ...],
                     lib=None) -> Tensor | None:
     """lora.c's lora_expand: y [T, N] float32 or bf16 (rows may be strided) += xa [T, R] float32 (rows may be
-    strided) by bt [num_slots, R, N] float32, in place. Returns y."""
+    strided) by bt [num_slots, R, N] float32 or bf16, in place. Returns y."""
     lib = lib or cpu_kernels.library()
     if lib is None or not (y.is_cpu and xa.is_cpu and bt.is_cpu) or y.dtype not in cpu_kernels.C_DTYPES \
-            or y.stride(1) != 1 or xa.dtype != torch.float32 or xa.stride(1) != 1 or bt.dtype != torch.float32:
+            or y.stride(1) != 1 or xa.dtype != torch.float32 or xa.stride(1) != 1 \
+            or bt.dtype not in cpu_kernels.C_DTYPES:
         return None
     t, n = y.shape
     num_slots, r, _ = bt.shape
@@ -174,22 +180,22 @@ def lora_expand_cpu(y: Tensor, xa: Tensor, bt: Tensor, segs: LoraSegments, slice
     table, num_slices = _c_slices(slices if type(slices) is tuple else _as_slices(slices))
     with cpu_kernels.profiled("lora_cpu"):
         rc = lib.lora_expand(y.data_ptr(), y.stride(0), y.dtype == torch.bfloat16, t, n, xa.data_ptr(),
-                             xa.stride(0), bt.data_ptr(), num_slots, r, *segs.host_c_args, table, num_slices,
-                             torch.get_num_threads())
+                             xa.stride(0), bt.data_ptr(), bt.dtype == torch.bfloat16, num_slots, r,
+                             *segs.host_c_args, table, num_slices, torch.get_num_threads())
     return _checked(rc, y)
 
 
 def lora_apply_cpu(y: Tensor, x: Tensor, a: Tensor, bt: Tensor, segs: LoraSegments, slices: tuple[Slice, ...],
                    lib=None) -> Tensor | None:
     """lora.c's lora_apply, shrink and expand in one call (xa in a scratch buffer of the kernel's): y [T, N] and
-    x [T, K] float32 or bf16 (rows of each may be strided), a [num_slots, R, K] and bt [num_slots, R, N] float32;
-    y updated in place. Returns y."""
+    x [T, K] float32 or bf16 (rows of each may be strided), a [num_slots, R, K] and bt [num_slots, R, N] float32 or
+    bf16 (the same); y updated in place. Returns y."""
     # NOTE: the model calls this 4 times a layer in every step, so the checks are kept to cheap attribute reads
     # (a batch-1 call of SmolLM2's shapes is about 10 us in all, half of it ctypes' argument conversion).
     lib = lib or cpu_kernels.library()
     if lib is None or not (y.is_cpu and x.is_cpu and a.is_cpu and bt.is_cpu) \
             or y.dtype not in cpu_kernels.C_DTYPES or x.dtype not in cpu_kernels.C_DTYPES \
-            or a.dtype != torch.float32 or bt.dtype != torch.float32 or y.stride(1) != 1 or x.stride(1) != 1:
+            or a.dtype not in cpu_kernels.C_DTYPES or bt.dtype != a.dtype or y.stride(1) != 1 or x.stride(1) != 1:
         return None
     t, n = y.shape
     num_slots, r, k = a.shape
@@ -198,17 +204,19 @@ def lora_apply_cpu(y: Tensor, x: Tensor, a: Tensor, bt: Tensor, segs: LoraSegmen
     table, num_slices = _c_slices(slices if type(slices) is tuple else _as_slices(slices))
     with cpu_kernels.profiled("lora_cpu"):
         rc = lib.lora_apply(y.data_ptr(), y.stride(0), y.dtype == torch.bfloat16, x.data_ptr(), x.stride(0),
-                            x.dtype == torch.bfloat16, t, k, n, a.data_ptr(), bt.data_ptr(), num_slots, r,
-                            *segs.host_c_args, table, num_slices, torch.get_num_threads())
+                            x.dtype == torch.bfloat16, t, k, n, a.data_ptr(), bt.data_ptr(), a.dtype == torch.bfloat16,
+                            num_slots, r, *segs.host_c_args, table, num_slices, torch.get_num_threads())
     return _checked(rc, y)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Triton: segment-parallel. Program (segment x token block, output block[, K split]); a segment's tokens fill the
 # BLOCK_T rows of a tile, so each program reads its block of A[slot] or BT[slot] once for up to BLOCK_T tokens.
-# Products in float32 (input_precision "ieee": the reference's float32 GEMM, not tf32's 10-bit operands).
+# A and BT are loaded in their dtype (half the bytes in bf16/fp16) and widened to float32 in registers; products in
+# float32 (input_precision "ieee": the reference's float32 GEMM, not tf32's 10-bit operands).
 
 _BLOCK_T = 16  # tl.dot's smallest tile side; a decode segment of 1-8 tokens leaves the rest masked
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of A and BT (--lora_dtype)
 
 
 @triton.jit(do_not_specialize=["token_blocks", "k_per_split"])
@@ -237,7 +245,7 @@ def _shrink_kernel(
         xt = tl.load(x_ptr + rows[:, None] * x_row + kk[None, :], mask=t_mask[:, None] & k_mask[None, :],
                      other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_K]
         at = tl.load(a_base + offs_r[None, :] * K + kk[:, None], mask=k_mask[:, None] & r_mask[None, :],
-                     other=0.0)  # [BLOCK_K, BLOCK_R]
+                     other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_R]
         acc += tl.dot(xt, at, input_precision="ieee")
     out = xa_ptr + rows[:, None] * R + offs_r[None, :]
     if SPLIT:  # the K splits of a tile add into xa, which starts at zero
@@ -276,7 +284,7 @@ def _expand_kernel(
         xat = tl.load(xa_ptr + rows[:, None] * xa_row + (r0 + ranks)[None, :],
                       mask=t_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_T, BLOCK_R]
         btt = tl.load(bt_base + (r0 + ranks)[:, None] * N + cols[None, :], mask=r_mask[:, None] & n_mask[None, :],
-                      other=0.0)  # [BLOCK_R, BLOCK_N]
+                      other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
         acc += tl.dot(xat, btt, input_precision="ieee")
     mask = t_mask[:, None] & n_mask[None, :]
     yp = y_ptr + rows[:, None] * y_row + cols[None, :]
@@ -285,12 +293,13 @@ def _expand_kernel(
 
 
 def lora_shrink_triton(x: Tensor, a: Tensor, segs: LoraSegments) -> Tensor:
-    """x [T, K] (rows may be strided), a [num_slots, R, K] float32 -> xa [T, R] float32. When the grid is too small
-    to fill the GPU (a decode step of few segments), K is split across programs that add into xa atomically."""
+    """x [T, K] (rows may be strided), a [num_slots, R, K] float32, bf16 or fp16 -> xa [T, R] float32. When the grid
+    is too small to fill the GPU (a decode step of few segments), K is split across programs that add into xa
+    atomically."""
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     t, k = x.shape
     num_slots, r, _ = a.shape
-    assert a.shape == (num_slots, r, k) and a.dtype == torch.float32, (x.shape, a.shape, a.dtype)
+    assert a.shape == (num_slots, r, k) and a.dtype in _WEIGHT_DTYPES, (x.shape, a.shape, a.dtype)
     a = a.contiguous()
     xa = torch.zeros(t, r, dtype=torch.float32, device=x.device)  # [T, R]
     if segs.num_segments == 0 or t == 0:
@@ -310,13 +319,13 @@ def lora_shrink_triton(x: Tensor, a: Tensor, segs: LoraSegments) -> Tensor:
 
 
 def lora_expand_triton(y: Tensor, xa: Tensor, bt: Tensor, segs: LoraSegments, slices: tuple[Slice, ...]) -> Tensor:
-    """y [T, N] (rows may be strided) += xa [T, R] float32 by bt [num_slots, R, N] float32, in place, one launch
-    for all slices. Returns y."""
+    """y [T, N] (rows may be strided) += xa [T, R] float32 by bt [num_slots, R, N] float32, bf16 or fp16, in place,
+    one launch for all slices. Returns y."""
     assert y.dim() == 2 and y.stride(1) == 1 and xa.stride(1) == 1, (y.shape, y.stride(), xa.stride())
     t, n = y.shape
     num_slots, r, _ = bt.shape
     assert bt.shape == (num_slots, r, n) and xa.shape == (t, r), (y.shape, xa.shape, bt.shape)
-    assert bt.dtype == torch.float32 and xa.dtype == torch.float32, (bt.dtype, xa.dtype)
+    assert bt.dtype in _WEIGHT_DTYPES and xa.dtype == torch.float32, (bt.dtype, xa.dtype)
     slices = _as_slices(slices)
     if segs.num_segments == 0 or not slices or t == 0:
         return y

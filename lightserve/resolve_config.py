@@ -55,6 +55,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     kv_dtype = config.kv_cache_dtype
     if kv_dtype is KVCacheDType.AUTO:
         kv_dtype = KVCacheDType(dtype.value)
+    lora_dtype = dtype if config.lora_dtype is DType.AUTO else config.lora_dtype
     batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
     join = config.prefill_join_tokens or (batch_max if device is Device.CUDA else CPU_PREFILL_JOIN_TOKENS)
     max_len = min(config.max_req_total_len or DEFAULT_MAX_REQ_TOTAL_LEN, model_config.max_context_len)
@@ -79,7 +80,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         _check_lora_modules(config, model_config, name)
     return replace(config, model_dir=model_dir, gguf_file=gguf_file, model=model_config, device=device,
                    kernel_backend=backend,
-                   data_type=dtype, kv_cache_dtype=kv_dtype,
+                   data_type=dtype, kv_cache_dtype=kv_dtype, lora_dtype=lora_dtype,
                    batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
                    prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,

@@ -2,13 +2,15 @@
 (kernels/lora.py), with a CPU cache of adapters already sharded and scaled. ModelRunner builds it when --enable_lora
 is set and loads adapters into slots on the router's LoadLora; the model (models/base.py) adds each step's deltas.
 
-Per layer and projection group (a fused projection is one group), float32 on the model's device, R = max rank:
+Per layer and projection group (a fused projection is one group), in --lora_dtype (LoraLimits.dtype: float32,
+bfloat16 or float16; the kernels widen to float32) on the model's device, R = max rank:
     qkv      A [slots, 3R, hidden]   BT [slots, 3R, q_out + 2 * kv_out]   rank blocks q | k | v
     o        A [slots, R, q_out]     BT [slots, R, hidden]
     gate_up  A [slots, 2R, hidden]   BT [slots, 2R, 2 * I_local]          rank blocks gate | up
     down     A [slots, R, I_local]   BT [slots, R, hidden]
 (q_out, kv_out, I_local: this rank's shard.) An adapter of rank r < R fills rows [0, r) of each rank block; a
-projection it does not target stays zero. BT = (scaling * B)^T, so the expand needs no scaling.
+projection it does not target stays zero. BT = (scaling * B)^T, so the expand needs no scaling; the scaling is
+folded in float32 and the product rounded once to the stacks' dtype.
 
 Tensor parallelism: the column-parallel groups (qkv, gate_up) keep B's rows of this rank's shard and all of A; the
 row-parallel ones (o, down) keep A's columns of this rank's shard and all of B. Each rank's delta of a row-parallel
@@ -55,18 +57,28 @@ _MODULE_GROUP = {
 }
 
 
+# The dtypes the stacks may be stored in (the kernels widen each to float32).
+LORA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @dataclass(frozen=True)
 class LoraLimits:
-    """--max_loras, --max_lora_rank and --max_cpu_loras (None = max_loras), what the store is sized by."""
+    """--max_loras, --max_lora_rank and --max_cpu_loras (None = max_loras), what the store is sized by, and
+    --lora_dtype as resolved (the stacks' dtype). ValueError naming --lora_dtype for a dtype not in LORA_DTYPES."""
     max_loras: int
     max_rank: int
     max_cpu_loras: int | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in LORA_DTYPES:
+            raise ValueError(f"--lora_dtype must be float32, bfloat16 or float16, got {self.dtype}")
 
 
 @dataclass(frozen=True)
 class GroupBuffers:
-    """One layer's stacked weights of one group: a [slots, blocks * R, K], bt [slots, blocks * R, N] float32, and the
-    expand's slices (rank block j writes its own output columns)."""
+    """One layer's stacked weights of one group: a [slots, blocks * R, K], bt [slots, blocks * R, N] in the limits'
+    dtype, and the expand's slices (rank block j writes its own output columns)."""
     a: torch.Tensor
     bt: torch.Tensor
     slices: tuple[Slice, ...]
@@ -75,7 +87,8 @@ class GroupBuffers:
 @dataclass(frozen=True)
 class CachedAdapter:
     """An adapter as this rank keeps it in CPU memory: per (layer, module), this rank's shard of A [r, K] and of
-    (scaling * B)^T [r, N], float32."""
+    (scaling * B)^T [r, N], in the stacks' dtype (rounded once, at the read: half the cache's memory in bf16, and a
+    slot's fill a plain copy)."""
     lora_id: int
     path: str
     rank: int
@@ -103,8 +116,8 @@ class LoraWeights:
                 starts = np.cumsum((0, *widths[:-1]))
                 slices = tuple((j * r, r, int(n0), n) for j, (n0, n) in enumerate(zip(starts, widths)))
                 groups[group] = GroupBuffers(
-                    a=torch.zeros(self.num_slots, len(widths) * r, k, dtype=torch.float32, device=device),
-                    bt=torch.zeros(self.num_slots, len(widths) * r, sum(widths), dtype=torch.float32, device=device),
+                    a=torch.zeros(self.num_slots, len(widths) * r, k, dtype=limits.dtype, device=device),
+                    bt=torch.zeros(self.num_slots, len(widths) * r, sum(widths), dtype=limits.dtype, device=device),
                     slices=slices)
             self.layers.append(groups)
         # [layer, group, slot]: 1 where the slot's adapter targets the group there; the forward skips a group none
@@ -179,12 +192,15 @@ class LoraWeights:
         lora_apply(y, x, buffers.a, buffers.bt, segs, buffers.slices, backend)  # shrink and expand in one call
 
     def _read(self, lora_id: int, path: str) -> CachedAdapter:
-        """The adapter from disk: checked, this rank's shard cut, scaling folded into B."""
+        """The adapter from disk: checked, this rank's shard cut, scaling folded into B in float32, both then
+        rounded to the stacks' dtype."""
         adapter = read_lora_adapter(path, self.model, self.limits.max_rank)
         modules = {}
         for (layer, module), (a, b) in load_lora_tensors(adapter).items():
             a, b = self._shard(module, a, b)
-            modules[layer, module] = (a.contiguous(), (adapter.scaling * b).t().contiguous())  # [r, K], [r, N]
+            dtype = self.limits.dtype
+            modules[layer, module] = (a.to(dtype).contiguous(),                       # [r, K]
+                                      (adapter.scaling * b).t().to(dtype).contiguous())  # [r, N]
         return CachedAdapter(lora_id, path, adapter.rank, modules)
 
     def _shard(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

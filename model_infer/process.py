@@ -32,7 +32,7 @@ TP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """A --data_type or resolved --kv_cache_dtype value as a torch dtype."""
+    """A resolved --data_type, --kv_cache_dtype or --lora_dtype value as a torch dtype."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8,
             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[name]
 
@@ -58,8 +58,8 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                              kv_dtype=torch_dtype(config.kv_cache_dtype.value),
                              int8_activations=config.quant_activations is QuantActivations.INT8,
                              cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size,
-                             lora=LoraLimits(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-                             if config.enable_lora else None)
+                             lora=LoraLimits(config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                                             torch_dtype(config.lora_dtype.value)) if config.enable_lora else None)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.
             size = torch.tensor([runner.kv_size], dtype=torch.long, device=device)

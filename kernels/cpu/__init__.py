@@ -94,7 +94,7 @@ def variant_library(name: str, defines: dict[str, int] | None = None) -> ctypes.
         return None
 
 
-C_DTYPES = (torch.float32, torch.bfloat16)  # the activation dtypes the C kernels take
+C_DTYPES = (torch.float32, torch.bfloat16)  # the activation dtypes the C kernels take (and lora.c's weights)
 
 
 # Seconds by label of the labelled C calls made inside kernel_times() (None outside it).

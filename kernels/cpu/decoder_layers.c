@@ -62,13 +62,15 @@ typedef struct QuantWeight {
     const uint8_t *blocks[QUANT_MAX_SEGMENTS];
 } QuantWeight;
 
-// One layer's stacked LoRA weights of one group of projections (model_infer/lora.py's GroupBuffers), float32:
-// a [num_slots, R, K], bt [num_slots, R, N] with the adapters' scaling folded in, and the expand's slices.
+// One layer's stacked LoRA weights of one group of projections (model_infer/lora.py's GroupBuffers), float32 or
+// bfloat16 (w_bf16; --lora_dtype): a [num_slots, R, K], bt [num_slots, R, N] with the adapters' scaling folded in, and
+// the expand's slices.
 typedef struct LoraGroupArgs {
-    const float *a, *bt;
+    const void *a, *bt;
     const int32_t *slices;    // [num_slices, 4] (r0, rj, n0, nj): rank rows [r0, r0 + rj) write columns [n0, n0 + nj)
     const uint8_t *targeted;  // [num_slots]: 1 where the slot's adapter targets this group in this layer
     int32_t rank, num_slices; // rank: R, the rows of a slot's a and bt (all rank blocks of the group)
+    int32_t w_bf16;           // 1: a and bt are bf16
 } LoraGroupArgs;
 
 // The groups in LoraGroupArgs arrays, in model_infer/lora.py's LoraGroup order.
@@ -155,6 +157,7 @@ static const struct {
     FIELD_AT(LayerArgs, down_q), FIELD_AT(LayerArgs, lora),
     SIZE_OF(LoraGroupArgs), FIELD_AT(LoraGroupArgs, a), FIELD_AT(LoraGroupArgs, bt), FIELD_AT(LoraGroupArgs, slices),
     FIELD_AT(LoraGroupArgs, targeted), FIELD_AT(LoraGroupArgs, rank), FIELD_AT(LoraGroupArgs, num_slices),
+    FIELD_AT(LoraGroupArgs, w_bf16),
     SIZE_OF(LoraStep), FIELD_AT(LoraStep, starts), FIELD_AT(LoraStep, lens), FIELD_AT(LoraStep, slots),
     FIELD_AT(LoraStep, segments), FIELD_AT(LoraStep, num_slots),
     SIZE_OF(QuantWeight), FIELD_AT(QuantWeight, segments), FIELD_AT(QuantWeight, int8_dot),
@@ -250,8 +253,8 @@ static const LoraGroupArgs *lora_group(const LoraStep *ls, const LayerArgs *w, i
 // arguments kernels/lora.py's lora_apply_cpu gives it for the per-kernel forward's tensors.
 static int add_lora(const LoraStep *ls, const LoraGroupArgs *lg, void *y, int N, const void *x, int K, int T,
                     int bf16, int threads) {
-    return lora_apply(y, N, bf16, x, K, bf16, T, K, N, lg->a, lg->bt, ls->num_slots, lg->rank, ls->starts, ls->lens,
-                      ls->slots, ls->segments, lg->slices, lg->num_slices, threads);
+    return lora_apply(y, N, bf16, x, K, bf16, T, K, N, lg->a, lg->bt, lg->w_bf16, ls->num_slots, lg->rank, ls->starts,
+                      ls->lens, ls->slots, ls->segments, lg->slices, lg->num_slices, threads);
 }
 
 // 1 when decoder_layers takes this model: shapes its kernels take (the bf16 pair GEMMs need an even K).

@@ -79,15 +79,17 @@ int quant_dequant_rows(const uint8_t *w, int64_t w_row_bytes, int qtype, int K, 
                        float *out, int64_t out_row);
 
 // lora.c: LoRA's segmented shrink and expand (kernels/lora.py); 0, -1 for segments or slices out of range (nothing
-// written), -2 when out of memory. starts/lens/slots [S] int32, slices [num_slices, 4] int32 (r0, rj, n0, nj).
-int lora_shrink(const void *x, int64_t x_row, int x_bf16, int T, int K, const float *a, int num_slots, int R,
-                const int32_t *starts, const int32_t *lens, const int32_t *slots, int S, float *xa, int threads);
-int lora_expand(void *y, int64_t y_row, int y_bf16, int T, int N, const float *xa, int64_t xa_row, const float *bt,
-                int num_slots, int R, const int32_t *starts, const int32_t *lens, const int32_t *slots, int S,
-                const int32_t *slices, int num_slices, int threads);
+// written), -2 when out of memory. starts/lens/slots [S] int32, slices [num_slices, 4] int32 (r0, rj, n0, nj);
+// a and bt float32, or bfloat16 with w_bf16.
+int lora_shrink(const void *x, int64_t x_row, int x_bf16, int T, int K, const void *a, int w_bf16, int num_slots,
+                int R, const int32_t *starts, const int32_t *lens, const int32_t *slots, int S, float *xa,
+                int threads);
+int lora_expand(void *y, int64_t y_row, int y_bf16, int T, int N, const float *xa, int64_t xa_row, const void *bt,
+                int w_bf16, int num_slots, int R, const int32_t *starts, const int32_t *lens, const int32_t *slots,
+                int S, const int32_t *slices, int num_slices, int threads);
 int lora_apply(void *y, int64_t y_row, int y_bf16, const void *x, int64_t x_row, int x_bf16, int T, int K, int N,
-               const float *a, const float *bt, int num_slots, int R, const int32_t *starts, const int32_t *lens,
-               const int32_t *slots, int S, const int32_t *slices, int num_slices, int threads);
+               const void *a, const void *bt, int w_bf16, int num_slots, int R, const int32_t *starts,
+               const int32_t *lens, const int32_t *slots, int S, const int32_t *slices, int num_slices, int threads);
 
 // elementwise.c
 void silu_and_mul(const void *x, int64_t x_row, int64_t rows, int64_t inter, void *out, int bf16, int num_threads);

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from lightserve import envs, kernels
 from lightserve.config import KernelBackend
-from lightserve.kernels.decoder_layers import CpuDecoderLayers, DecoderLayer, ModelShape
+from lightserve.kernels.decoder_layers import LORA_C_DTYPES, CpuDecoderLayers, DecoderLayer, ModelShape
+from lightserve.log import get_logger
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
 from lightserve.model_infer.models.hf_config import base_fields, layer_windows, read_rope, refuse_keys
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from lightserve.model_infer.kv_cache import KVCache
     from lightserve.model_infer.lora import LoraWeights
     from lightserve.model_infer.weights import CheckpointReader
+
+logger = get_logger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -155,8 +158,14 @@ class LlamaForCausalLM(DecoderLM):
 
     def attach_lora(self, lora: LoraWeights) -> None:
         super().attach_lora(lora)
-        if self.cpu_layers is not None:  # the driver adds the deltas itself, so LoRA steps keep the one call
+        if self.cpu_layers is None:
+            return
+        if lora.limits.dtype in LORA_C_DTYPES:  # the driver adds the deltas itself, so LoRA steps keep the one call
             self.cpu_layers.bind_lora(lora.stacks(), lora.targeted)
+        else:  # float16 stacks, which lora.c does not read: every step runs kernel by kernel, LoRA by the reference
+            logger.warning("--lora_dtype %s on CPU: the one-call decoder layers are off and the LoRA products run in "
+                           "torch (float32 or bfloat16 run in C)", str(lora.limits.dtype).removeprefix("torch."))
+            self.cpu_layers = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

@@ -2,8 +2,10 @@
 build this CPU runs, over float32 and bf16 activations, segment patterns (base-model tokens between segments, one token,
 one long segment of several work chunks, many short segments, a slot in two separate runs), ranks 8/16/64 with 1, 2
 and 3 slices of uneven widths (N and K not multiples of the vector width, columns no slice writes) and strided x and
-y; what is outside every segment and slice stays bit for bit untouched. The Triton kernels in the interpreter (or on
-the GPU) on a few small cases; the dispatch; bad segments and slices refused; LoraSegments.from_token_slots.
+y; what is outside every segment and slice stays bit for bit untouched; the same over bf16 stacks (--lora_dtype),
+which every kernel widens to float32, so the reference widens them too. The Triton kernels in the interpreter (or on
+the GPU) on a few small cases, bf16 and fp16 stacks among them; the dispatch (fp16 stacks on CPU: the reference); bad
+segments and slices refused; LoraSegments.from_token_slots.
 
 Tolerance: the kernels sum float32 products in another order than the reference's GEMM, so each output may differ
 by 1e-5 of the sum of its terms' magnitudes (|y| + |x| |A| |BT|, computed by the reference on absolute values in
@@ -59,14 +61,15 @@ def segments(slots) -> LoraSegments:
     return segs
 
 
-def make_case(num_tokens: int, shape: str, dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu"):
+def make_case(num_tokens: int, shape: str, dtype: torch.dtype, seed: int = 0, device: torch.device | str = "cpu",
+              wdtype: torch.dtype = torch.float32):
     """x [T, K] and y [T, N] as strided views (rows wider than the tensor, starting off vector alignment), a and bt
-    of NUM_SLOTS slots."""
+    of NUM_SLOTS slots in wdtype."""
     k, r, n, slices = SHAPES[shape]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, k + 7, generator=g).to(dtype)[:, 3:3 + k]
-    a = torch.randn(NUM_SLOTS, r, k, generator=g) / k ** 0.5
-    bt = torch.randn(NUM_SLOTS, r, n, generator=g)
+    a = (torch.randn(NUM_SLOTS, r, k, generator=g) / k ** 0.5).to(wdtype)
+    bt = torch.randn(NUM_SLOTS, r, n, generator=g).to(wdtype)
     y = (torch.randn(num_tokens, n + 5, generator=g) * 4).to(dtype)[:, 1:1 + n]
     return *(t.to(device) for t in (x, a, bt, y)), slices
 
@@ -109,16 +112,9 @@ def assert_updated_like_reference(got, y0, want, mag, segs, slices):
     assert_within(got, want, mag)
 
 
-@needs_c
-@pytest.mark.parametrize("variant", c_library_variants())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_c_kernels_match_reference(variant, dtype, pattern, shape):
-    lib = variant_library(variant)
-    segs = segments(PATTERNS[pattern])
-    x, a, bt, y0, slices = make_case(len(PATTERNS[pattern]), shape, dtype, seed=len(pattern) + len(shape))
-
+def check_c_kernels(lib, segs, x, a, bt, y0, slices):
+    """lora_shrink_cpu, lora_expand_cpu and lora_apply_cpu of `lib` against the reference, over strided xa and y."""
+    dtype = x.dtype
     xa = lora_shrink_cpu(x, a, segs, lib=lib)
     want_xa = lora_shrink_ref(x, a, segs)
     assert xa is not None and xa.shape == want_xa.shape and xa.dtype == torch.float32
@@ -141,6 +137,32 @@ def test_c_kernels_match_reference(variant, dtype, pattern, shape):
     assert lora_apply_cpu(y, x, a, bt, segs, slices, lib=lib) is y
     assert torch.equal(wide[:, :4], torch.zeros(y.shape[0], 4, dtype=dtype)) and not wide[:, -5:].any()
     assert_updated_like_reference(y, y0, lora_apply_ref(y0.clone(), x, a, bt, segs, slices), mag, segs, slices)
+
+
+@needs_c
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_c_kernels_match_reference(variant, dtype, pattern, shape):
+    segs = segments(PATTERNS[pattern])
+    check_c_kernels(variant_library(variant), segs,
+                    *make_case(len(PATTERNS[pattern]), shape, dtype, seed=len(pattern) + len(shape)))
+
+
+@needs_c
+@pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_c_kernels_read_bf16_stacks(variant, dtype):
+    """bf16 A and BT (--lora_dtype bfloat16), widened as loaded: the shrink's rows, the expand's rows packed (segments
+    of 4 tokens or more) and read in place (fewer), the vector and scalar column tails; against the reference on the
+    same bf16 stacks, within the float32 tolerance."""
+    lib = variant_library(variant)
+    for pattern in ("interleaved", "long", "one_token"):
+        for shape in SHAPES:
+            x, a, bt, y0, slices = make_case(len(PATTERNS[pattern]), shape, dtype, seed=len(pattern) + len(shape),
+                                             wdtype=torch.bfloat16)
+            check_c_kernels(lib, segments(PATTERNS[pattern]), x, a, bt, y0, slices)
 
 
 @needs_c
@@ -170,18 +192,20 @@ def test_c_kernels_over_parallel_work_and_model_shapes(variant):
 
 @needs_c
 @pytest.mark.parametrize("variant", c_library_variants())
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16], ids=["f32_stacks", "bf16_stacks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_c_kernels_round_like_the_reference_where_sums_are_exact(variant, dtype):
+def test_c_kernels_round_like_the_reference_where_sums_are_exact(variant, dtype, wdtype):
     """Small integers everywhere: every sum is exact in float32 in any order, so the kernels must give the reference's
-    bits, bf16 roundings included (y + delta of 9 to 11 significant bits: ties rounded to even)."""
+    bits, bf16 roundings included (y + delta of 9 to 11 significant bits: ties rounded to even); bf16 stacks widen to
+    the same float32 values."""
     lib = variant_library(variant)
     segs = segments(PATTERNS["interleaved"])
     k, r, n, slices = SHAPES["r64_qkv"]
     g = torch.Generator().manual_seed(2)
     t = len(PATTERNS["interleaved"])
     x = torch.randint(-3, 4, (t, k), generator=g).to(dtype)
-    a = torch.randint(-2, 3, (NUM_SLOTS, r, k), generator=g).float()
-    bt = torch.randint(-2, 3, (NUM_SLOTS, r, n), generator=g).float()
+    a = torch.randint(-2, 3, (NUM_SLOTS, r, k), generator=g).to(wdtype)
+    bt = torch.randint(-2, 3, (NUM_SLOTS, r, n), generator=g).to(wdtype)
     y0 = torch.randint(-600, 601, (t, n), generator=g).to(dtype)
     want = lora_apply_ref(y0.clone(), x, a, bt, segs, slices)
     assert torch.equal(lora_apply_cpu(y0.clone(), x, a, bt, segs, slices, lib=lib), want)
@@ -235,7 +259,8 @@ def test_c_kernels_refuse_segments_and_slices_out_of_range():
 
 def test_dispatch_runs_c_on_cpu_and_the_reference_without_it(monkeypatch):
     """lora_apply / lora_shrink / lora_expand on CPU tensors call lora.c (its label shows in kernel_times) where it
-    is built, the reference where it is not or for another dtype (float16), with the same results."""
+    is built, the reference where it is not or for another dtype (float16 activations or stacks), with the same
+    results."""
     segs = segments(PATTERNS["interleaved"])
     x, a, bt, y0, slices = make_case(len(PATTERNS["interleaved"]), "r64_qkv", torch.float32)
     mag = magnitudes(y0, x, a, bt, segs, slices)
@@ -250,27 +275,34 @@ def test_dispatch_runs_c_on_cpu_and_the_reference_without_it(monkeypatch):
     half = y0.half()
     assert torch.equal(lora_apply(half.clone(), x.half(), a, bt, segs, slices, backend=KernelBackend.CPU),
                        lora_apply_ref(half.clone(), x.half(), a, bt, segs, slices))
+    assert lora_apply_cpu(y0.clone(), x, a.half(), bt.half(), segs, slices) is None
+    assert lora_shrink_cpu(x, a.half(), segs) is None
+    assert torch.equal(lora_apply(y0.clone(), x, a.half(), bt.half(), segs, slices, backend=KernelBackend.CPU),
+                       lora_apply_ref(y0.clone(), x, a.half(), bt.half(), segs, slices))
     monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     assert lora_apply_cpu(y0.clone(), x, a, bt, segs, slices) is None
     assert torch.equal(lora_apply(y0.clone(), x, a, bt, segs, slices), want)
     assert torch.equal(lora_shrink(x, a, segs), lora_shrink_ref(x, a, segs))
 
 
-# (token slots, shape, dtype): the interpreter runs every program in numpy, so a few small cases. bf16 is fine here:
-# the kernels widen their operands to float32 before tl.dot.
+# (token slots, shape, dtype, stacks' dtype): the interpreter runs every program in numpy, so a few small cases. bf16
+# is fine here: the kernels widen their operands to float32 before tl.dot.
 TRITON_CASES = [
-    ([-1, 0, 0, 1, 1, 1, -1, 2, 2, 2, 0, -1], "r16_two", torch.float32),
-    ([3] * 20, "r8_one", torch.float16),  # two token blocks of one segment
-    ([1], "r64_qkv", torch.bfloat16),  # one token, three slices
+    ([-1, 0, 0, 1, 1, 1, -1, 2, 2, 2, 0, -1], "r16_two", torch.float32, torch.float32),
+    ([3] * 20, "r8_one", torch.float16, torch.float32),  # two token blocks of one segment
+    ([1], "r64_qkv", torch.bfloat16, torch.float32),  # one token, three slices
+    ([-1, 0, 0, 2, 2, 2], "r16_two", torch.float32, torch.bfloat16),
+    ([4, 4, -1, 1], "r8_one", torch.float16, torch.float16),
 ]
 
 
-@pytest.mark.parametrize("slots, shape, dtype", TRITON_CASES, ids=["interleaved", "two_blocks", "one_token"])
-def test_triton_kernels_match_reference(slots, shape, dtype):
+@pytest.mark.parametrize("slots, shape, dtype, wdtype", TRITON_CASES,
+                         ids=["interleaved", "two_blocks", "one_token", "bf16_stacks", "fp16_stacks"])
+def test_triton_kernels_match_reference(slots, shape, dtype, wdtype):
     segs = segments(slots)
     segs = LoraSegments(*(t.to(DEVICE) for t in (segs.starts, segs.lens, segs.slots)), segs.host_starts,
                         segs.host_lens, segs.host_slots)
-    x, a, bt, y0, slices = make_case(len(slots), shape, dtype, seed=len(slots), device=DEVICE)
+    x, a, bt, y0, slices = make_case(len(slots), shape, dtype, seed=len(slots), device=DEVICE, wdtype=wdtype)
     mag = magnitudes(y0, x, a, bt, segs, slices)
 
     xa = lora_shrink_triton(x, a, segs)

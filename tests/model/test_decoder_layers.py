@@ -3,7 +3,7 @@ at a time: logits and every layer's KV cache bit for bit equal, over a ragged pr
 decode + extend batch with a prefix-cache hit, for the Llama-family variants the driver takes (biases, windows,
 Qwen3's q/k norms, GQA groups of 1-3), in float32 and bf16: every step where this CPU's bf16 GEMMs all run in C,
 the decode steps of up to PAIR_MAX_M tokens where larger ones run on oneDNN; the same with LoRA adapters on some
-requests. Also which models it declines."""
+requests (float32 and bf16 stacks; float16 ones run kernel by kernel). Also which models it declines."""
 from __future__ import annotations
 
 import ctypes
@@ -101,10 +101,12 @@ def run_steps(model, gen_seed: int = 0, lora_slots: dict[int, int] | None = None
     return out + list(worker.kv_cache.k_caches) + list(worker.kv_cache.v_caches)
 
 
-def random_lora_store(model, targets: dict[int, tuple[LoraGroup, ...]]) -> LoraWeights:
+def random_lora_store(model, targets: dict[int, tuple[LoraGroup, ...]],
+                      stack_dtype: torch.dtype = torch.float32) -> LoraWeights:
     """A LoRA store of 3 slots of rank 8 over the model, attached to it: slot -> the groups its random adapter targets
-    (every layer; rank 8 in some blocks and 3 in others, so the padding matters); a slot not in `targets` is empty."""
-    store = LoraWeights(model.config, model.weights.shards, LoraLimits(3, 8), "cpu")
+    (every layer; rank 8 in some blocks and 3 in others, so the padding matters); a slot not in `targets` is empty.
+    stack_dtype: --lora_dtype's."""
+    store = LoraWeights(model.config, model.weights.shards, LoraLimits(3, 8, dtype=stack_dtype), "cpu")
     gen = torch.Generator().manual_seed(11)
     for slot, groups in targets.items():
         for layer, stacks in enumerate(store.layers):
@@ -127,9 +129,10 @@ MIXED_SLOTS = {0: 0, 2: 1, 3: 0, 4: 1, 5: 0}
 LORA_TARGETS = {0: EVERY_GROUP, 1: (LoraGroup.QKV_PROJ, LoraGroup.O_PROJ, LoraGroup.DOWN_PROJ)}
 
 
-def check_lora_steps(fused, loop, lora_slots: dict[int, int], every_step: bool = True) -> None:
+def check_lora_steps(fused, loop, lora_slots: dict[int, int], every_step: bool = True,
+                     stack_dtype: torch.dtype = torch.float32) -> None:
     """Both models on the same adapters: the one-call steps bit for bit the loop's, and the adapters matter."""
-    store = random_lora_store(fused, LORA_TARGETS)
+    store = random_lora_store(fused, LORA_TARGETS, stack_dtype)
     loop.attach_lora(store)
     calls = count_one_call_steps(fused)
     with kernel_times() as times:
@@ -152,6 +155,15 @@ def test_lora_steps_run_in_one_call_bit_for_bit(arch, dtype, tmp_path):
         pytest.skip("no C compiler here")
     fused, loop = load_pair(arch, dtype, tmp_path)
     check_lora_steps(fused, loop, MIXED_SLOTS, fused.cpu_layers.max_tokens is None)
+
+
+def test_lora_steps_over_bf16_stacks_run_in_one_call_bit_for_bit(tmp_path):
+    """--lora_dtype bfloat16 over float32 activations: the driver tells lora.c the stacks' dtype
+    (LoraGroupArgs.w_bf16), so its deltas are the loop's bits over the same bf16 stacks."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair("llama3", torch.float32, tmp_path)
+    check_lora_steps(fused, loop, MIXED_SLOTS, stack_dtype=torch.bfloat16)
 
 
 def test_lora_steps_without_a_gate_up_adapter_keep_the_fused_mlp(tmp_path):
@@ -203,7 +215,9 @@ def test_a_lora_slot_filled_later_is_read_in_place(tmp_path):
     assert all(torch.equal(g, b) for g, b in zip(run_steps(fused, lora_slots=MIXED_SLOTS), base, strict=True))
 
 
-def test_bind_lora_refuses_stacks_of_other_shapes(tmp_path):
+def test_bind_lora_refuses_stacks_of_other_shapes_and_dtypes(tmp_path):
+    """Stacks of another shape, a bf16 bt beside a float32 a, float16 stacks (lora.c reads none), a bool table:
+    ValueError. A model given a store of float16 stacks drops its driver instead (its steps run kernel by kernel)."""
     if library() is None:
         pytest.skip("no C compiler here")
     fused, _ = load_pair("llama3", torch.float32, tmp_path)
@@ -215,6 +229,14 @@ def test_bind_lora_refuses_stacks_of_other_shapes(tmp_path):
         fused.cpu_layers.bind_lora(stacks, store.targeted)
     with pytest.raises(ValueError, match="targeted table"):
         fused.cpu_layers.bind_lora(store.stacks(), store.targeted.astype(bool))
+    stacks[1][LoraGroup.O_PROJ] = (a, bt.bfloat16(), slices)  # a float32, bt bf16
+    with pytest.raises(ValueError, match="both float32 or both bfloat16"):
+        fused.cpu_layers.bind_lora(stacks, store.targeted)
+    stacks[1][LoraGroup.O_PROJ] = (a.half(), bt.half(), slices)
+    with pytest.raises(ValueError, match="layer 1 group 1"):
+        fused.cpu_layers.bind_lora(stacks, store.targeted)
+    fused.attach_lora(LoraWeights(fused.config, fused.weights.shards, LoraLimits(2, 4, dtype=torch.float16), "cpu"))
+    assert fused.cpu_layers is None
     assert np.all(store.targeted == 0)
 
 

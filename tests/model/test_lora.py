@@ -2,7 +2,8 @@
 one rsLoRA) read by lightserve.lora_adapter, held in model_infer.lora.LoraWeights, and applied in one batch that
 mixes the base model and every adapter (an adapter's tokens in two runs of the batch). Each request's greedy tokens
 equal transformers + peft's with its adapter merged, through the per-kernel forward and the CPU's one-call decoder
-layers alike; tp 2 over gloo gives the same; read_lora_adapter refuses what it cannot serve, naming the culprit."""
+layers alike (bf16 stacks, --lora_dtype bfloat16: the first tokens); tp 2 over gloo gives the same;
+read_lora_adapter refuses what it cannot serve, naming the culprit."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightserve.cli import make_config, parse_args
+from lightserve.config import Device, DType, ServerConfig
 from lightserve.kernels.lora import LoraSegments
 from lightserve.lora_adapter import LoraAdapterError, load_lora_tensors, read_lora_adapter
 from lightserve.messages import BatchPlan
@@ -24,6 +27,7 @@ from lightserve.model_infer import lora as lora_module
 from lightserve.model_infer.lora import LoraLimits, LoraWeights
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.models import read_model_config
+from lightserve.resolve_config import resolve_config
 
 from .fake_worker import FakeWorker
 from .tiny_models import load_model_dir, make_tiny_model
@@ -104,9 +108,10 @@ def run_ours(model, prompts: list[list[int]], slots: list[int], new_tokens: int)
     return out
 
 
-def attach_store(model, adapters: dict[str, Path], max_cpu_loras: int | None = None) -> LoraWeights:
-    """A store of one slot per adapter (in ADAPTERS order), loaded, attached to the model."""
-    store = LoraWeights(model.config, model.weights.shards, LoraLimits(len(adapters), MAX_RANK, max_cpu_loras),
+def attach_store(model, adapters: dict[str, Path], max_cpu_loras: int | None = None,
+                 dtype: torch.dtype = torch.float32) -> LoraWeights:
+    """A store of one slot per adapter (in ADAPTERS order) with stacks in `dtype`, loaded, attached to the model."""
+    store = LoraWeights(model.config, model.weights.shards, LoraLimits(len(adapters), MAX_RANK, max_cpu_loras, dtype),
                         model.device)
     for slot, path in enumerate(adapters.values()):
         store.load(slot, str(path), slot)
@@ -168,6 +173,19 @@ def test_bfloat16_activations_agree_on_the_first_tokens(family):
     base_dir, adapters, prompts, expected, _ = family
     model = load_model_dir(base_dir, torch.bfloat16)
     attach_store(model, adapters)
+    got = run_ours(model, prompts, slots_of(adapters), 2)
+    assert [g[0] for g in got] == [e[0] for e in expected]
+
+
+def test_bfloat16_stacks_agree_on_the_first_tokens(family):
+    """--lora_dtype bfloat16 over float32 activations: A and scaling * B rounded once to bf16 (the CPU cache holds
+    them so too), products in float32; the first tokens are peft's merged in float32."""
+    base_dir, adapters, prompts, expected, _ = family
+    model = load_model_dir(base_dir, torch.float32)
+    store = attach_store(model, adapters, dtype=torch.bfloat16)
+    assert all(b.a.dtype == b.bt.dtype == torch.bfloat16 for groups in store.layers for b in groups.values())
+    assert all(t.dtype == torch.bfloat16 for cached in store.cache.values() for pair in cached.modules.values()
+               for t in pair)
     got = run_ours(model, prompts, slots_of(adapters), 2)
     assert [g[0] for g in got] == [e[0] for e in expected]
 
@@ -262,6 +280,26 @@ def test_model_runner_loads_adapters_and_runs_a_plan_with_lora_slots(family):
                         num_req_rows=1, max_req_total_len=32, kv_size=64)
     with pytest.raises(RuntimeError, match="--enable_lora"):
         plain.load_lora(0, str(adapters["qv"]), 0)
+
+
+def test_lora_dtype_flag_resolves_to_the_stacks_dtype(tmp_path):
+    """--lora_dtype: auto resolves to the activation dtype (float32 stays float32); a bad value is refused naming the
+    flag, by ServerConfig, make_config and LoraLimits alike."""
+    model_dir = str(make_tiny_model("llama3", tmp_path / "base"))
+    assert parse_args(["--enable_lora", "--lora-dtype", "bfloat16"]).lora_dtype is DType.BFLOAT16
+    assert ServerConfig(lora_dtype="float16").lora_dtype is DType.FLOAT16
+    for data_type, lora_dtype, want in [(DType.FLOAT32, DType.AUTO, DType.FLOAT32),
+                                        (DType.BFLOAT16, DType.AUTO, DType.BFLOAT16),
+                                        (DType.FLOAT32, DType.BFLOAT16, DType.BFLOAT16)]:
+        config = resolve_config(ServerConfig(model_dir=model_dir, device=Device.CPU, data_type=data_type,
+                                             enable_lora=True, lora_dtype=lora_dtype))
+        assert config.lora_dtype is want
+    with pytest.raises(ValueError, match="--lora_dtype must be one of"):
+        ServerConfig(lora_dtype="fp8")
+    with pytest.raises(ValueError, match="lora_dtype: must be one of"):
+        make_config(lora_dtype="int8")
+    with pytest.raises(ValueError, match="--lora_dtype"):
+        LoraLimits(1, 8, dtype=torch.int8)
 
 
 def test_moe_family_takes_attention_adapters(tmp_path):

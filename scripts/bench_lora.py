@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_rows import add_common_args, chosen_workloads, median, run_side  # scripts/, beside this file
+from bench_rows import add_common_args, chosen_workloads, median, print_ratios, run_side  # scripts/, beside this file
 from benchmark_serving import default_model_dir
 from safetensors.torch import save_file
 
@@ -93,17 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = ("output_tok_s", "tpot_p50_ms", "itl_p50_ms", "ttft_p50_ms")
         result[name] = {side: {k: median(rows, k) for k in keys} for side, rows in (("base", base), ("lora", lora))}
         print(f"{name}: base {result[name]['base']}  lora {result[name]['lora']}", file=sys.stderr)
-    print(f"{'workload':8} {'metric':14} {'base':>10} {'adapters':>10} {'ratio':>8}  target")
-    met = True
-    for name, key, op, bound in TARGETS:
-        if name not in result:
-            continue
-        base, lora = result[name]["base"][key], result[name]["lora"][key]
-        ratio = lora / base if base else float("nan")
-        ok = ratio <= bound if op == "<=" else ratio >= bound
-        met &= ok
-        result[name]["ratio"] = {key: ratio, "target": f"{op} {bound}", "met": ok}
-        print(f"{name:8} {key:14} {base:10.2f} {lora:10.2f} {ratio:8.3f}  {op} {bound} {'ok' if ok else 'MISSED'}")
+    met = print_ratios(result, TARGETS, ("base", "lora"))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0 if met or args.smoke else 1

@@ -48,3 +48,22 @@ def chosen_workloads(ap: argparse.ArgumentParser, args: argparse.Namespace, work
     if unknown:
         ap.error(f"unknown workloads {unknown} (known: {', '.join(table)})")
     return table, names
+
+
+def print_ratios(result: dict, targets: tuple[tuple[str, str, str, float], ...], sides: tuple[str, str]) -> bool:
+    """The table of each target's ratio, the second side over the first (result[workload][side][field]), beside its
+    bound; records the ratio in result[workload]["ratio"]. `targets`: (workload, field, "<=" or ">=", bound), those of
+    workloads not in `result` skipped. Returns whether every target was met."""
+    first, second = sides
+    print(f"{'workload':8} {'metric':14} {first:>10} {second:>10} {'ratio':>8}  target")
+    met = True
+    for name, key, op, bound in targets:
+        if name not in result:
+            continue
+        a, b = result[name][first][key], result[name][second][key]
+        ratio = b / a if a else float("nan")
+        ok = ratio <= bound if op == "<=" else ratio >= bound
+        met &= ok
+        result[name]["ratio"] = {key: ratio, "target": f"{op} {bound}", "met": ok}
+        print(f"{name:8} {key:14} {a:10.2f} {b:10.2f} {ratio:8.3f}  {op} {bound} {'ok' if ok else 'MISSED'}")
+    return met

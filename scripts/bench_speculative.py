@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench_rows import add_common_args, chosen_workloads, median, run_side  # scripts/, beside this file
+from bench_rows import add_common_args, chosen_workloads, median, print_ratios, run_side  # scripts/, beside this file
 
 WORKLOADS = {
     "W4-b1": "--dataset copy-edit --num-prompts 4 --input-len 1000 --output-len 256 --max-concurrency 1",
@@ -55,17 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = ("output_tok_s", "tpot_p50_ms", "itl_p50_ms", "ttft_p50_ms")
         result[name] = {side: {k: median(rows, k) for k in keys} for side, rows in (("off", off), ("on", on))}
         print(f"{name}: off {result[name]['off']}  on {result[name]['on']}", file=sys.stderr)
-    print(f"{'workload':8} {'metric':14} {'off':>10} {'on':>10} {'on/off':>8}  target")
-    met = True
-    for name, key, op, bound in TARGETS:
-        if name not in result:
-            continue
-        off, on = result[name]["off"][key], result[name]["on"][key]
-        ratio = on / off if off else float("nan")
-        ok = ratio <= bound if op == "<=" else ratio >= bound
-        met &= ok
-        result[name]["ratio"] = {key: ratio, "target": f"{op} {bound}", "met": ok}
-        print(f"{name:8} {key:14} {off:10.2f} {on:10.2f} {ratio:8.3f}  {op} {bound} {'ok' if ok else 'MISSED'}")
+    met = print_ratios(result, TARGETS, ("off", "on"))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0 if met or args.smoke else 1

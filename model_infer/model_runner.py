@@ -4,6 +4,7 @@ Owned by the worker process; it knows nothing of sockets or shared memory.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -151,17 +152,28 @@ class ModelRunner:
         blocks' grouped GEMMs at both block sizes. No other batch shape is needed: the step's metadata arrays are
         16-byte aligned whatever the shape (HostStaging, ForwardBatch.extend) and no kernel specializes on a count
         that changes per step. All of it reads and writes only request row 0 and the scratch KV row, which the
-        router's plans overwrite before any use."""
+        router's plans overwrite before any use. With --enable_lora the two steps run once more with their first
+        request on LoRA slot 0 and the second on the base model, every group marked targeted there for the while
+        (the slots are still empty: zero deltas), so the LoRA kernels compile too."""
         scratch = self.kv_size                              # the row one past the router's range
         chunk = min(300, self.kv_cache.req_to_token.shape[1] - 1)   # > 2 prefill tiles of 128, ragged
-        for extend_lens in ([1], [1, chunk]):  # decode-only, then mixed; both requests on row 0
+        passes = [False] if self.lora is None else [False, True]
+        for with_lora, extend_lens in itertools.product(passes, ([1], [1, chunk])):  # decode-only, then mixed
             num_reqs, num_tokens = len(extend_lens), sum(extend_lens)
             plan = BatchPlan(step=-1, shm_indices=np.zeros(num_reqs, np.int32),
                              req_ids=-np.arange(1, num_reqs + 1, dtype=np.int64),
                              prefix_lens=np.zeros(num_reqs, np.int32), extend_lens=np.array(extend_lens, np.int32),
                              sample=np.ones(num_reqs, bool), input_ids=np.zeros(num_tokens, np.int32),
-                             kv_locs=np.full(num_tokens, scratch, np.int32), num_decode=1)
-            self.model.forward(make_forward_batch(plan, self.kv_cache.req_to_token, self.staging), self.kv_cache)
+                             kv_locs=np.full(num_tokens, scratch, np.int32), num_decode=1,
+                             lora_slots=np.array([0, -1][:num_reqs], np.int32) if with_lora else
+                             np.zeros(0, np.int32))
+            if with_lora:
+                self.lora.targeted[:, :, 0] = 1
+            try:
+                self.model.forward(make_forward_batch(plan, self.kv_cache.req_to_token, self.staging), self.kv_cache)
+            finally:
+                if with_lora:
+                    self.lora.targeted[:, :, 0] = 0
         one = torch.ones(1, dtype=torch.int32, device=self.device)
         self.model.warm_up_kernels(self.kv_cache, one * 0, one)  # request row 0, one token
         if self.device.type == "cuda":

@@ -18,10 +18,12 @@ import torch
 
 from lightserve.config import KernelBackend
 from lightserve.kernels.launch_keys import record_launches
+from lightserve.model_infer.lora import LoraLimits
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.models import read_model_config
 
 from .fake_worker import FakeWorker
+from .test_lora import make_adapter
 from .tiny_models import make_tiny_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -34,17 +36,29 @@ SHAPES = {"llama3": {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_
           "deepseek_v3": {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}}
 
 
-# (family, KV cache dtype: None = the activations')
-CASES = [(arch, None) for arch in SHAPES] + [("llama3", torch.int8), ("deepseek_v3", torch.float8_e4m3fn)]
+# (family, KV cache dtype: None = the activations', LoRA adapters: slots with --enable_lora, 0 = none)
+CASES = [(arch, None, 0) for arch in SHAPES] + [("llama3", torch.int8, 0), ("deepseek_v3", torch.float8_e4m3fn, 0),
+                                               ("llama3", None, 2)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{str(c[1]).removeprefix('torch.')}")
+@pytest.fixture(scope="module", params=CASES,
+                ids=lambda c: f"{c[0]}-{str(c[1]).removeprefix('torch.')}" + ("-lora" if c[2] else ""))
 def runner(request, tmp_path_factory):
-    arch, kv_dtype = request.param
-    model_dir = make_tiny_model(arch, tmp_path_factory.mktemp(arch), **SHAPES[arch])
-    return ModelRunner(str(model_dir), read_model_config(model_dir), torch.float32, DEVICE, 0, 1, None,
-                       num_req_rows=MAX_BATCH + 1, max_req_total_len=48, kv_size=1024,
-                       kernel_backend=KernelBackend.TRITON, kv_dtype=kv_dtype)
+    arch, kv_dtype, loras = request.param
+    root = tmp_path_factory.mktemp(arch)
+    model_dir = make_tiny_model(arch, root, **SHAPES[arch])
+    runner = ModelRunner(str(model_dir), read_model_config(model_dir), torch.float32, DEVICE, 0, 1, None,
+                         num_req_rows=MAX_BATCH + 1, max_req_total_len=48, kv_size=1024,
+                         kernel_backend=KernelBackend.TRITON, kv_dtype=kv_dtype,
+                         lora=LoraLimits(loras, 8) if loras else None)
+    runner.lora_slots = []  # each request's slot in the serving steps (_serve): none without adapters
+    if loras:  # adapters loaded after the warm-up in a server; their loading launches nothing
+        runner.lora_slots = [-1, 0, 1]  # by request row, in turn: the base model and the two adapters
+        for slot in range(loras):
+            path = make_adapter(model_dir, root / f"adapter{slot}", slot, r=4 * (slot + 1), lora_alpha=8,
+                                target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"][slot:])
+            runner.load_lora(slot + 1, str(path), slot)
+    return runner
 
 
 def _serve(runner: ModelRunner) -> tuple[set, set[int]]:
@@ -68,7 +82,8 @@ def _serve(runner: ModelRunner) -> tuple[set, set[int]]:
             if b == MAX_BATCH:  # a one-token prompt alone: every per-step width and count at 1
                 steps.append(([(MAX_BATCH, ids(1))], 0))
             for items, num_decode in steps:
-                plan = worker.make_plan(items, num_decode)
+                slots = [runner.lora_slots[r % 3] for r, _ in items] if runner.lora_slots else None
+                plan = worker.make_plan(items, num_decode, lora_slots=slots)
                 token_counts.add(len(plan.input_ids))
                 runner.forward(plan)
     assert worker.next_kv_loc <= runner.kv_size  # the steps' rows stay below the warm-up's scratch row
@@ -81,6 +96,8 @@ def test_warm_up_launches_every_key_of_serving(runner):
     served, token_counts = _serve(runner)
     kernels = {name for name, _ in served}
     assert {"_decode_merge_kernel", "_rotary_kernel", "_rmsnorm_kernel"} <= kernels
+    if runner.lora_slots:
+        assert {"_shrink_kernel", "_expand_kernel"} <= kernels
     top_k = runner.model.config.num_experts_per_tok
     if runner.model.config.num_experts:
         assert "_grouped_gemm_kernel" in kernels

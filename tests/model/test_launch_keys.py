@@ -2,7 +2,8 @@
 deepseek_v3 checkpoints under the Triton backend (compiled on a GPU, the interpreter on CPU), the keys of the
 steps of batches of 1 to 9 requests, prefill-only, decode-only and mixed, are all keys `ModelRunner.warm_up`
 launched; also over an 8-bit KV cache (llama3 with int8, deepseek_v3's latent rows in fp8 e4m3), whose kernels are
-variants of their own. A key first seen while serving is a 1-3 s compile in the middle of a step on a GPU.
+variants of their own, and with two LoRA adapters of different ranks and targets beside the base model (the LoRA
+shrink and expand kernels). A key first seen while serving is a 1-3 s compile in the middle of a step on a GPU.
 
 On CPU the warm-up runs in Triton's interpreter for real, and the serving steps' launches are recorded without
 running the kernel bodies: a key depends only on the launch's arguments (dtypes, pointer alignment, ints,

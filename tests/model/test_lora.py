@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import shutil
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +28,7 @@ from lightserve.model_infer.models import read_model_config
 from lightserve.resolve_config import resolve_config
 
 from .fake_worker import FakeWorker
+from .ranks import run_ranks
 from .tiny_models import load_model_dir, make_tiny_model
 
 MAX_RANK = 8
@@ -239,24 +238,9 @@ def _rank_main(rank: int, port: int, base_dir: str, adapters: dict[str, str], pr
 @pytest.mark.parametrize("family", ["llama3"], indirect=True)  # the sharding is every family's same code
 def test_tp2_gives_the_same_tokens(family, tmp_path):
     base_dir, adapters, prompts, expected, _ = family
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out_path = tmp_path / "tokens.json"
-    ctx = mp.get_context("spawn")
-    args = (port, str(base_dir), {k: str(v) for k, v in adapters.items()}, prompts, str(out_path))
-    procs = [ctx.Process(target=_rank_main, args=(rank, *args)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert run_ranks(_rank_main, 2, str(base_dir), {k: str(v) for k, v in adapters.items()}, prompts,
+                     str(out_path)) == [0, 0]
     assert json.loads(out_path.read_text()) == expected
 
 

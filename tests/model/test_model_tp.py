@@ -5,8 +5,6 @@ cut per rank), Qwen3-MoE (each expert's intermediate dim split, a dense layer am
 (latent attention's heads split over a replicated latent cache, experts and the shared expert split)."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ import torch.distributed as dist
 from lightserve.model_infer.models.base import DecoderLM
 
 from .fake_worker import FakeWorker
+from .ranks import run_ranks
 from .tiny_models import load_model_dir, make_tiny_model
 
 TP = 2
@@ -44,32 +43,13 @@ def _rank_main(rank: int, port: int, model_dir: str, out_path: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("kind", ["llama_bias", "gemma2", "phi3", "qwen3_moe", "deepseek_v3"])
 def test_tp2_logits_equal_tp1(tmp_path: Path, kind: str):
     model_dir = make_tiny_model(kind, tmp_path / "model", vocab_size=VOCAB, num_key_value_heads=1)
     expected = _run(load_model_dir(model_dir, torch.float32))
 
-    ctx = mp.get_context("spawn")
     out_path = tmp_path / "tp_logits.pt"
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(model_dir), str(out_path))) for r in range(TP)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0] * TP
+    assert run_ranks(_rank_main, TP, str(model_dir), str(out_path)) == [0] * TP
     got = torch.load(out_path)
     for g, e in zip(got, expected):
         assert g.shape == e.shape == (len(PROMPTS), VOCAB)

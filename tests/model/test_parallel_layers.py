@@ -3,8 +3,6 @@ q/k/v and gate/up, row-parallel o_proj (bias added once) and down, vocab-paralle
 both shards and the padded tail) and lm_head (all-gather, padding dropped)."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import torch
@@ -12,6 +10,7 @@ import torch.distributed as dist
 
 from lightserve.kernels import linear  # plain or packed (CPU float32) weights
 
+from .ranks import run_ranks
 from .tiny_models import load_model_dir, make_tiny_model
 
 TP = 2
@@ -62,19 +61,4 @@ def _rank_main(rank: int, port: int, model_dir: str) -> None:
 
 def test_each_parallel_layer_matches_unsharded(tmp_path: Path):
     model_dir = make_tiny_model("llama_bias", tmp_path / "model", vocab_size=VOCAB)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(model_dir))) for r in range(TP)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0] * TP
+    assert run_ranks(_rank_main, TP, str(model_dir)) == [0] * TP

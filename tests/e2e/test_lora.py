@@ -19,6 +19,7 @@ from tests.e2e.server import MODEL_DIR, ServerProc, bundled_tokenizer, files_lef
 from tests.model.tiny_models import make_tiny_model
 
 NEW_TOKENS = 8
+LONG_CONTEXT = 4096
 PROMPTS = ["river stone apple window", "The quick brown fox jumps over"]
 # name -> (rank, alpha, targets, rsLoRA)
 ADAPTERS = {"alpha": (8, 16, ["q_proj", "v_proj", "down_proj"], False),
@@ -56,7 +57,9 @@ def _greedy_ids(base_dir, adapter_dir, prompt: str) -> list[int]:
 def lora_server(tmp_path_factory):
     """(server, {name or None: adapter folder}, {(name, prompt): expected ids})."""
     root = tmp_path_factory.mktemp("lora")
-    base = make_tiny_model("llama3", root / "base", vocab_size=49152)
+    # A context of 4096 (rope scaling is set by the 64-position original length): a long request stays in flight
+    # for seconds even on this tiny model.
+    base = make_tiny_model("llama3", root / "base", vocab_size=49152, max_position_embeddings=LONG_CONTEXT)
     for name in TOKENIZER_FILES:
         shutil.copy(MODEL_DIR / name, base / name)
     dirs = {name: _make_adapter(base, root / name, *spec, seed=i) for i, (name, spec) in enumerate(ADAPTERS.items())}
@@ -170,8 +173,8 @@ def test_bad_names_and_adapters_are_refused_and_the_server_keeps_serving(lora_se
 
     async def unload_while_running():
         client = _client(srv)
-        stream = await client.completions.create(model="beta", prompt=PROMPTS[0], max_tokens=64, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(model="beta", prompt=PROMPTS[0], max_tokens=LONG_CONTEXT - 64,
+                                                 temperature=0, stream=True, extra_body={"ignore_eos": True})
         async for _ in stream:  # the request runs: its adapter is in use
             in_use = post("/v1/unload_lora_adapter", lora_name="beta")
             break

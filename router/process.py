@@ -171,8 +171,9 @@ class Router:
                     "waiting %d, KV free %d/%d%s", w["steps"] / (now - self._log_at + STATS_LOG_S),
                     w["tokens"] // w["steps"], 1e3 * w["step_s"] / w["steps"], 1e3 * w["forward_s"] / w["steps"],
                     len(s.running), len(s.waiting), s.allocator.num_free, s.allocator.num_total,
-                    "" if spec is None else f", draft acceptance {100 * spec.acceptance_rate:.1f}% of "
-                    f"{spec.counters['spec_draft_tokens_total']} draft tokens")
+                    ("" if spec is None else f", draft acceptance {100 * spec.acceptance_rate:.1f}% of "
+                     f"{spec.counters['spec_draft_tokens_total']} draft tokens")
+                    + ("" if s.lora is None else f", LoRA slots hold {s.lora.holder}, {s.lora.num_loads} loads so far"))
         self._window = dict(steps=0, tokens=0, forward_s=0.0, step_s=0.0)
         self._log_at = now + STATS_LOG_S
     def _drain_inbox(self, timeout_ms: int) -> None:

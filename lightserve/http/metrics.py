@@ -150,6 +150,13 @@ class _EngineCollector(Collector):
                                 value=pool.num_slots)
         yield GaugeMetricFamily(PREFIX + "req_slots_free", "Request-pool slots every owner has released",
                                 value=pool.num_free_slots())
+        adapters = self._engine.adapters
+        if adapters is not None:  # --enable_lora: each served adapter and its requests (running or waiting)
+            family = GaugeMetricFamily(PREFIX + "lora_requests", "Requests of each LoRA adapter the front holds "
+                                       "(running, queued or waiting for a slot)", labels=["adapter"])
+            for entry in adapters:
+                family.add_metric([entry.name], adapters.in_flight[entry.lora_id])
+            yield family
 
     def _vllm(self, stats: dict[str, int]) -> Iterator[Metric]:
         """vLLM's engine metrics from the router's stats. Waiting counts every request not running:

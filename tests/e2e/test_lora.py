@@ -95,6 +95,9 @@ def test_models_lists_the_adapters_with_the_base_as_parent(lora_server):
     base = next(name for name, c in cards.items() if c["parent"] is None)
     assert cards["alpha"]["parent"] == base and cards["beta"]["parent"] == base
     assert cards["alpha"]["root"] == str(dirs["alpha"])
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert 'lightserve_lora_requests{adapter="alpha"} 0.0' in metrics
+    assert 'lightserve_lora_requests{adapter="beta"} 0.0' in metrics
 
 
 def test_mixed_adapters_and_base_greedy_equal_peft_merged(lora_server):
@@ -177,6 +180,7 @@ def test_bad_names_and_adapters_are_refused_and_the_server_keeps_serving(lora_se
                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
         async for _ in stream:  # the request runs: its adapter is in use
             in_use = post("/v1/unload_lora_adapter", lora_name="beta")
+            assert 'lightserve_lora_requests{adapter="beta"} 1.0' in httpx.get(srv.url + "/metrics").text
             break
         await stream.close()
         await client.close()

@@ -73,7 +73,7 @@ class SpeculativeAlgorithm(str, Enum):
     """--speculative_algorithm: who proposes the draft tokens the target model verifies (router/speculation.py)."""
     NONE = "none"
     NGRAM = "ngram"   # prompt lookup over the request's own prompt and output
-    DRAFT = "draft"   # a smaller draft model (not served yet)
+    DRAFT = "draft"   # a smaller model of the same tokenizer, run by the workers (model_infer/draft_model.py)
     MTP = "mtp"       # the model's multi-token-prediction layers (not served yet)
 
 
@@ -83,7 +83,8 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_LORA_RANK = 512
 # vLLM's --speculative-config keys and the flags they set.
 _SPECULATIVE_CONFIG_KEYS = {"method": "speculative_algorithm", "num_speculative_tokens": "num_speculative_tokens",
-                            "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min"}
+                            "prompt_lookup_max": "prompt_lookup_max", "prompt_lookup_min": "prompt_lookup_min",
+                            "model": "speculative_draft_model_dir"}
 
 
 class AdmissionPolicy(str, Enum):
@@ -122,10 +123,11 @@ class ServerConfig:
     disable_prompt_cache: bool = field(default=False, metadata={"help": "turn the radix prefix cache off"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "plan each step only after the one before has finished, never while it runs (tp > 1 always does)"})
     overlap_max_step_ms: float = field(default=20.0, metadata={"help": "with tp 1 the router plans a step while the one before runs when the step before that took less than this (short steps, where the router's time between steps counts; after longer ones a request arriving meanwhile would join a step later)"})
-    speculative_algorithm: SpeculativeAlgorithm = field(default=SpeculativeAlgorithm.NONE, metadata={"help": "speculative decoding: ngram = prompt lookup over each request's prompt and output, verified by the model (greedy requests: the same tokens; sampling requests: speculative sampling, the same distribution); draft and mtp are not served yet"})
+    speculative_algorithm: SpeculativeAlgorithm = field(default=SpeculativeAlgorithm.NONE, metadata={"help": "speculative decoding: ngram = prompt lookup over each request's prompt and output, verified by the model (greedy requests: the same tokens; sampling requests: speculative sampling, the same distribution); draft = a smaller model of the same tokenizer (--speculative_draft_model_dir) proposes each request's drafts greedily; mtp is not served yet"})
     num_speculative_tokens: int = field(default=4, metadata={"help": f"draft tokens per request and step, 1..{MAX_SPECULATIVE_TOKENS}"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest n-gram looked up"})
     prompt_lookup_min: int = field(default=2, metadata={"help": "ngram: shortest n-gram looked up"})
+    speculative_draft_model_dir: str | None = field(default=None, metadata={"help": "draft: the draft model, an HF folder or a .gguf file of the served model's vocabulary and tokenizer; it runs on every worker rank over every step's tokens, with a KV cache of its own indexed by the same rows"})
     speculative_config: str | None = field(default=None, metadata={"help": "vLLM's spelling, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; sets the four flags above"})
     enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters over the base model: a request names one in `model`; requests of different adapters (and of the base) share each step"})
     lora_modules: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+", "help": "adapters served from the start, each NAME=PATH (a PEFT folder: adapter_config.json + adapter_model.safetensors); needs --enable_lora"})
@@ -159,6 +161,8 @@ class ServerConfig:
     # resolves to its HF metadata folder (model_prep.prepare_gguf, which links the file) and gguf_file to the file.
     model: ModelConfig | None = field(default=None, metadata={"cli": False})
     gguf_file: str | None = field(default=None, metadata={"cli": False})
+    draft_model: ModelConfig | None = field(default=None, metadata={"cli": False})    # --speculative_algorithm draft
+    draft_gguf_file: str | None = field(default=None, metadata={"cli": False})
     kv_size: int | None = field(default=None, metadata={"cli": False})
     kv_bytes_per_token: int | None = field(default=None, metadata={"cli": False})  # of a worker rank's cache
 
@@ -212,8 +216,13 @@ class ServerConfig:
             name, sep, path = spec.partition("=")
             need(bool(sep and name.strip() and path.strip()), "lora_modules", f"takes NAME=PATH, got {spec!r}")
         self._apply_speculative_config()
-        need(self.speculative_algorithm not in (SpeculativeAlgorithm.DRAFT, SpeculativeAlgorithm.MTP),
-             "speculative_algorithm", f"{self.speculative_algorithm.value} is not served yet (ngram is)")
+        need(self.speculative_algorithm is not SpeculativeAlgorithm.MTP, "speculative_algorithm",
+             "mtp is not served yet (ngram and draft are)")
+        drafts = self.speculative_algorithm is SpeculativeAlgorithm.DRAFT
+        need(not drafts or self.speculative_draft_model_dir is not None, "speculative_draft_model_dir",
+             "must name the draft model with --speculative_algorithm draft")
+        need(drafts or self.speculative_draft_model_dir is None, "speculative_draft_model_dir",
+             "needs --speculative_algorithm draft")
         need(1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS, "num_speculative_tokens",
              f"must be in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}")
         need(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
@@ -236,10 +245,13 @@ class ServerConfig:
                 raise ValueError(f"--speculative_config: unknown key {key!r} (known: {sorted(_SPECULATIVE_CONFIG_KEYS)})")
             if name == "speculative_algorithm":
                 try:
-                    value = SpeculativeAlgorithm(value)
+                    value = SpeculativeAlgorithm("draft" if value == "draft_model" else value)
                 except ValueError:
                     raise ValueError(f"--speculative_config: unknown method {value!r} (known: "
                                      f"{[a.value for a in SpeculativeAlgorithm if a is not SpeculativeAlgorithm.NONE]})") from None
+            elif name == "speculative_draft_model_dir":
+                if not isinstance(value, str):
+                    raise ValueError(f"--speculative_config: model must be a path, got {value!r}")
             elif not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"--speculative_config: {key} must be an integer, got {value!r}")
             object.__setattr__(self, name, value)

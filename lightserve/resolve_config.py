@@ -44,7 +44,7 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         backend = KernelBackend.TRITON if device is Device.CUDA else KernelBackend.CPU
     if backend is KernelBackend.CPU and device is Device.CUDA:
         raise StartError("--kernel_backend cpu: the C kernels run on CPU only; use triton (or auto) with --device cuda")
-    model_dir, gguf_file, name = _model_source(config, backend)
+    model_dir, gguf_file, name = _model_source(config.model_dir, backend)
     try:
         model_config = read_model_config(model_dir)
     except (ValueError, KeyError) as exc:
@@ -78,13 +78,54 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
             raise StartError(f"--model_dir {config.model_dir or gguf_file}: {exc}") from None
     if config.enable_lora:
         _check_lora_modules(config, model_config, name)
+    draft_dir = draft_gguf = draft_config = None
+    if config.speculative_draft_model_dir is not None:
+        draft_dir, draft_gguf, draft_config = _draft_model(config, backend, model_dir, model_config, max_len)
     return replace(config, model_dir=model_dir, gguf_file=gguf_file, model=model_config, device=device,
+                   speculative_draft_model_dir=draft_dir, draft_gguf_file=draft_gguf, draft_model=draft_config,
                    kernel_backend=backend,
                    data_type=dtype, kv_cache_dtype=kv_dtype, lora_dtype=lora_dtype,
                    batch_max_tokens=batch_max, chunked_prefill_size=config.chunked_prefill_size or batch_max,
                    prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,
                    served_model_name=config.served_model_name or (name,))
+
+
+def _draft_model(config: ServerConfig, backend: KernelBackend, model_dir: str, model_config, max_len: int):
+    """--speculative_draft_model_dir resolved as --model_dir is: (its HF folder, its GGUF file or None, its
+    ModelConfig), checked against the served model before any process starts: the same vocabulary (size and every
+    token's id in the tokenizer), a context of at least --max_req_total_len, a split over --tp. StartError naming
+    the flag otherwise."""
+    from transformers import AutoTokenizer
+
+    from lightserve.model_infer.models import check_gguf, check_tp, read_model_config
+
+    flag = "speculative_draft_model_dir"
+    given = config.speculative_draft_model_dir
+    draft_dir, draft_gguf, _ = _model_source(given, backend, flag)
+    try:
+        draft = read_model_config(draft_dir)
+        check_tp(draft, config.tp)
+        if draft_gguf is not None:
+            check_gguf(draft_gguf, draft, config.tp)
+    except (ValueError, KeyError) as exc:
+        raise StartError(f"--{flag} {given}: {exc}") from None
+    if draft.quantization and backend is not KernelBackend.CPU:
+        raise StartError(f"--{flag} {given}: quantized weights are served packed on CPU only (the C kernels)")
+    if draft.vocab_size != model_config.vocab_size:
+        raise StartError(f"--{flag} {given}: a vocabulary of {draft.vocab_size} tokens, the served model's has "
+                         f"{model_config.vocab_size}; the draft model must share its tokenizer")
+    try:
+        vocabs = [AutoTokenizer.from_pretrained(folder).get_vocab() for folder in (draft_dir, model_dir)]
+    except (OSError, ValueError) as exc:
+        raise StartError(f"--{flag} {given}: cannot compare its tokenizer with the served model's: {exc}") from None
+    if vocabs[0] != vocabs[1]:
+        raise StartError(f"--{flag} {given}: its tokenizer maps tokens to other ids than the served model's; the draft "
+                         "model must share its tokenizer")
+    if draft.max_context_len < max_len:
+        raise StartError(f"--{flag} {given}: a context of {draft.max_context_len} positions, shorter than "
+                         f"--max_req_total_len {max_len}; lower --max_req_total_len")
+    return draft_dir, draft_gguf, draft
 
 
 def _check_lora_modules(config: ServerConfig, model_config, model_name: str) -> None:
@@ -109,34 +150,36 @@ def _check_lora_modules(config: ServerConfig, model_config, model_name: str) -> 
             raise StartError(f"--lora_modules {name}={path}: {exc}") from None
 
 
-def _model_source(config: ServerConfig, backend: KernelBackend) -> tuple[str, str | None, str]:
-    """(the HF folder every process reads, the GGUF weights file or None, the default served name). The bundled
-    default model is its GGUF on the CPU backend, its float32 conversion elsewhere (GGUF runs on CPU only)."""
+def _model_source(given: str | None, backend: KernelBackend,
+                  flag: str = "model_dir") -> tuple[str, str | None, str]:
+    """(the HF folder every process reads, the GGUF weights file or None, the default served name) of a model given
+    as `given` (--model_dir, or `flag` naming another model's path; None = the bundled default). The bundled default
+    model is its GGUF on the CPU backend, its float32 conversion elsewhere (GGUF runs on CPU only)."""
     from lightserve.engine import model_prep
     from lightserve.model_infer.models import gguf_weights
 
-    if config.model_dir is None:
+    if given is None:
         if backend is not KernelBackend.CPU:
             return str(model_prep.ensure_default_model()), None, model_prep.MODEL_NAME
         gguf_file = model_prep.default_gguf()
         return str(model_prep.prepare_gguf(gguf_file)), str(gguf_file), model_prep.MODEL_NAME
-    path = Path(config.model_dir).expanduser()
+    path = Path(given).expanduser()
     try:
         gguf_file = gguf_weights(path) if path.exists() else None
     except ValueError as exc:
-        raise StartError(f"--model_dir {exc}") from None
+        raise StartError(f"--{flag} {exc}") from None
     if gguf_file is None:
         if not (path / "config.json").is_file():
-            raise StartError(f"--model_dir {path}: no config.json there (expected a Hugging Face model folder or a "
+            raise StartError(f"--{flag} {path}: no config.json there (expected a Hugging Face model folder or a "
                              ".gguf file)")
         return str(path), None, path.name
     if backend is not KernelBackend.CPU:
-        raise StartError(f"--model_dir {gguf_file}: GGUF weights are served quantized on CPU only (the C kernels); "
+        raise StartError(f"--{flag} {gguf_file}: GGUF weights are served quantized on CPU only (the C kernels); "
                          f"use --device cpu with --kernel_backend cpu (or auto), or an HF safetensors folder")
     try:
         model_dir = model_prep.prepare_gguf(gguf_file)
     except (ValueError, KeyError, OSError) as exc:
-        raise StartError(f"--model_dir {gguf_file}: cannot read its metadata: {exc}") from None
+        raise StartError(f"--{flag} {gguf_file}: cannot read its metadata: {exc}") from None
     return str(model_dir), str(gguf_file), gguf_file.stem
 
 

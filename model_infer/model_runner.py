@@ -16,6 +16,7 @@ from lightserve.kernels.cpu import memory_bytes
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan
 from lightserve.model_infer.cuda_graph import CudaGraphRunner, GraphInputs, graph_output_bytes
+from lightserve.model_infer.draft_model import DraftModel
 from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.lora import LoraLimits, LoraWeights
@@ -49,7 +50,7 @@ class ModelRunner:
                  kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0,
                  kernel_backend: KernelBackend | None = None, max_step_tokens: int | None = None,
                  kv_dtype: torch.dtype | None = None, int8_activations: bool = False,
-                 lora: LoraLimits | None = None):
+                 lora: LoraLimits | None = None, draft: tuple[str, ModelConfig] | None = None):
         """`kernel_backend`: --kernel_backend as resolved (None = by device): TRITON on a CPU device runs the GPU
         code path under Triton's interpreter, with no warm-up or graphs (nothing compiles there).
         `max_req_total_len` is capped at the model's context (its rope table's rows). `max_step_tokens`:
@@ -58,7 +59,9 @@ class ModelRunner:
         (None = the activation dtype); the cache's size counts bytes, so an 8-bit cache holds about twice the
         tokens. `int8_activations`: --quant_activations int8 (GGML-block weights multiply int8 activations).
         `lora`: --enable_lora's limits (None: no adapters); ValueError naming --enable_lora for a model family that
-        takes none. The adapters' slots are allocated before the KV cache is sized."""
+        takes none. The adapters' slots are allocated before the KV cache is sized. `draft`: --speculative_algorithm
+        draft's (model folder, config): a DraftModel whose cache mirrors this one row for row (the two caches share
+        the memory budget: the KV size counts both caches' bytes per token)."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -74,9 +77,14 @@ class ModelRunner:
                         lora.max_rank, ", ".join(self.lora.targetable), self.lora.nbytes / 2**20,
                         self.lora.max_cpu_loras)
         self.staging = HostStaging(device)
+        draft_model = None
+        if draft is not None:
+            draft_model = DraftModel.load(*draft, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size,
+                                          tp_group=tp_group, backend=kernel_backend)
         # The model says which cache its attention reads (K/V per head, or DeepSeek-V3's latent rows) and its size.
         self.kv_dtype = kv_dtype or dtype
-        per_token = self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.kv_dtype)
+        per_token = self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.kv_dtype) + (
+            draft_model.kv_bytes_per_token() if draft_model is not None else 0)
         graph_batch = min(cuda_graph_max_batch, num_req_rows) if device.type == "cuda" else 0
         if kv_size:
             self.kv_size = kv_size
@@ -94,6 +102,11 @@ class ModelRunner:
             self.kv_size = _cpu_kv_size(per_token, ranks_per_node, self.model.kv_bytes_per_token(dtype))
         # One row past the router's range: scratch for padded CUDA-graph entries.
         self.kv_cache = self.model.make_kv_cache(self.kv_size + 1, num_req_rows, self.max_req_total_len, self.kv_dtype)
+        self.draft = None
+        if draft_model is not None:
+            self.draft = DraftModel(draft_model, self.kv_size + 1, num_req_rows, self.max_req_total_len)
+            logger.info("draft model: %s, %d layers, its KV cache %.1f MiB", draft[0], draft[1].num_layers,
+                        self.kv_size * draft_model.kv_bytes_per_token() / 2**20)
         self.tp_barrier = _tp_barrier(tp_group, tp_size, device)
         self.graph_runner = None
         if device.type == "cuda":
@@ -122,6 +135,8 @@ class ModelRunner:
             raise ValueError(f"step {plan.step} plans a request of {int(ends.max())} tokens, past "
                              f"max_req_total_len {self.max_req_total_len} (the model's context is "
                              f"{self.model_config.max_context_len})")
+        if self.draft is not None:
+            self.draft.propose(plan)  # runs the draft over the step's tokens, fills the speculating rows' drafts
         batch = make_forward_batch(plan, self.kv_cache.req_to_token, self.staging, argmax_only)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
@@ -154,28 +169,34 @@ class ModelRunner:
         that changes per step. All of it reads and writes only request row 0 and the scratch KV row, which the
         router's plans overwrite before any use. With --enable_lora the two steps run once more with their first
         request on LoRA slot 0 and the second on the base model, every group marked targeted there for the while
-        (the slots are still empty: zero deltas), so the LoRA kernels compile too."""
+        (the slots are still empty: zero deltas), so the LoRA kernels compile too. A draft model warms up the same
+        way in its own cache."""
         scratch = self.kv_size                              # the row one past the router's range
         chunk = min(300, self.kv_cache.req_to_token.shape[1] - 1)   # > 2 prefill tiles of 128, ragged
         passes = [False] if self.lora is None else [False, True]
-        for with_lora, extend_lens in itertools.product(passes, ([1], [1, chunk])):  # decode-only, then mixed
-            num_reqs, num_tokens = len(extend_lens), sum(extend_lens)
-            plan = BatchPlan(step=-1, shm_indices=np.zeros(num_reqs, np.int32),
-                             req_ids=-np.arange(1, num_reqs + 1, dtype=np.int64),
-                             prefix_lens=np.zeros(num_reqs, np.int32), extend_lens=np.array(extend_lens, np.int32),
-                             sample=np.ones(num_reqs, bool), input_ids=np.zeros(num_tokens, np.int32),
-                             kv_locs=np.full(num_tokens, scratch, np.int32), num_decode=1,
-                             lora_slots=np.array([0, -1][:num_reqs], np.int32) if with_lora else
-                             np.zeros(0, np.int32))
-            if with_lora:
-                self.lora.targeted[:, :, 0] = 1
-            try:
-                self.model.forward(make_forward_batch(plan, self.kv_cache.req_to_token, self.staging), self.kv_cache)
-            finally:
+        models = [(self.model, self.kv_cache, passes)]
+        if self.draft is not None:  # the draft model's kernels (its own shapes) the same way, without adapters
+            models.append((self.draft.model, self.draft.kv_cache, [False]))
+        for model, cache, lora_passes in models:
+            for with_lora, extend_lens in itertools.product(lora_passes, ([1], [1, chunk])):  # decode, then mixed
+                num_reqs, num_tokens = len(extend_lens), sum(extend_lens)
+                plan = BatchPlan(step=-1, shm_indices=np.zeros(num_reqs, np.int32),
+                                 req_ids=-np.arange(1, num_reqs + 1, dtype=np.int64),
+                                 prefix_lens=np.zeros(num_reqs, np.int32),
+                                 extend_lens=np.array(extend_lens, np.int32), sample=np.ones(num_reqs, bool),
+                                 input_ids=np.zeros(num_tokens, np.int32),
+                                 kv_locs=np.full(num_tokens, scratch, np.int32), num_decode=1,
+                                 lora_slots=np.array([0, -1][:num_reqs], np.int32) if with_lora else
+                                 np.zeros(0, np.int32))
                 if with_lora:
-                    self.lora.targeted[:, :, 0] = 0
-        one = torch.ones(1, dtype=torch.int32, device=self.device)
-        self.model.warm_up_kernels(self.kv_cache, one * 0, one)  # request row 0, one token
+                    self.lora.targeted[:, :, 0] = 1
+                try:
+                    model.forward(make_forward_batch(plan, cache.req_to_token, self.staging), cache)
+                finally:
+                    if with_lora:
+                        self.lora.targeted[:, :, 0] = 0
+            one = torch.ones(1, dtype=torch.int32, device=self.device)
+            model.warm_up_kernels(cache, one * 0, one)  # request row 0, one token
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

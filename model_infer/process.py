@@ -59,7 +59,9 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                              int8_activations=config.quant_activations is QuantActivations.INT8,
                              cuda_graph_max_batch=0 if config.disable_cudagraph else config.graph_max_batch_size,
                              lora=LoraLimits(config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-                                             torch_dtype(config.lora_dtype.value)) if config.enable_lora else None)
+                                             torch_dtype(config.lora_dtype.value)) if config.enable_lora else None,
+                             draft=(config.speculative_draft_model_dir, config.draft_model)
+                             if config.draft_model is not None else None)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.
             size = torch.tensor([runner.kv_size], dtype=torch.long, device=device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -26,9 +26,23 @@ if TYPE_CHECKING:
     from lightserve.router.req import Req
     from lightserve.shm.req_pool import ReqPool
 
-# A proposer maps a request's tokens [L] int32 and a draft budget to at most that many draft tokens.
-PROPOSERS: dict[SpeculativeAlgorithm, Callable[[ServerConfig], NgramProposer]] = {
+class Proposer(Protocol):
+    def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        """A request's tokens [L] int32 and a draft budget -> at most k draft tokens [k'] int32 (empty: none)."""
+
+
+class WorkerDrafts:
+    """--speculative_algorithm draft: the router reserves k draft positions and their KV rows, with placeholder
+    tokens; every worker rank's draft model writes the drafts there before the served model scores them
+    (model_infer/draft_model.py)."""
+
+    def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
+        return np.zeros(k, np.int32)
+
+
+PROPOSERS: dict[SpeculativeAlgorithm, Callable[[ServerConfig], Proposer]] = {
     SpeculativeAlgorithm.NGRAM: lambda config: NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max),
+    SpeculativeAlgorithm.DRAFT: lambda config: WorkerDrafts(),
 }
 
 # Above this many decoding requests no request speculates: a step's rows then cost compute rather than weight reads
@@ -50,7 +64,7 @@ class SpecRow:
 
 
 class Speculation:
-    def __init__(self, propose: NgramProposer, num_tokens: int, pool: ReqPool, max_batch: int = MAX_SPEC_BATCH):
+    def __init__(self, propose: Proposer, num_tokens: int, pool: ReqPool, max_batch: int = MAX_SPEC_BATCH):
         """`num_tokens`: --num_speculative_tokens, the most drafts a request carries in a step."""
         self.proposer = propose
         self.num_tokens = num_tokens

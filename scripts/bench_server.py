@@ -38,7 +38,8 @@ from lightserve.engine.procs import child_pids_from_log
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTERS = ("pauses_total", "resumes_total", "prompt_tokens_total", "prompt_tokens_cached_total",
-            "generation_tokens_total", "kv_tokens_total", "kv_tokens_free")
+            "generation_tokens_total", "kv_tokens_total", "kv_tokens_free", "spec_draft_tokens_total",
+            "spec_accepted_tokens_total")
 
 
 def free_port() -> int:

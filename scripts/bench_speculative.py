@@ -12,6 +12,10 @@ Targets: W4-b1 inter-token latency (TPOT p50) <= 0.5x; W4-b8 output tok/s >= 1.5
 
     python scripts/bench_speculative.py --server="--data_type float32" --workloads W4-b1,W4-b8,W2,W1
     python scripts/bench_speculative.py --smoke      # a minute: small versions of each, to check the script runs
+    python scripts/bench_speculative.py --speculative="--speculative_algorithm draft \
+        --speculative_draft_model_dir ~/.cache/lightserve/draft-8 --num_speculative_tokens 3"   # make_draft_model.py
+
+The "on" side reports its acceptance rate (accepted over proposed draft tokens, all measured runs).
 """
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         on = run_side(f"{args.server} {args.speculative}", table[name], args.runs)
         keys = ("output_tok_s", "tpot_p50_ms", "itl_p50_ms", "ttft_p50_ms")
         result[name] = {side: {k: median(rows, k) for k in keys} for side, rows in (("off", off), ("on", on))}
+        drafted = sum(r.get("spec_draft_tokens_total", 0) for r in on)
+        result[name]["on"]["acceptance"] = sum(r.get("spec_accepted_tokens_total", 0) for r in on) / max(drafted, 1)
+        result[name]["on"]["draft_tokens"] = drafted
         print(f"{name}: off {result[name]['off']}  on {result[name]['on']}", file=sys.stderr)
     met = print_ratios(result, TARGETS, ("off", "on"))
     if args.out:

@@ -118,6 +118,8 @@ class GemmaForCausalLM(DecoderLM):
             a = kernels.rmsnorm(a, layer.attn_out_norm, eps, be)
             x = kernels.add_rmsnorm(a, residual, layer.post_attn_norm, eps, be)  # residual += attention output
             hidden = kernels.rmsnorm(self._mlp(layer, x, i, batch.lora), layer.mlp_out_norm, eps, be)  # [T, hidden]
+        if batch.logits_indices.shape[0] == 0:  # a step that only writes KV (a draft model's last forward)
+            return hidden.new_empty(0, cfg.vocab_size, dtype=torch.float32)
         # Only the sampled positions need the final norm and lm_head.
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]

@@ -49,7 +49,9 @@ def test_stats_fields_cover_every_draft_position():
 def test_bad_speculative_flags_name_the_flag():
     for kw, flag in ((dict(num_speculative_tokens=0), "--num_speculative_tokens"),
                      (dict(num_speculative_tokens=MAX_SPECULATIVE_TOKENS + 1), "--num_speculative_tokens"),
-                     (dict(speculative_algorithm=SpeculativeAlgorithm.DRAFT), "not served yet"),
+                     (dict(speculative_algorithm=SpeculativeAlgorithm.DRAFT), "--speculative_draft_model_dir"),
+                     (dict(speculative_draft_model_dir="/x"), "--speculative_draft_model_dir needs"),
+                     (dict(speculative_config='{"method": "draft_model", "model": 3}'), "model must be a path"),
                      (dict(speculative_algorithm=SpeculativeAlgorithm.MTP), "not served yet"),
                      (dict(prompt_lookup_min=5, prompt_lookup_max=4), "--prompt_lookup_min"),
                      (dict(speculative_config='{"method": "eagle"}'), "unknown method"),
@@ -60,6 +62,9 @@ def test_bad_speculative_flags_name_the_flag():
                                              '"prompt_lookup_max": 5, "prompt_lookup_min": 1}')
     assert (config.speculative_algorithm, config.num_speculative_tokens, config.prompt_lookup_max,
             config.prompt_lookup_min) == (SpeculativeAlgorithm.NGRAM, 3, 5, 1)
+    config = ServerConfig(speculative_config='{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2}')
+    assert (config.speculative_algorithm, config.speculative_draft_model_dir, config.num_speculative_tokens) == (
+        SpeculativeAlgorithm.DRAFT, "/d", 2)
 
 
 # ---- the scheduler with speculation -------------------------------------------------------------------------------

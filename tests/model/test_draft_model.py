@@ -1,0 +1,225 @@
+"""--speculative_algorithm draft at the worker: a ModelRunner with a draft model serves plans as the router makes
+them (prompt chunks, plain decodes and speculating rows of placeholder drafts in one step, KV rows taken from and
+given back to a free list, so a rejected draft's row soon holds another request's token), and
+
+- every draft it proposes is the draft model's own greedy continuation of the request's tokens so far, computed
+  apart in a fresh cache (so its KV cache, which mirrors the served model's rows, holds the right rows: those of
+  prompt chunks, plain decodes, accepted drafts and the last draft of a step, and none of a rejected one);
+- the served model's greedy output is the same as without speculation;
+- with the served model itself as the draft (float32), every draft is accepted.
+
+On the C kernels for two families, and through the Triton kernels (interpreter) for one.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightserve.config import Device, KernelBackend, ServerConfig, SpeculativeAlgorithm
+from lightserve.engine.procs import StartError
+from lightserve.messages import BatchPlan
+from lightserve.model_infer.model_runner import ModelRunner
+from lightserve.model_infer.models import read_model_config
+from lightserve.model_infer.spec_verify import accept_greedy
+from lightserve.resolve_config import resolve_config
+from tests.e2e.server import MODEL_DIR
+
+from .fake_worker import FakeWorker
+from .ranks import run_ranks
+from .tiny_models import load_model_dir, make_tiny_model
+
+PROMPTS = ([5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 101])
+MAX_LEN = 96
+TP_STEPS = 8
+
+
+def _greedy(model, prompt: list[int], num_new: int) -> list[int]:
+    """The model's greedy continuation of `prompt`, alone in a fresh cache: one prefill, then decodes."""
+    worker = FakeWorker(model, num_kv_rows=MAX_LEN + 2, num_req_rows=1, max_len=MAX_LEN)
+    out = []
+    with torch.inference_mode():
+        logits = worker.step([(0, list(prompt))], num_decode=0)
+        for _ in range(num_new):
+            out.append(int(logits[0].argmax()))
+            if len(out) < num_new:
+                logits = worker.step([(0, [out[-1]])], num_decode=1)
+    return out
+
+
+class MiniRouter:
+    """The router's side of a few requests: KV rows from a free list (a freed row is the next one handed out),
+    request r on req_to_token row r, a step of plain decodes, then speculating rows (k placeholders each), then
+    prompt chunks; greedy acceptance as rank 0 does it."""
+
+    def __init__(self, runner: ModelRunner, prompts: tuple[list[int], ...], chunk: int = 5):
+        self.runner = runner
+        self.free = list(range(runner.kv_size))
+        self.seqs = [list(p) for p in prompts]
+        self.prompt_lens = [len(p) for p in prompts]
+        self.locs: list[list[int]] = [[] for _ in prompts]        # KV row of each computed token
+        self.chunk = chunk
+        self.proposals: list[tuple[int, list[int], list[int]]] = []   # (request, its tokens, the drafts proposed)
+        self.drafted = self.accepted = self.steps = 0
+
+    def alloc(self, n: int) -> list[int]:
+        rows, self.free = self.free[:n], self.free[n:]
+        return rows
+
+    def step(self, k_of) -> None:
+        """One step: a request whose prompt is not all computed takes a chunk; the others decode, speculating with
+        k_of(r) drafts (0: a plain decode)."""
+        decodes, spec, chunks = [], [], []
+        for r, seq in enumerate(self.seqs):
+            done = len(self.locs[r])
+            if done < self.prompt_lens[r]:
+                chunks.append((r, seq[done: done + self.chunk]))
+            elif k_of(r) == 0:
+                decodes.append((r, seq[done:]))
+            else:
+                spec.append((r, seq[done:] + [0] * k_of(r)))
+        rows = decodes + spec + chunks
+        locs = [self.alloc(len(ids)) for _, ids in rows]
+        ends = [len(self.locs[r]) + len(ids) for r, ids in rows]
+        plan = BatchPlan(step=self.steps, shm_indices=np.array([r for r, _ in rows], np.int32),
+                         req_ids=np.array([r for r, _ in rows], np.int64),
+                         prefix_lens=np.array([len(self.locs[r]) for r, _ in rows], np.int32),
+                         extend_lens=np.array([len(ids) for _, ids in rows], np.int32),
+                         sample=np.array([len(self.locs[r]) + len(ids) >= self.prompt_lens[r]
+                                          for (r, ids) in rows]),
+                         input_ids=np.array([t for _, ids in rows for t in ids], np.int32),
+                         kv_locs=np.array([x for row in locs for x in row], np.int32), num_decode=len(decodes),
+                         spec_lens=np.array([0] * len(decodes) + [len(ids) - 1 for _, ids in spec] +
+                                            [0] * len(chunks), np.int32))
+        assert max(ends) <= MAX_LEN
+        logits = self.runner.forward(plan)
+        targets = logits.argmax(-1).numpy()
+        q, at = 0, 0                              # token offset in the plan, logits row
+        for i, ((r, ids), row_locs) in enumerate(zip(rows, locs)):
+            n = len(ids)
+            if len(decodes) <= i < len(decodes) + len(spec):
+                drafts = plan.input_ids[q + 1: q + n].tolist()
+                self.proposals.append((r, list(self.seqs[r]), drafts))
+                accepted = int(accept_greedy(targets[at: at + n], np.array(drafts, np.int64), np.array([n]))[0])
+                self.drafted += n - 1
+                self.accepted += accepted
+                self.locs[r] += row_locs[: 1 + accepted]
+                self.free = row_locs[1 + accepted:] + self.free   # reused first: another token's row next step
+                self.seqs[r] += drafts[:accepted] + [int(targets[at + accepted])]
+                at += n
+            else:
+                self.locs[r] += row_locs
+                if plan.sample[i]:
+                    self.seqs[r].append(int(targets[at]))
+                    at += 1
+            q += n
+        self.steps += 1
+
+
+def _draft_of(target_dir: Path, out_dir: Path, damp: float) -> Path:
+    """A draft that agrees with the served model some of the time: a copy of it whose last layer's MLP output is
+    scaled by `damp`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(target_dir, out_dir)
+    weights = load_file(out_dir / "model.safetensors")
+    last = max(int(name.split(".")[2]) for name in weights if name.startswith("model.layers."))
+    weights[f"model.layers.{last}.mlp.down_proj.weight"] *= damp
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+@pytest.mark.parametrize("kind,backend,steps", [("llama3", KernelBackend.CPU, 14), ("qwen3", KernelBackend.CPU, 14),
+                                                 ("llama3", KernelBackend.TRITON, 4)])
+def test_draft_proposals_and_output(tmp_path, kind, backend, steps):
+    target_dir = make_tiny_model(kind, tmp_path / "target", num_hidden_layers=3)
+    draft_dir = _draft_of(target_dir, tmp_path / "draft", damp=0.5)
+    router = _serve(target_dir, draft_dir, steps, backend=backend)
+    assert 0 < router.accepted < router.drafted   # drafts both accepted and rejected
+    draft = router.runner.draft.model
+    for r, seq, drafts in router.proposals:
+        assert drafts == _greedy(draft, seq, len(drafts)), (r, len(seq))
+    target = load_model_dir(target_dir, torch.float32)
+    for r, prompt in enumerate(PROMPTS):
+        out = router.seqs[r][len(prompt):]
+        assert out == _greedy(target, prompt, len(out)), r
+
+
+def _serve(target_dir, draft_dir, steps: int, tp_rank: int = 0, tp_size: int = 1,
+           backend: KernelBackend = KernelBackend.CPU, k_of=None) -> MiniRouter:
+    """MiniRouter's requests over `steps` steps, request 0 drafting 3 each step, request 1 alternating 4 and a plain
+    decode, request 2 drafting 1, 2, 3 in turn (or k_of(request, step) drafts)."""
+    runner = ModelRunner(str(target_dir), read_model_config(target_dir), torch.float32, torch.device("cpu"), tp_rank,
+                         tp_size, dist.group.WORLD if tp_size > 1 else None, num_req_rows=len(PROMPTS),
+                         max_req_total_len=MAX_LEN, kv_size=400, kernel_backend=backend,
+                         draft=(str(draft_dir), read_model_config(draft_dir)))
+    router = MiniRouter(runner, PROMPTS)
+    k_of = k_of or (lambda r, s: [3, 4 * (s % 2), 1 + s % 3][r])
+    for s in range(steps):
+        router.step(lambda r, s=s: k_of(r, s))
+    return router
+
+
+def _rank_main(rank: int, port: int, target_dir: str, draft_dir: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        router = _serve(target_dir, draft_dir, TP_STEPS, rank, 2)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps([router.seqs, [p[2] for p in router.proposals]]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_proposes_and_outputs_what_tp1_does(tmp_path):
+    """Every rank runs the draft over its own shard and proposes the same drafts (the logits are gathered before
+    the argmax): the drafts and tokens are those of one rank."""
+    target_dir = make_tiny_model("llama3", tmp_path / "target", num_hidden_layers=3)
+    draft_dir = _draft_of(target_dir, tmp_path / "draft", damp=0.5)
+    out_path = tmp_path / "tp2.json"
+    assert run_ranks(_rank_main, 2, str(target_dir), str(draft_dir), str(out_path)) == [0, 0]
+    one = _serve(target_dir, draft_dir, TP_STEPS)
+    assert json.loads(out_path.read_text()) == [one.seqs, [p[2] for p in one.proposals]]
+    assert one.accepted > 0
+
+
+def test_the_served_model_as_its_own_draft_is_always_accepted(tmp_path):
+    target_dir = make_tiny_model("llama3", tmp_path / "target")
+    router = _serve(target_dir, target_dir, 10, k_of=lambda r, s: 4)
+    assert router.drafted > 40 and router.accepted == router.drafted
+
+
+def _with_tokenizer(model_dir: Path, swap: bool = False) -> Path:
+    """The bundled model's tokenizer beside a tiny model's weights; `swap`: with two tokens' ids exchanged."""
+    vocab_files = ("tokenizer.json", "tokenizer_config.json")
+    for name in vocab_files:
+        shutil.copy2(MODEL_DIR / name, model_dir / name)
+    if swap:
+        data = json.loads((model_dir / "tokenizer.json").read_text())
+        vocab = data["model"]["vocab"]
+        vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+        (model_dir / "tokenizer.json").write_text(json.dumps(data))
+    return model_dir
+
+
+def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused_at_start(tmp_path):
+    target = _with_tokenizer(make_tiny_model("llama3", tmp_path / "target"))
+
+    def start(draft: Path, **kw) -> None:
+        resolve_config(ServerConfig(model_dir=str(target), device=Device.CPU, speculative_algorithm=
+                                    SpeculativeAlgorithm.DRAFT, speculative_draft_model_dir=str(draft), **kw))
+
+    start(_with_tokenizer(make_tiny_model("qwen3", tmp_path / "good")))   # another family, the same tokenizer
+    for draft, why in ((make_tiny_model("llama3", tmp_path / "vocab", vocab_size=170), "a vocabulary of 170"),
+                       (_with_tokenizer(make_tiny_model("llama3", tmp_path / "ids"), swap=True), "other ids"),
+                       (make_tiny_model("llama3", tmp_path / "none"), "cannot compare its tokenizer"),
+                       (tmp_path / "missing", "no config.json"),
+                       (_with_tokenizer(make_tiny_model("llama3", tmp_path / "short", max_position_embeddings=100)),
+                        "context of 100")):
+        with pytest.raises(StartError, match=f"--speculative_draft_model_dir .*{why}"):
+            start(draft, max_req_total_len=128)

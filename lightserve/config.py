@@ -74,7 +74,7 @@ class SpeculativeAlgorithm(str, Enum):
     NONE = "none"
     NGRAM = "ngram"   # prompt lookup over the request's own prompt and output
     DRAFT = "draft"   # a smaller model of the same tokenizer, run by the workers (model_infer/draft_model.py)
-    MTP = "mtp"       # the model's multi-token-prediction layers (not served yet)
+    MTP = "mtp"       # DeepSeek-V3's multi-token-prediction layer, run by the workers (model_infer/mtp_drafter.py)
 
 
 # Draft tokens a request may carry per step: every one is a KV row and a logits row [vocab] float32 on rank 0.
@@ -123,7 +123,7 @@ class ServerConfig:
     disable_prompt_cache: bool = field(default=False, metadata={"help": "turn the radix prefix cache off"})
     disable_overlap_schedule: bool = field(default=False, metadata={"help": "plan each step only after the one before has finished, never while it runs (tp > 1 always does)"})
     overlap_max_step_ms: float = field(default=20.0, metadata={"help": "with tp 1 the router plans a step while the one before runs when the step before that took less than this (short steps, where the router's time between steps counts; after longer ones a request arriving meanwhile would join a step later)"})
-    speculative_algorithm: SpeculativeAlgorithm = field(default=SpeculativeAlgorithm.NONE, metadata={"help": "speculative decoding: ngram = prompt lookup over each request's prompt and output, verified by the model (greedy requests: the same tokens; sampling requests: speculative sampling, the same distribution); draft = a smaller model of the same tokenizer (--speculative_draft_model_dir) proposes each request's drafts greedily; mtp is not served yet"})
+    speculative_algorithm: SpeculativeAlgorithm = field(default=SpeculativeAlgorithm.NONE, metadata={"help": "speculative decoding: ngram = prompt lookup over each request's prompt and output, verified by the model (greedy requests: the same tokens; sampling requests: speculative sampling, the same distribution); draft = a smaller model of the same tokenizer (--speculative_draft_model_dir) proposes each request's drafts greedily; mtp = DeepSeek-V3's multi-token-prediction layer does, from the model's own hidden states"})
     num_speculative_tokens: int = field(default=4, metadata={"help": f"draft tokens per request and step, 1..{MAX_SPECULATIVE_TOKENS}"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest n-gram looked up"})
     prompt_lookup_min: int = field(default=2, metadata={"help": "ngram: shortest n-gram looked up"})
@@ -216,8 +216,6 @@ class ServerConfig:
             name, sep, path = spec.partition("=")
             need(bool(sep and name.strip() and path.strip()), "lora_modules", f"takes NAME=PATH, got {spec!r}")
         self._apply_speculative_config()
-        need(self.speculative_algorithm is not SpeculativeAlgorithm.MTP, "speculative_algorithm",
-             "mtp is not served yet (ngram and draft are)")
         drafts = self.speculative_algorithm is SpeculativeAlgorithm.DRAFT
         need(not drafts or self.speculative_draft_model_dir is not None, "speculative_draft_model_dir",
              "must name the draft model with --speculative_algorithm draft")

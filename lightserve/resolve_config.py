@@ -8,7 +8,15 @@ import socket
 from dataclasses import replace
 from pathlib import Path
 
-from lightserve.config import DEFAULT_MAX_REQ_TOTAL_LEN, Device, DType, KernelBackend, KVCacheDType, ServerConfig
+from lightserve.config import (
+    DEFAULT_MAX_REQ_TOTAL_LEN,
+    Device,
+    DType,
+    KernelBackend,
+    KVCacheDType,
+    ServerConfig,
+    SpeculativeAlgorithm,
+)
 from lightserve.engine.procs import StartError
 
 # On CPU a prompt token costs ~2.5 ms of one step (SmolLM2-135M, 2 cores), and 512-row GEMMs already run
@@ -78,6 +86,8 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
             raise StartError(f"--model_dir {config.model_dir or gguf_file}: {exc}") from None
     if config.enable_lora:
         _check_lora_modules(config, model_config, name)
+    if config.speculative_algorithm is SpeculativeAlgorithm.MTP:
+        _check_mtp(model_dir, gguf_file, model_config)
     draft_dir = draft_gguf = draft_config = None
     if config.speculative_draft_model_dir is not None:
         draft_dir, draft_gguf, draft_config = _draft_model(config, backend, model_dir, model_config, max_len)
@@ -89,6 +99,29 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
                    prefill_join_tokens=join,
                    max_req_total_len=max_len, nccl_port=nccl_port,
                    served_model_name=config.served_model_name or (name,))
+
+
+def _check_mtp(model_dir: str, gguf_file: str | None, model_config) -> None:
+    """--speculative_algorithm mtp on a model with a multi-token-prediction layer in safetensors; StartError naming
+    the flag otherwise."""
+    from safetensors import safe_open
+
+    from lightserve.model_infer.mtp_drafter import mtp_layer_index
+
+    try:
+        index = mtp_layer_index(model_config)
+    except ValueError as exc:
+        raise StartError(str(exc)) from None
+    if gguf_file is not None or model_config.quantization:
+        raise StartError("--speculative_algorithm mtp: the multi-token-prediction layer is read from float "
+                         "safetensors checkpoints only")
+    wanted = f"model.layers.{index}.eh_proj.weight"
+    for shard in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            if wanted in f.keys():  # noqa: SIM118 (not iterable)
+                return
+    raise StartError(f"--speculative_algorithm mtp: the checkpoint has no {wanted} (its config.json names an MTP "
+                     "layer whose weights are not there)")
 
 
 def _draft_model(config: ServerConfig, backend: KernelBackend, model_dir: str, model_config, max_len: int):

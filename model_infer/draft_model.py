@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 
 class DraftModel:
+    wants_hidden = False  # the draft reads tokens only (MtpDrafter reads the served model's states)
+
     def __init__(self, model: DecoderLM, num_kv_rows: int, num_req_rows: int, max_req_total_len: int):
         """`model`: the draft, loaded on this rank's device and TP shard. Its cache: `num_kv_rows` rows, the served
         model cache's count (the router's range and the scratch row), and its own req_to_token table."""
@@ -98,3 +100,6 @@ class DraftModel:
         batch = make_forward_batch(plan, self.kv_cache.req_to_token, self.staging, argmax_only=True)
         logits = self.model.forward(batch, self.kv_cache)                        # [S, vocab] float32
         return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
+
+    def keep(self, plan: BatchPlan, hidden: torch.Tensor) -> None:
+        """Nothing to keep from the served model's forward (wants_hidden is False)."""

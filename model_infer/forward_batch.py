@@ -65,6 +65,10 @@ class ForwardBatch:
     # LoRA: the step's runs of tokens under an adapter slot (BatchPlan.lora_slots per token); None when every
     # token runs the base model. The model adds each targeted projection's delta for these tokens.
     lora: LoraSegments | None = None
+    # --speculative_algorithm mtp: the model keeps every token's final-normed hidden state [T, hidden] in `hidden`
+    # (the MTP layer's input at the next step, model_infer/mtp_drafter.py).
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = None
     # make_forward_batch fills both; a batch built elsewhere (CUDA-graph buffers, tests) leaves them None and the
     # accessors below derive them once.
     extend: ExtendInputs | None = None

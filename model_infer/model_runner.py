@@ -21,6 +21,7 @@ from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.lora import LoraLimits, LoraWeights
 from lightserve.model_infer.models import load_model
+from lightserve.model_infer.mtp_drafter import MtpDrafter, MtpModel
 
 if TYPE_CHECKING:
     from lightserve.config import KernelBackend
@@ -50,7 +51,7 @@ class ModelRunner:
                  kv_size: int | None, ranks_per_node: int = 1, cuda_graph_max_batch: int = 0,
                  kernel_backend: KernelBackend | None = None, max_step_tokens: int | None = None,
                  kv_dtype: torch.dtype | None = None, int8_activations: bool = False,
-                 lora: LoraLimits | None = None, draft: tuple[str, ModelConfig] | None = None):
+                 lora: LoraLimits | None = None, draft: tuple[str, ModelConfig] | None = None, mtp: bool = False):
         """`kernel_backend`: --kernel_backend as resolved (None = by device): TRITON on a CPU device runs the GPU
         code path under Triton's interpreter, with no warm-up or graphs (nothing compiles there).
         `max_req_total_len` is capped at the model's context (its rope table's rows). `max_step_tokens`:
@@ -61,7 +62,9 @@ class ModelRunner:
         `lora`: --enable_lora's limits (None: no adapters); ValueError naming --enable_lora for a model family that
         takes none. The adapters' slots are allocated before the KV cache is sized. `draft`: --speculative_algorithm
         draft's (model folder, config): a DraftModel whose cache mirrors this one row for row (the two caches share
-        the memory budget: the KV size counts both caches' bytes per token)."""
+        the memory budget: the KV size counts both caches' bytes per token). `mtp`: --speculative_algorithm mtp, an
+        MtpDrafter of the model's multi-token-prediction layer, its latent cache likewise beside this one (no CUDA
+        graphs then: the drafter reads every token's state, which a graph does not return)."""
         self.model_config = model_config
         self.device = device
         self.dtype = dtype
@@ -81,10 +84,14 @@ class ModelRunner:
         if draft is not None:
             draft_model = DraftModel.load(*draft, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size,
                                           tp_group=tp_group, backend=kernel_backend)
+        elif mtp:
+            draft_model = MtpModel.load(model_dir, model_config, dtype, device, tp_rank, tp_size, tp_group,
+                                        kernel_backend)
         # The model says which cache its attention reads (K/V per head, or DeepSeek-V3's latent rows) and its size.
         self.kv_dtype = kv_dtype or dtype
-        per_token = self.kv_bytes_per_token = self.model.kv_bytes_per_token(self.kv_dtype) + (
-            draft_model.kv_bytes_per_token() if draft_model is not None else 0)
+        # The served model's cache and a drafter's beside it, row for row: both count in the KV size.
+        served = self.model.kv_bytes_per_token(self.kv_dtype)
+        per_token = self.kv_bytes_per_token = served + (draft_model.kv_bytes_per_token() if draft_model else 0)
         graph_batch = min(cuda_graph_max_batch, num_req_rows) if device.type == "cuda" else 0
         if kv_size:
             self.kv_size = kv_size
@@ -102,10 +109,12 @@ class ModelRunner:
             self.kv_size = _cpu_kv_size(per_token, ranks_per_node, self.model.kv_bytes_per_token(dtype))
         # One row past the router's range: scratch for padded CUDA-graph entries.
         self.kv_cache = self.model.make_kv_cache(self.kv_size + 1, num_req_rows, self.max_req_total_len, self.kv_dtype)
-        self.draft = None
+        self.draft: DraftModel | MtpDrafter | None = None
         if draft_model is not None:
-            self.draft = DraftModel(draft_model, self.kv_size + 1, num_req_rows, self.max_req_total_len)
-            logger.info("draft model: %s, %d layers, its KV cache %.1f MiB", draft[0], draft[1].num_layers,
+            self.draft = (MtpDrafter if mtp else DraftModel)(draft_model, self.kv_size + 1, num_req_rows,
+                                                             self.max_req_total_len)
+            logger.info("drafts from %s, its KV cache %.1f MiB", "the multi-token-prediction layer" if mtp else
+                        f"the draft model {draft[0]} ({draft[1].num_layers} layers)",
                         self.kv_size * draft_model.kv_bytes_per_token() / 2**20)
         self.tp_barrier = _tp_barrier(tp_group, tp_size, device)
         self.graph_runner = None
@@ -113,12 +122,12 @@ class ModelRunner:
             self.warm_up()
             if self.tp_barrier is not None:
                 self.tp_barrier()
-        if graph_batch > 0:
+        if graph_batch > 0 and not mtp:
             self.graph_runner = CudaGraphRunner(self.model, self.kv_cache, graph_batch, self.max_req_total_len,
                                                 pad_kv_loc=self.kv_size, barrier=self.tp_barrier)
         logger.info("KV cache: %s of %d tokens, %d bytes per token in %s (%.1f MiB); activations %s on %s, %s kernels",
-                    type(self.kv_cache).__name__, self.kv_size, per_token, str(self.kv_dtype).removeprefix("torch."),
-                    self.kv_size * per_token / 2**20, dtype, device, self.model.backend.value)
+                    type(self.kv_cache).__name__, self.kv_size, served, str(self.kv_dtype).removeprefix("torch."),
+                    self.kv_size * served / 2**20, dtype, device, self.model.backend.value)
         if self.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             scales = getattr(self.model.weights, "kv_scales", None)
             logger.info("fp8 KV cache: %s", "the checkpoint's k_scale / v_scale per layer" if scales else
@@ -136,11 +145,15 @@ class ModelRunner:
                              f"max_req_total_len {self.max_req_total_len} (the model's context is "
                              f"{self.model_config.max_context_len})")
         if self.draft is not None:
-            self.draft.propose(plan)  # runs the draft over the step's tokens, fills the speculating rows' drafts
+            self.draft.propose(plan)  # runs the drafter over the step's tokens, fills the speculating rows' drafts
         batch = make_forward_batch(plan, self.kv_cache.req_to_token, self.staging, argmax_only)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
-        return self.model.forward(batch, self.kv_cache)
+        batch.keep_hidden = self.draft is not None and self.draft.wants_hidden
+        logits = self.model.forward(batch, self.kv_cache)
+        if batch.keep_hidden:
+            self.draft.keep(plan, batch.hidden)
+        return logits
 
     @torch.inference_mode()
     def load_lora(self, lora_id: int, path: str, slot: int) -> None:

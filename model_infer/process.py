@@ -13,7 +13,7 @@ from multiprocessing.connection import Connection
 import torch
 import zmq
 
-from lightserve.config import QuantActivations, ServerConfig
+from lightserve.config import QuantActivations, ServerConfig, SpeculativeAlgorithm
 from lightserve.log import get_logger
 from lightserve.messages import BatchPlan, LoadLora, PrefetchLora, Shutdown, decode
 from lightserve.model_infer.lora import LoraLimits
@@ -61,7 +61,8 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
                              lora=LoraLimits(config.max_loras, config.max_lora_rank, config.max_cpu_loras,
                                              torch_dtype(config.lora_dtype.value)) if config.enable_lora else None,
                              draft=(config.speculative_draft_model_dir, config.draft_model)
-                             if config.draft_model is not None else None)
+                             if config.draft_model is not None else None,
+                             mtp=config.speculative_algorithm is SpeculativeAlgorithm.MTP)
         if tp_group is not None:
             # Every rank must agree on the KV size the router will allocate from.
             size = torch.tensor([runner.kv_size], dtype=torch.long, device=device)

@@ -32,9 +32,9 @@ class Proposer(Protocol):
 
 
 class WorkerDrafts:
-    """--speculative_algorithm draft: the router reserves k draft positions and their KV rows, with placeholder
-    tokens; every worker rank's draft model writes the drafts there before the served model scores them
-    (model_infer/draft_model.py)."""
+    """--speculative_algorithm draft and mtp: the router reserves k draft positions and their KV rows, with
+    placeholder tokens; every worker rank's drafter writes the drafts there before the served model scores them
+    (model_infer/draft_model.py, model_infer/mtp_drafter.py)."""
 
     def propose(self, tokens: np.ndarray, k: int) -> np.ndarray:
         return np.zeros(k, np.int32)
@@ -43,6 +43,7 @@ class WorkerDrafts:
 PROPOSERS: dict[SpeculativeAlgorithm, Callable[[ServerConfig], Proposer]] = {
     SpeculativeAlgorithm.NGRAM: lambda config: NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max),
     SpeculativeAlgorithm.DRAFT: lambda config: WorkerDrafts(),
+    SpeculativeAlgorithm.MTP: lambda config: WorkerDrafts(),
 }
 
 # Above this many decoding requests no request speculates: a step's rows then cost compute rather than weight reads

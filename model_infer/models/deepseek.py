@@ -12,7 +12,8 @@ Refused at start: another router (`topk_method`, `scoring_func`), `moe_layer_fre
 default or yarn, and (by the registry) a quantized checkpoint such as DeepSeek's FP8 release. DeepSeek-V2
 (DeepseekV2ForCausalLM: softmax routing, other group rules) is not listed, so the registry refuses it by name.
 Multi-token-prediction layers (`num_nextn_predict_layers`, stored after the main layers as
-model.layers.{num_hidden_layers}.*) only serve speculative decoding: the main model is served, they are not loaded.
+model.layers.{num_hidden_layers}.*) only serve speculative decoding: the main model does not load them;
+--speculative_algorithm mtp loads the first as a model of its own (model_infer/mtp_drafter.py).
 
 Tensor parallelism: the heads split (q/q_b, kv_b and o_proj rows of MLAAttention), the latent projections and the
 latent cache are replicated; every expert's, the shared experts' and the dense MLP's intermediate dims split. Each
@@ -60,6 +61,7 @@ _LAYER_KEYS = (
     "qk_rope_head_dim", "v_head_dim", "rms_norm_eps", "max_position_embeddings", "rope_parameters", "rope_scaling",
     "rope_theta", "rope_interleave", "attention_bias", "n_routed_experts", "num_experts_per_tok",
     "moe_intermediate_size", "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "n_shared_experts",
+    "num_nextn_predict_layers",  # not a layer key: whether the checkpoint has an MTP layer (model_infer/mtp_drafter.py)
 )
 _DEFAULT_FIRST_DENSE = 3  # transformers' DeepseekV3Config.first_k_dense_replace
 
@@ -144,7 +146,8 @@ def read_weights(reader: CheckpointReader, config: ModelConfig, sh: TPShards) ->
         layers.append(layer)
     mtp = f"model.layers.{config.num_layers}."
     if any(name.startswith(mtp) for name in reader):
-        logger.info("not loading the multi-token-prediction layer %s* (speculative decoding is not served)", mtp)
+        logger.info("the multi-token-prediction layer %s* is not part of the model (--speculative_algorithm mtp "
+                    "loads it as the drafter)", mtp)
     return llama.read_embeddings(reader, config, sh, layers)
 
 

@@ -188,8 +188,12 @@ class LlamaForCausalLM(DecoderLM):
             x = self._attention(i, layer, x, batch, attn, kv_cache)
             x = kernels.add_rmsnorm(x, residual, layer.post_attn_norm, cfg.rms_norm_eps, self.backend)
             hidden = self._ffn(i, layer, x, batch.lora)  # [T, hidden]
+        if batch.keep_hidden:  # every token's final-normed state, then the sampled rows of it
+            batch.hidden = kernels.add_rmsnorm(hidden, residual, w.final_norm, cfg.rms_norm_eps, self.backend)
         if batch.logits_indices.shape[0] == 0:  # a step that only writes KV (a draft model's last forward)
             return hidden.new_empty(0, cfg.vocab_size, dtype=torch.float32)
+        if batch.hidden is not None:
+            return self._logits(batch.hidden[batch.logits_indices], batch.argmax_only)
         # Only the sampled positions need the final norm and lm_head.
         last_hidden = hidden[batch.logits_indices]  # [B, hidden]
         last_residual = residual[batch.logits_indices]  # [B, hidden]

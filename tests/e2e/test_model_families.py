@@ -4,7 +4,8 @@ Mixtral and Qwen3-MoE with 4 experts, top-2, one dense Qwen3-MoE layer; DeepSeek
 latent KV cache, grouped sigmoid routing and a shared expert), greedy outputs checked against transformers' float32
 logits by teacher forcing: each chosen token's logit is within 1e-3 of its row's maximum. Prompts run past the
 window; the KV cache is small enough that a batch pauses and resumes; a follow-up prompt hits the prefix cache
-past the window. The start-up log gives the KV bytes per token of the family's cache. One server per family."""
+past the window. The start-up log gives the KV bytes per token of the family's cache. One server per family;
+DeepSeek-V3's speculates with its multi-token-prediction layer."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
+from tests.model.test_mtp import make_mtp_checkpoint
 from tests.model.tiny_models import make_tiny_model
 
 # Mistral's window runs the same windowed Llama forward as Phi-3 here; tests/model checks it against transformers.
@@ -41,13 +43,20 @@ def family(request, tmp_path_factory):
     """(server, transformers model, tokenizer) of one family; SmolLM2's tokenizer, so its vocabulary."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param) / "model", vocab_size=49152)
+    folder = tmp_path_factory.mktemp(request.param) / "model"
+    # DeepSeek-V3's checkpoint holds an MTP layer, and its server speculates with it (--speculative_algorithm mtp):
+    # the same checks hold with drafts accepted and rejected under pauses, resumes and prefix-cache hits.
+    mtp = request.param == "deepseek_v3"
+    model_dir = make_mtp_checkpoint(folder, vocab_size=49152) if mtp else \
+        make_tiny_model(request.param, folder, vocab_size=49152)
     for name in TOKENIZER_FILES:
         if (MODEL_DIR / name).exists():
             shutil.copy(MODEL_DIR / name, model_dir / name)
     log = model_dir.parent / "server.log"
     srv = ServerProc("--model_dir", str(model_dir), "--data_type", "float32", "--max_total_token_num",
-                     str(KV_TOKENS), "--chunked_prefill_size", "24", log_path=log).wait_ready()
+                     str(KV_TOKENS), "--chunked_prefill_size", "24",
+                     *(("--speculative_algorithm", "mtp", "--num_speculative_tokens", "3") if mtp else ()),
+                     log_path=log).wait_ready()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     yield srv, hf, AutoTokenizer.from_pretrained(model_dir)
     srv.stop()
@@ -100,6 +109,8 @@ def test_greedy_past_the_window_with_pauses_matches_transformers(family):
     for prompt, result in zip(prompts, results):
         _check(hf, tokenizer, prompt, result)
     assert wait_until(lambda: srv.metrics()["lightserve_requests_running"] == 0, 30)
+    if hf.config.model_type == "deepseek_v3":  # the MTP layer proposed drafts
+        assert srv.metrics()["lightserve_spec_draft_tokens_total"] > 0
 
 
 @pytest.mark.timeout(600)

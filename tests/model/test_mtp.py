@@ -1,0 +1,164 @@
+"""--speculative_algorithm mtp at the worker: a tiny random DeepSeek-V3 with a multi-token-prediction layer
+(model.layers.3.*: enorm, hnorm, eh_proj, a MoE decoder layer, shared_head), served by a ModelRunner (the C kernels, and the Triton
+kernels under the interpreter) through MiniRouter's plans (prompt chunks, plain decodes, speculating rows; rejected rows reused at once).
+
+- Every draft is what DeepSeek-V3's MTP computes, written here with transformers' own modules: the served model's
+  final-normed states over the request's tokens, the MTP rows over them (eh_proj of the normed embedding of the
+  next token and the normed state), the MoE decoder layer, the shared head; each further draft chains the MTP's own
+  output state. (transformers does not run MTP layers; its decoder layer and norms do the math here.)
+- The served model's greedy output is the same as without speculation.
+- Start-time refusals: mtp on another family, or on a DeepSeek-V3 checkpoint without the layer.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightserve.config import Device, KernelBackend, ServerConfig, SpeculativeAlgorithm
+from lightserve.engine.procs import StartError
+from lightserve.model_infer.model_runner import ModelRunner
+from lightserve.model_infer.models import read_model_config
+from lightserve.resolve_config import resolve_config
+
+from .mini_router import MAX_LEN, MiniRouter
+from .tiny_models import load_model_dir, make_tiny_model
+
+PROMPTS = ([5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 101])
+NUM_LAYERS = 3  # the served model's; the MTP layer is model.layers.3
+
+
+def make_mtp_checkpoint(out_dir: Path, **overrides) -> Path:
+    """A tiny DeepSeek-V3 of NUM_LAYERS layers whose checkpoint also holds an MTP layer: a fourth decoder layer
+    saved by transformers (MoE, as the layers before it) becomes model.layers.3, with random fusion weights and
+    shared head beside it. `overrides`: make_tiny_model's."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model("deepseek_v3", out_dir, num_hidden_layers=NUM_LAYERS + 1, **overrides)
+    config = json.loads((out_dir / "config.json").read_text())
+    config.update(num_hidden_layers=NUM_LAYERS, num_nextn_predict_layers=1)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    weights = load_file(out_dir / "model.safetensors")
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    gen = torch.Generator().manual_seed(3)
+    mtp = f"model.layers.{NUM_LAYERS}."
+    weights[mtp + "enorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
+    weights[mtp + "hnorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
+    weights[mtp + "eh_proj.weight"] = 0.15 * torch.randn(hidden, 2 * hidden, generator=gen)
+    weights[mtp + "shared_head.norm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
+    weights[mtp + "shared_head.head.weight"] = 0.15 * torch.randn(vocab, hidden, generator=gen)
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+class ReferenceMtp:
+    """DeepSeek-V3's MTP over transformers' modules: the served model (its 3 layers) and a one-layer model holding
+    the MTP layer, its final norm the shared head's norm and its lm_head the shared head."""
+
+    def __init__(self, model_dir: Path, work_dir: Path):
+        """`work_dir`: where the one-layer model is written in the checkpoint's format, for transformers to load."""
+        import transformers
+        from safetensors.torch import load_file, save_file
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+        self.target = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        config.num_hidden_layers, config.first_k_dense_replace, config.tie_word_embeddings = 1, 0, False
+        weights = load_file(model_dir / "model.safetensors")
+        mtp = f"model.layers.{NUM_LAYERS}."
+        state = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"],
+                 "model.norm.weight": weights[mtp + "shared_head.norm.weight"],
+                 "lm_head.weight": weights[mtp + "shared_head.head.weight"]}
+        state |= {"model.layers.0." + k[len(mtp):]: v for k, v in weights.items()
+                  if k.startswith(mtp) and not k[len(mtp):].startswith(("enorm", "hnorm", "eh_proj", "shared_head"))}
+        config.save_pretrained(work_dir)
+        save_file(state, work_dir / "model.safetensors", metadata={"format": "pt"})
+        self.mtp = transformers.AutoModelForCausalLM.from_pretrained(work_dir, dtype=torch.float32).eval()
+        eps = config.rms_norm_eps
+        self.enorm, self.hnorm = DeepseekV3RMSNorm(config.hidden_size, eps), DeepseekV3RMSNorm(config.hidden_size, eps)
+        self.enorm.weight.data, self.hnorm.weight.data = weights[mtp + "enorm.weight"], weights[mtp + "hnorm.weight"]
+        self.eh_proj = weights[mtp + "eh_proj.weight"]
+
+    @staticmethod
+    def _norm_input_and_logits(model, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the final norm's input [L, hidden], logits [L, V]) of one forward."""
+        seen = {}
+        hook = model.model.norm.register_forward_hook(lambda mod, args, out: seen.update(pre=args[0], post=out))
+        try:
+            logits = model(**kw).logits[0]
+        finally:
+            hook.remove()
+        return seen, logits
+
+    @torch.no_grad()
+    def drafts(self, seq: list[int], k: int) -> list[int]:
+        """The k MTP drafts after `seq` (its last token the last sampled one)."""
+        seen, _ = self._norm_input_and_logits(self.target, input_ids=torch.tensor([seq[:-1]]))
+        states = seen["post"][0]                                   # [L-1, hidden] final-normed, positions < L-1
+        tokens = torch.tensor(seq[1:])                             # the token after each of those positions
+        out = []
+        for _ in range(k):
+            emb = self.mtp.model.embed_tokens(tokens)
+            x = torch.cat([self.enorm(emb), self.hnorm(states)], dim=-1) @ self.eh_proj.T     # [n, hidden]
+            seen, logits = self._norm_input_and_logits(self.mtp, inputs_embeds=x[None],
+                                                        position_ids=torch.arange(x.shape[0])[None])
+            out.append(int(logits[-1].argmax()))
+            # Chain: the next row takes the draft and the MTP's own output state of this row.
+            states = torch.cat([states, seen["pre"][0][-1:]])
+            tokens = torch.cat([tokens, torch.tensor([out[-1]])])
+        return out
+
+
+def _greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    from .fake_worker import FakeWorker
+
+    worker = FakeWorker(load_model_dir(model_dir, torch.float32), num_kv_rows=MAX_LEN + 2, num_req_rows=1,
+                        max_len=MAX_LEN)
+    out = []
+    with torch.inference_mode():
+        logits = worker.step([(0, list(prompt))], num_decode=0)
+        for _ in range(n):
+            out.append(int(logits[0].argmax()))
+            logits = worker.step([(0, [out[-1]])], num_decode=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tmp_path_factory):
+    return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "model")
+
+
+@pytest.mark.parametrize("backend,steps", [(KernelBackend.CPU, 10), (KernelBackend.TRITON, 5)])
+def test_mtp_drafts_match_deepseek_v3_and_output_is_unchanged(mtp_dir, tmp_path, backend, steps):
+    runner = ModelRunner(str(mtp_dir), read_model_config(mtp_dir), torch.float32, torch.device("cpu"), 0, 1, None,
+                         num_req_rows=len(PROMPTS), max_req_total_len=MAX_LEN, kv_size=400, kernel_backend=backend,
+                         mtp=True)
+    router = MiniRouter(runner, PROMPTS)
+    for s in range(steps):
+        router.step(lambda r, s=s: [3, 4 * (s % 2), 1 + s % 3][r])
+    assert len(router.proposals) >= steps
+    ref = ReferenceMtp(mtp_dir, tmp_path / "reference")
+    for r, seq, drafts in router.proposals:
+        assert drafts == ref.drafts(seq, len(drafts)), (r, len(seq))
+    for r, prompt in enumerate(PROMPTS):
+        out = router.seqs[r][len(prompt):]
+        assert out == _greedy(mtp_dir, prompt, len(out)), r
+
+
+def test_mtp_is_refused_where_the_model_has_no_mtp_layer(tmp_path, mtp_dir):
+    def start(model_dir: Path) -> None:
+        resolve_config(ServerConfig(model_dir=str(model_dir), device=Device.CPU,
+                                    speculative_algorithm=SpeculativeAlgorithm.MTP))
+
+    start(mtp_dir)
+    with pytest.raises(StartError, match="--speculative_algorithm mtp: LlamaForCausalLM has no"):
+        start(make_tiny_model("llama3", tmp_path / "llama"))
+    plain = make_tiny_model("deepseek_v3", tmp_path / "plain")   # transformers' config names one MTP layer
+    with pytest.raises(StartError, match="no model.layers.3.eh_proj.weight"):
+        start(plain)
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(StartError, match="--speculative_algorithm mtp: .*no num_nextn_predict_layers"):
+        start(plain)

@@ -1,6 +1,7 @@
 """--speculative_algorithm mtp at the worker: a tiny random DeepSeek-V3 with a multi-token-prediction layer
-(model.layers.3.*: enorm, hnorm, eh_proj, a MoE decoder layer, shared_head), served by a ModelRunner (the C kernels, and the Triton
-kernels under the interpreter) through MiniRouter's plans (prompt chunks, plain decodes, speculating rows; rejected rows reused at once).
+(model.layers.3.*: enorm, hnorm, eh_proj, a MoE decoder layer, shared_head), served by a ModelRunner (the C kernels,
+and the Triton kernels under the interpreter) through MiniRouter's plans (prompt chunks, plain decodes, speculating
+rows; rejected rows reused at once).
 
 - Every draft is what DeepSeek-V3's MTP computes, written here with transformers' own modules: the served model's
   final-normed states over the request's tokens, the MTP rows over them (eh_proj of the normed embedding of the

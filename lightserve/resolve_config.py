@@ -106,7 +106,7 @@ def _check_mtp(model_dir: str, gguf_file: str | None, model_config) -> None:
     the flag otherwise."""
     from safetensors import safe_open
 
-    from lightserve.model_infer.mtp_drafter import mtp_layer_index
+    from lightserve.model_infer.models import mtp_layer_index
 
     try:
         index = mtp_layer_index(model_config)

@@ -38,7 +38,7 @@ from lightserve.messages import BatchPlan
 from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
 from lightserve.model_infer.models.base import AttentionInputs
-from lightserve.model_infer.models.deepseek import DeepseekV3ForCausalLM, read_weights, tp_shards
+from lightserve.model_infer.models.deepseek import DeepseekV3ForCausalLM, mtp_layer_index, read_weights, tp_shards
 from lightserve.model_infer.weights import CheckpointReader
 
 if TYPE_CHECKING:
@@ -46,17 +46,6 @@ if TYPE_CHECKING:
     from lightserve.model_config import ModelConfig
     from lightserve.model_infer.forward_batch import ForwardBatch
     from lightserve.model_infer.latent_kv_cache import LatentKVCache
-
-
-def mtp_layer_index(config: ModelConfig) -> int:
-    """N, the MTP layer's index in checkpoint names (model.layers.N.*). ValueError naming --speculative_algorithm for
-    a model without one: another family, or a DeepSeek-V3 config with num_nextn_predict_layers 0."""
-    if config.architecture != "DeepseekV3ForCausalLM":
-        raise ValueError(f"--speculative_algorithm mtp: {config.architecture} has no multi-token-prediction layer "
-                         "(DeepSeek-V3's is served)")
-    if int(config.family_dict().get("num_nextn_predict_layers") or 0) < 1:
-        raise ValueError("--speculative_algorithm mtp: the model's config.json sets no num_nextn_predict_layers")
-    return config.num_layers
 
 
 class _Renamed:

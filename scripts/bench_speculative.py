@@ -12,8 +12,10 @@ Targets: W4-b1 inter-token latency (TPOT p50) <= 0.5x; W4-b8 output tok/s >= 1.5
 
     python scripts/bench_speculative.py --server="--data_type float32" --workloads W4-b1,W4-b8,W2,W1
     python scripts/bench_speculative.py --smoke      # a minute: small versions of each, to check the script runs
-    python scripts/bench_speculative.py --speculative="--speculative_algorithm draft \
-        --speculative_draft_model_dir ~/.cache/lightserve/draft-8 --num_speculative_tokens 3"   # make_draft_model.py
+    python scripts/bench_speculative.py --server="--model_dir ~/.cache/lightserve/SmolLM2-135M-Instruct \
+        --data_type float32" --speculative="--speculative_algorithm draft --num_speculative_tokens 3 \
+        --speculative_draft_model_dir $GGUF"   # GGUF: model_prep.default_gguf(), the bundled Q4_1 file, drafting
+        # for its own float32 conversion (or a draft of scripts/make_draft_model.py)
 
 The "on" side reports its acceptance rate (accepted over proposed draft tokens, all measured runs).
 """

@@ -27,6 +27,7 @@ from lightserve.model_infer.gguf_reader import GGUFCheckpointReader
 from lightserve.model_infer.gguf_reader import check_gguf as check_gguf  # the launcher's look at a GGUF file
 from lightserve.model_infer.hf_quant_reader import HFQuantReader, QuantScheme, quant_scheme
 from lightserve.model_infer.models import deepseek, gemma, llama, moe, phi3
+from lightserve.model_infer.models.deepseek import mtp_layer_index as mtp_layer_index  # the launcher's check of mtp
 from lightserve.model_infer.weights import CheckpointReader, read_kv_scales
 
 if TYPE_CHECKING:

@@ -93,6 +93,17 @@ def read_config(arch: str, cfg: dict) -> ModelConfig:
     )
 
 
+def mtp_layer_index(config: ModelConfig) -> int:
+    """N, the MTP layer's index in checkpoint names (model.layers.N.*). ValueError naming --speculative_algorithm for
+    a model without one: another family, or a DeepSeek-V3 config with num_nextn_predict_layers 0."""
+    if config.architecture != "DeepseekV3ForCausalLM":
+        raise ValueError(f"--speculative_algorithm mtp: {config.architecture} has no multi-token-prediction layer "
+                         "(DeepSeek-V3's is served)")
+    if int(config.family_dict().get("num_nextn_predict_layers") or 0) < 1:
+        raise ValueError("--speculative_algorithm mtp: the model's config.json sets no num_nextn_predict_layers")
+    return config.num_layers
+
+
 def mla_config(config: ModelConfig) -> MLAConfig:
     """Every layer's MLAConfig, from the config.json keys read_config kept."""
     return MLAConfig.from_hf(config.family_dict())

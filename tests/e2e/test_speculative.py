@@ -1,31 +1,22 @@
 """Speculative decoding end to end: a server with --speculative_algorithm ngram, and one with a draft model (the
-bundled model with two of its layers skipped: some drafts accepted, some not), give the same greedy tokens and
-finish reasons as one without, on prompts with something to copy (a list written out again, where drafts are
-accepted) and with nothing to copy, with requests that end by eos, a stop id, a stop string and max_tokens inside
-a burst, beside a sampling request (which speculates too, so its tokens differ from the plain server's); its metrics
-count accepted drafts. A seeded sampling request speculates and gives the same text on every run."""
+bundled model's GGUF file, which the servers serve too: the draft path at full acceptance; tests/model/
+test_draft_model.py has drafts rejected), give the same greedy tokens and finish reasons as one without, on prompts
+with something to copy (a list written out again, where drafts are accepted) and with nothing to copy, with requests
+that end by eos, a stop id, a stop string and max_tokens inside a burst, beside a sampling request (which speculates
+too, so its tokens differ from the plain server's); its metrics count accepted drafts. A seeded sampling request
+speculates and gives the same text on every run."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import aiohttp
 import httpx
 import pytest
 
-from tests.e2e.server import MODEL_DIR, bundled_tokenizer, chat_prompt, servers_together, wait_until
+from lightserve.engine.model_prep import default_gguf
+from tests.e2e.server import bundled_tokenizer, chat_prompt, servers_together, wait_until
 
 TIMEOUT = aiohttp.ClientTimeout(total=300)
-
-
-def _make_draft(out_dir: Path) -> Path:
-    """scripts/make_draft_model.py's draft of the bundled model: its layers but 10 and 11."""
-    path = Path(__file__).resolve().parents[2] / "scripts" / "make_draft_model.py"
-    spec = importlib.util.spec_from_file_location("make_draft_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.make_draft(MODEL_DIR, module.parse_layers("0-9,12-29"), out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +24,7 @@ def all_servers(tmp_path_factory):
     """(with ngram speculation, without, with a draft model), started together."""
     tmp = tmp_path_factory.mktemp("speculative")
     config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-    draft = ("--speculative_algorithm", "draft", "--speculative_draft_model_dir", str(_make_draft(tmp / "draft")),
+    draft = ("--speculative_algorithm", "draft", "--speculative_draft_model_dir", str(default_gguf()),
              "--num_speculative_tokens", "3")
     with servers_together(tmp, ("--data_type", "float32", "--max_total_token_num", "8192"),
                           spec=("--speculative-config", config), plain=(), draft=draft) as procs:
@@ -108,8 +99,7 @@ def test_draft_model_speculation_gives_the_same_greedy_output(all_servers):
     assert wait_until(lambda: draft_server.metrics()["lightserve_requests_running"] == 0, 30)
     m = draft_server.metrics()
     assert m["lightserve_kv_tokens_free"] + m["lightserve_kv_tokens_cached"] == m["lightserve_kv_tokens_total"]
-    # The draft's proposals are the bundled model's own tokens most of the time, not always.
-    assert 0 < m["lightserve_spec_accepted_tokens_total"] < m["lightserve_spec_draft_tokens_total"]
+    assert m["lightserve_spec_accepted_tokens_total"] > 0
 
 
 def _num_drafts(server) -> float:

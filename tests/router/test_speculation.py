@@ -52,7 +52,6 @@ def test_bad_speculative_flags_name_the_flag():
                      (dict(speculative_algorithm=SpeculativeAlgorithm.DRAFT), "--speculative_draft_model_dir"),
                      (dict(speculative_draft_model_dir="/x"), "--speculative_draft_model_dir needs"),
                      (dict(speculative_config='{"method": "draft_model", "model": 3}'), "model must be a path"),
-                     (dict(speculative_algorithm=SpeculativeAlgorithm.MTP), "not served yet"),
                      (dict(prompt_lookup_min=5, prompt_lookup_max=4), "--prompt_lookup_min"),
                      (dict(speculative_config='{"method": "eagle"}'), "unknown method"),
                      (dict(speculative_config='{"num_speculative_tokens": 4, "k": 1}'), "unknown key 'k'")):

@@ -8,6 +8,7 @@ rows; rejected rows reused at once).
   next token and the normed state), the MoE decoder layer, the shared head; each further draft chains the MTP's own
   output state. (transformers does not run MTP layers; its decoder layer and norms do the math here.)
 - The served model's greedy output is the same as without speculation.
+- Two ranks propose and output what one does.
 - Start-time refusals: mtp on another family, or on a DeepSeek-V3 checkpoint without the layer.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightserve.config import Device, KernelBackend, ServerConfig, SpeculativeAlgorithm
 from lightserve.engine.procs import StartError
@@ -25,10 +27,12 @@ from lightserve.model_infer.models import read_model_config
 from lightserve.resolve_config import resolve_config
 
 from .mini_router import MAX_LEN, MiniRouter
+from .ranks import run_ranks
 from .tiny_models import load_model_dir, make_tiny_model
 
 PROMPTS = ([5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 101])
 NUM_LAYERS = 3  # the served model's; the MTP layer is model.layers.3
+TP_STEPS = 6
 
 
 def make_mtp_checkpoint(out_dir: Path, **overrides) -> Path:
@@ -126,6 +130,19 @@ def _greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
     return out
 
 
+def _serve(model_dir: Path, steps: int, tp_rank: int = 0, tp_size: int = 1,
+           backend: KernelBackend = KernelBackend.CPU) -> MiniRouter:
+    """MiniRouter's requests over `steps` steps: request 0 drafts 3 a step, request 1 alternates 4 and a plain decode,
+    request 2 drafts 1, 2, 3 in turn."""
+    runner = ModelRunner(str(model_dir), read_model_config(model_dir), torch.float32, torch.device("cpu"), tp_rank,
+                         tp_size, dist.group.WORLD if tp_size > 1 else None, num_req_rows=len(PROMPTS),
+                         max_req_total_len=MAX_LEN, kv_size=400, kernel_backend=backend, mtp=True)
+    router = MiniRouter(runner, PROMPTS)
+    for s in range(steps):
+        router.step(lambda r, s=s: [3, 4 * (s % 2), 1 + s % 3][r])
+    return router
+
+
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory):
     return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "model")
@@ -133,12 +150,7 @@ def mtp_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("backend,steps", [(KernelBackend.CPU, 10), (KernelBackend.TRITON, 4)])
 def test_mtp_drafts_match_deepseek_v3_and_output_is_unchanged(mtp_dir, tmp_path, backend, steps):
-    runner = ModelRunner(str(mtp_dir), read_model_config(mtp_dir), torch.float32, torch.device("cpu"), 0, 1, None,
-                         num_req_rows=len(PROMPTS), max_req_total_len=MAX_LEN, kv_size=400, kernel_backend=backend,
-                         mtp=True)
-    router = MiniRouter(runner, PROMPTS)
-    for s in range(steps):
-        router.step(lambda r, s=s: [3, 4 * (s % 2), 1 + s % 3][r])
+    router = _serve(mtp_dir, steps, backend=backend)
     assert len(router.proposals) >= steps
     ref = ReferenceMtp(mtp_dir, tmp_path / "reference")
     for r, seq, drafts in router.proposals:
@@ -146,6 +158,27 @@ def test_mtp_drafts_match_deepseek_v3_and_output_is_unchanged(mtp_dir, tmp_path,
     for r, prompt in enumerate(PROMPTS):
         out = router.seqs[r][len(prompt):]
         assert out == _greedy(mtp_dir, prompt, len(out)), r
+
+
+def _rank_main(rank: int, port: int, model_dir: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        router = _serve(Path(model_dir), TP_STEPS, rank, 2)
+        if rank == 0:
+            Path(out_path).write_text(json.dumps([router.seqs, [p[2] for p in router.proposals]]))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_proposes_and_outputs_what_tp1_does(mtp_dir, tmp_path):
+    """The MTP layer split over two ranks (its heads and experts; eh_proj and the latents replicated) proposes the
+    drafts one rank does."""
+    out_path = tmp_path / "tp2.json"
+    assert run_ranks(_rank_main, 2, str(mtp_dir), str(out_path)) == [0, 0]
+    one = _serve(mtp_dir, TP_STEPS)
+    assert json.loads(out_path.read_text()) == [one.seqs, [p[2] for p in one.proposals]]
+    assert len(one.proposals) >= TP_STEPS
 
 
 def test_mtp_is_refused_where_the_model_has_no_mtp_layer(tmp_path, mtp_dir):

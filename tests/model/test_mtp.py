@@ -35,20 +35,20 @@ NUM_LAYERS = 3  # the served model's; the MTP layer is model.layers.3
 TP_STEPS = 6
 
 
-def make_mtp_checkpoint(out_dir: Path, **overrides) -> Path:
-    """A tiny DeepSeek-V3 of NUM_LAYERS layers whose checkpoint also holds an MTP layer: a fourth decoder layer
-    saved by transformers (MoE, as the layers before it) becomes model.layers.3, with random fusion weights and
-    shared head beside it. `overrides`: make_tiny_model's."""
+def make_mtp_checkpoint(out_dir: Path, num_layers: int = NUM_LAYERS, **overrides) -> Path:
+    """A tiny DeepSeek-V3 of `num_layers` layers whose checkpoint also holds an MTP layer: one more decoder layer
+    saved by transformers (MoE, as the layers before it) becomes model.layers.{num_layers}, with random fusion
+    weights and shared head beside it. `overrides`: make_tiny_model's."""
     from safetensors.torch import load_file, save_file
 
-    make_tiny_model("deepseek_v3", out_dir, num_hidden_layers=NUM_LAYERS + 1, **overrides)
+    make_tiny_model("deepseek_v3", out_dir, **{**overrides, "num_hidden_layers": num_layers + 1})
     config = json.loads((out_dir / "config.json").read_text())
-    config.update(num_hidden_layers=NUM_LAYERS, num_nextn_predict_layers=1)
+    config.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1)
     (out_dir / "config.json").write_text(json.dumps(config))
     weights = load_file(out_dir / "model.safetensors")
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     gen = torch.Generator().manual_seed(3)
-    mtp = f"model.layers.{NUM_LAYERS}."
+    mtp = f"model.layers.{num_layers}."
     weights[mtp + "enorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
     weights[mtp + "hnorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
     weights[mtp + "eh_proj.weight"] = 0.15 * torch.randn(hidden, 2 * hidden, generator=gen)

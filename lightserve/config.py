@@ -128,7 +128,7 @@ class ServerConfig:
     prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest n-gram looked up"})
     prompt_lookup_min: int = field(default=2, metadata={"help": "ngram: shortest n-gram looked up"})
     speculative_draft_model_dir: str | None = field(default=None, metadata={"help": "draft: the draft model, an HF folder or a .gguf file of the served model's vocabulary and tokenizer; it runs on every worker rank over every step's tokens, with a KV cache of its own indexed by the same rows"})
-    speculative_config: str | None = field(default=None, metadata={"help": "vLLM's spelling, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}; sets the four flags above"})
+    speculative_config: str | None = field(default=None, metadata={"help": "vLLM's spelling, JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or {\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}; sets the flags above"})
     enable_lora: bool = field(default=False, metadata={"help": "serve LoRA adapters over the base model: a request names one in `model`; requests of different adapters (and of the base) share each step"})
     lora_modules: tuple[str, ...] | None = field(default=None, metadata={"nargs": "+", "help": "adapters served from the start, each NAME=PATH (a PEFT folder: adapter_config.json + adapter_model.safetensors); needs --enable_lora"})
     max_loras: int = field(default=1, metadata={"help": "adapters resident in the kernels' buffers at once (requests of others wait for a free slot)"})

@@ -29,11 +29,8 @@ import torch
 from lightserve.messages import BatchPlan
 from lightserve.model_infer.forward_batch import make_forward_batch
 from lightserve.model_infer.host_staging import HostStaging
-from lightserve.model_infer.models import load_model
 
 if TYPE_CHECKING:
-    from lightserve.config import KernelBackend
-    from lightserve.model_config import ModelConfig
     from lightserve.model_infer.models.base import DecoderLM
 
 
@@ -46,13 +43,6 @@ class DraftModel:
         self.model = model
         self.kv_cache = model.make_kv_cache(num_kv_rows, num_req_rows, max_req_total_len)
         self.staging = HostStaging(model.device)
-
-    @classmethod
-    def load(cls, model_dir: str, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
-             tp_rank: int, tp_size: int, tp_group, backend: KernelBackend | None) -> DecoderLM:
-        """The draft model of this rank (its cache is made once the served model's KV size is known)."""
-        return load_model(model_config, model_dir, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size,
-                          tp_group=tp_group, backend=backend)
 
     @torch.inference_mode()
     def propose(self, plan: BatchPlan) -> None:

@@ -82,8 +82,9 @@ class ModelRunner:
         self.staging = HostStaging(device)
         draft_model = None
         if draft is not None:
-            draft_model = DraftModel.load(*draft, dtype=dtype, device=device, tp_rank=tp_rank, tp_size=tp_size,
-                                          tp_group=tp_group, backend=kernel_backend)
+            draft_dir, draft_config = draft
+            draft_model = load_model(draft_config, draft_dir, dtype=dtype, device=device, tp_rank=tp_rank,
+                                     tp_size=tp_size, tp_group=tp_group, backend=kernel_backend)
         elif mtp:
             draft_model = MtpModel.load(model_dir, model_config, dtype, device, tp_rank, tp_size, tp_group,
                                         kernel_backend)

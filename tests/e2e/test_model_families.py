@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from tests.e2e.server import MODEL_DIR, ServerProc, wait_until
-from tests.model.test_mtp import make_mtp_checkpoint
-from tests.model.tiny_models import make_tiny_model
+from tests.model.tiny_models import make_mtp_checkpoint, make_tiny_model
 
 # Mistral's window runs the same windowed Llama forward as Phi-3 here; tests/model checks it against transformers.
 FAMILIES = ["gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "deepseek_v3"]

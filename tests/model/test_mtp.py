@@ -28,34 +28,10 @@ from lightserve.resolve_config import resolve_config
 
 from .mini_router import MAX_LEN, MiniRouter
 from .ranks import run_ranks
-from .tiny_models import load_model_dir, make_tiny_model
+from .tiny_models import MTP_NUM_LAYERS, load_model_dir, make_mtp_checkpoint, make_tiny_model
 
 PROMPTS = ([5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 101])
-NUM_LAYERS = 3  # the served model's; the MTP layer is model.layers.3
 TP_STEPS = 6
-
-
-def make_mtp_checkpoint(out_dir: Path, num_layers: int = NUM_LAYERS, **overrides) -> Path:
-    """A tiny DeepSeek-V3 of `num_layers` layers whose checkpoint also holds an MTP layer: one more decoder layer
-    saved by transformers (MoE, as the layers before it) becomes model.layers.{num_layers}, with random fusion
-    weights and shared head beside it. `overrides`: make_tiny_model's."""
-    from safetensors.torch import load_file, save_file
-
-    make_tiny_model("deepseek_v3", out_dir, **{**overrides, "num_hidden_layers": num_layers + 1})
-    config = json.loads((out_dir / "config.json").read_text())
-    config.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1)
-    (out_dir / "config.json").write_text(json.dumps(config))
-    weights = load_file(out_dir / "model.safetensors")
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    gen = torch.Generator().manual_seed(3)
-    mtp = f"model.layers.{num_layers}."
-    weights[mtp + "enorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
-    weights[mtp + "hnorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
-    weights[mtp + "eh_proj.weight"] = 0.15 * torch.randn(hidden, 2 * hidden, generator=gen)
-    weights[mtp + "shared_head.norm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
-    weights[mtp + "shared_head.head.weight"] = 0.15 * torch.randn(vocab, hidden, generator=gen)
-    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
-    return out_dir
 
 
 class ReferenceMtp:
@@ -72,7 +48,7 @@ class ReferenceMtp:
         config = transformers.AutoConfig.from_pretrained(model_dir)
         config.num_hidden_layers, config.first_k_dense_replace, config.tie_word_embeddings = 1, 0, False
         weights = load_file(model_dir / "model.safetensors")
-        mtp = f"model.layers.{NUM_LAYERS}."
+        mtp = f"model.layers.{MTP_NUM_LAYERS}."
         state = {"model.embed_tokens.weight": weights["model.embed_tokens.weight"],
                  "model.norm.weight": weights[mtp + "shared_head.norm.weight"],
                  "lm_head.weight": weights[mtp + "shared_head.head.weight"]}
@@ -148,7 +124,7 @@ def mtp_dir(tmp_path_factory):
     return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "model")
 
 
-@pytest.mark.parametrize("backend,steps", [(KernelBackend.CPU, 10), (KernelBackend.TRITON, 4)])
+@pytest.mark.parametrize("backend,steps", [(KernelBackend.CPU, 10), (KernelBackend.TRITON, 3)])
 def test_mtp_drafts_match_deepseek_v3_and_output_is_unchanged(mtp_dir, tmp_path, backend, steps):
     router = _serve(mtp_dir, steps, backend=backend)
     assert len(router.proposals) >= steps

@@ -2,6 +2,7 @@
 for comparing our forward against transformers' own."""
 from __future__ import annotations
 
+import json
 import zlib
 from pathlib import Path
 
@@ -24,6 +25,7 @@ DEEPSEEK = {"num_hidden_layers": 3, "num_key_value_heads": 4, "first_k_dense_rep
 DEEPSEEK_YARN = {"q_lora_rank": None, "rope_parameters": {
     "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
     "mscale": 1.0, "mscale_all_dim": 0.7, "beta_fast": 32.0, "beta_slow": 1.0}}
+MTP_NUM_LAYERS = 3  # make_mtp_checkpoint's served layers; its MTP layer is model.layers.3
 PHI3_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 128,
              "short_factor": [1.0 + 0.05 * i for i in range(32)], "long_factor": [1.0 + 0.4 * i for i in range(32)]}
 
@@ -98,4 +100,27 @@ def make_tiny_model(kind: str, out_dir: Path, **overrides) -> Path:
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: steers the expert choice, not the weights
                 b.normal_(0.0, 0.1)
     model.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_mtp_checkpoint(out_dir: Path, num_layers: int = MTP_NUM_LAYERS, **overrides) -> Path:
+    """A tiny DeepSeek-V3 of `num_layers` layers whose checkpoint also holds an MTP layer: one more decoder layer
+    saved by transformers (MoE, as the layers before it) becomes model.layers.{num_layers}, with random fusion
+    weights and shared head beside it. `overrides`: make_tiny_model's."""
+    from safetensors.torch import load_file, save_file
+
+    make_tiny_model("deepseek_v3", out_dir, **{**overrides, "num_hidden_layers": num_layers + 1})
+    config = json.loads((out_dir / "config.json").read_text())
+    config.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1)
+    (out_dir / "config.json").write_text(json.dumps(config))
+    weights = load_file(out_dir / "model.safetensors")
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    gen = torch.Generator().manual_seed(3)
+    mtp = f"model.layers.{num_layers}."
+    weights[mtp + "enorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
+    weights[mtp + "hnorm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
+    weights[mtp + "eh_proj.weight"] = 0.15 * torch.randn(hidden, 2 * hidden, generator=gen)
+    weights[mtp + "shared_head.norm.weight"] = 0.5 + torch.rand(hidden, generator=gen)
+    weights[mtp + "shared_head.head.weight"] = 0.15 * torch.randn(vocab, hidden, generator=gen)
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
     return out_dir

@@ -4,12 +4,35 @@ rank 0 does."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from lightserve.messages import BatchPlan
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.spec_verify import accept_greedy
 
+from .fake_worker import FakeWorker
+
 MAX_LEN = 96  # the runner's max_req_total_len
+PROMPTS = ([5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 101])
+
+
+def mixed_drafts(request: int, step: int) -> int:
+    """Drafts per request and step: request 0 drafts 3 each step, request 1 alternates 4 and a plain decode, request 2
+    drafts 1, 2, 3 in turn."""
+    return [3, 4 * (step % 2), 1 + step % 3][request]
+
+
+def greedy(model, prompt: list[int], num_new: int) -> list[int]:
+    """The model's greedy continuation of `prompt`, alone in a fresh cache: one prefill, then decodes."""
+    worker = FakeWorker(model, num_kv_rows=MAX_LEN + 2, num_req_rows=1, max_len=MAX_LEN)
+    out = []
+    with torch.inference_mode():
+        logits = worker.step([(0, list(prompt))], num_decode=0)
+        for _ in range(num_new):
+            out.append(int(logits[0].argmax()))
+            if len(out) < num_new:
+                logits = worker.step([(0, [out[-1]])], num_decode=1)
+    return out
 
 
 class MiniRouter:
@@ -30,6 +53,12 @@ class MiniRouter:
     def alloc(self, n: int) -> list[int]:
         rows, self.free = self.free[:n], self.free[n:]
         return rows
+
+    def run(self, steps: int, k_of=mixed_drafts) -> MiniRouter:
+        """`steps` steps, request r drafting k_of(r, step) tokens in each."""
+        for s in range(steps):
+            self.step(lambda r, s=s: k_of(r, s))
+        return self
 
     def step(self, k_of) -> None:
         """One step: a request whose prompt is not all computed takes a chunk; the others decode, speculating with

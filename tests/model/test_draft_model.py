@@ -28,26 +28,11 @@ from lightserve.model_infer.models import read_model_config
 from lightserve.resolve_config import resolve_config
 from tests.e2e.server import MODEL_DIR
 
-from .fake_worker import FakeWorker
-from .mini_router import MAX_LEN, MiniRouter
+from .mini_router import MAX_LEN, PROMPTS, MiniRouter, greedy, mixed_drafts
 from .ranks import run_ranks
 from .tiny_models import load_model_dir, make_tiny_model
 
-PROMPTS = ([5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 101])
 TP_STEPS = 8
-
-
-def _greedy(model, prompt: list[int], num_new: int) -> list[int]:
-    """The model's greedy continuation of `prompt`, alone in a fresh cache: one prefill, then decodes."""
-    worker = FakeWorker(model, num_kv_rows=MAX_LEN + 2, num_req_rows=1, max_len=MAX_LEN)
-    out = []
-    with torch.inference_mode():
-        logits = worker.step([(0, list(prompt))], num_decode=0)
-        for _ in range(num_new):
-            out.append(int(logits[0].argmax()))
-            if len(out) < num_new:
-                logits = worker.step([(0, [out[-1]])], num_decode=1)
-    return out
 
 
 def _draft_of(target_dir: Path, out_dir: Path, damp: float) -> Path:
@@ -71,26 +56,22 @@ def test_draft_proposals_and_output(tmp_path, kind, backend, steps):
     assert 0 < router.accepted < router.drafted   # drafts both accepted and rejected
     draft = router.runner.draft.model
     for r, seq, drafts in router.proposals:
-        assert drafts == _greedy(draft, seq, len(drafts)), (r, len(seq))
+        assert drafts == greedy(draft, seq, len(drafts)), (r, len(seq))
     target = load_model_dir(target_dir, torch.float32)
     for r, prompt in enumerate(PROMPTS):
         out = router.seqs[r][len(prompt):]
-        assert out == _greedy(target, prompt, len(out)), r
+        assert out == greedy(target, prompt, len(out)), r
 
 
 def _serve(target_dir, draft_dir, steps: int, tp_rank: int = 0, tp_size: int = 1,
            backend: KernelBackend = KernelBackend.CPU, k_of=None) -> MiniRouter:
     """MiniRouter's requests over `steps` steps, request 0 drafting 3 each step, request 1 alternating 4 and a plain
-    decode, request 2 drafting 1, 2, 3 in turn (or k_of(request, step) drafts)."""
+    decode, request 2 drafting 1, 2, 3 in turn (mini_router.mixed_drafts), or k_of(request, step) drafts."""
     runner = ModelRunner(str(target_dir), read_model_config(target_dir), torch.float32, torch.device("cpu"), tp_rank,
                          tp_size, dist.group.WORLD if tp_size > 1 else None, num_req_rows=len(PROMPTS),
                          max_req_total_len=MAX_LEN, kv_size=400, kernel_backend=backend,
                          draft=(str(draft_dir), read_model_config(draft_dir)))
-    router = MiniRouter(runner, PROMPTS)
-    k_of = k_of or (lambda r, s: [3, 4 * (s % 2), 1 + s % 3][r])
-    for s in range(steps):
-        router.step(lambda r, s=s: k_of(r, s))
-    return router
+    return MiniRouter(runner, PROMPTS).run(steps, k_of or mixed_drafts)
 
 
 def _rank_main(rank: int, port: int, target_dir: str, draft_dir: str, out_path: str) -> None:

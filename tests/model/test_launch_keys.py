@@ -3,9 +3,10 @@ deepseek_v3 checkpoints under the Triton backend (compiled on a GPU, the interpr
 steps of batches of 1 to 9 requests, prefill-only, decode-only and mixed, are all keys `ModelRunner.warm_up`
 launched; also over an 8-bit KV cache (llama3 with int8, deepseek_v3's latent rows in fp8 e4m3), whose kernels are
 variants of their own, with two LoRA adapters of different ranks and targets beside the base model (the LoRA
-shrink and expand kernels), and with DeepSeek-V3's MTP layer as a drafter (its catch-up rows, which every step
-runs; the steps carry no drafts, so chained draft decodes are not among them; a draft model warms up by the same
-code). A key first seen while serving is a 1-3 s compile in the middle of a step on a GPU.
+shrink and expand kernels), and with a drafter: a draft model of other shapes than the served one (it runs over
+every step's tokens), and DeepSeek-V3's MTP layer (its catch-up rows, which every step runs, and the served model
+keeping every token's state; the steps carry no drafts, so chained draft decodes are not among them). A key
+first seen while serving is a 1-3 s compile in the middle of a step on a GPU.
 
 On CPU the warm-up runs in Triton's interpreter for real, and the serving steps' launches are recorded without
 running the kernel bodies: a key depends only on the launch's arguments (dtypes, pointer alignment, ints,
@@ -39,28 +40,35 @@ SHAPES = {"llama3": {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_
           "deepseek_v3": {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2}}
 
 
-# (family, KV cache dtype: None = the activations', LoRA adapters: slots with --enable_lora, 0 = none, with
-# DeepSeek-V3's MTP layer as a drafter: whose warm-up ModelRunner.warm_up runs as it runs a draft model's)
-CASES = [(arch, None, 0, False) for arch in SHAPES] + [
-    ("llama3", torch.int8, 0, False), ("deepseek_v3", torch.float8_e4m3fn, 0, False), ("llama3", None, 2, False),
-    ("deepseek_v3", None, 0, True)]
+# A draft model of other shapes than its served llama3 (4 heads over 2 KV heads, 2 layers): its kernels' keys are
+# its own, so the case fails unless ModelRunner.warm_up runs the drafter too.
+DRAFT_SHAPE = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+# (family, KV cache dtype: None = the activations', LoRA adapters: slots with --enable_lora, 0 = none, drafter:
+# "draft" (a draft model of DRAFT_SHAPE), "mtp" (DeepSeek-V3's MTP layer, the served model's shapes) or None)
+CASES = [(arch, None, 0, None) for arch in SHAPES] + [
+    ("llama3", torch.int8, 0, None), ("deepseek_v3", torch.float8_e4m3fn, 0, None), ("llama3", None, 2, None),
+    ("llama3", None, 0, "draft"), ("deepseek_v3", None, 0, "mtp")]
 
 
 @pytest.fixture(scope="module", params=CASES,
                 ids=lambda c: f"{c[0]}-{str(c[1]).removeprefix('torch.')}" + ("-lora" if c[2] else "") +
-                ("-mtp" if c[3] else ""))
+                (f"-{c[3]}" if c[3] else ""))
 def runner(request, tmp_path_factory):
-    arch, kv_dtype, loras, mtp = request.param
+    arch, kv_dtype, loras, drafter = request.param
     root = tmp_path_factory.mktemp(arch)
-    if mtp:
+    if drafter == "mtp":
         shape = dict(SHAPES[arch])
         model_dir = make_mtp_checkpoint(root / "model", shape.pop("num_hidden_layers"), **shape)
     else:
         model_dir = make_tiny_model(arch, root, **SHAPES[arch])
+    draft = None
+    if drafter == "draft":
+        draft_dir = make_tiny_model("llama3", root / "draft", **DRAFT_SHAPE)
+        draft = (str(draft_dir), read_model_config(draft_dir))
     runner = ModelRunner(str(model_dir), read_model_config(model_dir), torch.float32, DEVICE, 0, 1, None,
                          num_req_rows=MAX_BATCH + 1, max_req_total_len=48, kv_size=1024,
                          kernel_backend=KernelBackend.TRITON, kv_dtype=kv_dtype,
-                         lora=LoraLimits(loras, 8) if loras else None, mtp=mtp)
+                         lora=LoraLimits(loras, 8) if loras else None, draft=draft, mtp=drafter == "mtp")
     runner.lora_slots = []  # each request's slot in the serving steps (_serve): none without adapters
     if loras:  # adapters loaded after the warm-up in a server; their loading launches nothing
         runner.lora_slots = [-1, 0, 1]  # by request row, in turn: the base model and the two adapters

@@ -26,11 +26,10 @@ from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.models import read_model_config
 from lightserve.resolve_config import resolve_config
 
-from .mini_router import MAX_LEN, MiniRouter
+from .mini_router import MAX_LEN, PROMPTS, MiniRouter, greedy
 from .ranks import run_ranks
 from .tiny_models import MTP_NUM_LAYERS, load_model_dir, make_mtp_checkpoint, make_tiny_model
 
-PROMPTS = ([5, 9, 14, 3, 77, 21, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [7, 7, 101])
 TP_STEPS = 6
 
 
@@ -92,31 +91,13 @@ class ReferenceMtp:
         return out
 
 
-def _greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
-    from .fake_worker import FakeWorker
-
-    worker = FakeWorker(load_model_dir(model_dir, torch.float32), num_kv_rows=MAX_LEN + 2, num_req_rows=1,
-                        max_len=MAX_LEN)
-    out = []
-    with torch.inference_mode():
-        logits = worker.step([(0, list(prompt))], num_decode=0)
-        for _ in range(n):
-            out.append(int(logits[0].argmax()))
-            logits = worker.step([(0, [out[-1]])], num_decode=1)
-    return out
-
-
 def _serve(model_dir: Path, steps: int, tp_rank: int = 0, tp_size: int = 1,
            backend: KernelBackend = KernelBackend.CPU) -> MiniRouter:
-    """MiniRouter's requests over `steps` steps: request 0 drafts 3 a step, request 1 alternates 4 and a plain decode,
-    request 2 drafts 1, 2, 3 in turn."""
+    """MiniRouter's requests over `steps` steps of mini_router.mixed_drafts."""
     runner = ModelRunner(str(model_dir), read_model_config(model_dir), torch.float32, torch.device("cpu"), tp_rank,
                          tp_size, dist.group.WORLD if tp_size > 1 else None, num_req_rows=len(PROMPTS),
                          max_req_total_len=MAX_LEN, kv_size=400, kernel_backend=backend, mtp=True)
-    router = MiniRouter(runner, PROMPTS)
-    for s in range(steps):
-        router.step(lambda r, s=s: [3, 4 * (s % 2), 1 + s % 3][r])
-    return router
+    return MiniRouter(runner, PROMPTS).run(steps)
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +112,10 @@ def test_mtp_drafts_match_deepseek_v3_and_output_is_unchanged(mtp_dir, tmp_path,
     ref = ReferenceMtp(mtp_dir, tmp_path / "reference")
     for r, seq, drafts in router.proposals:
         assert drafts == ref.drafts(seq, len(drafts)), (r, len(seq))
+    target = load_model_dir(mtp_dir, torch.float32)
     for r, prompt in enumerate(PROMPTS):
         out = router.seqs[r][len(prompt):]
-        assert out == _greedy(mtp_dir, prompt, len(out)), r
+        assert out == greedy(target, prompt, len(out)), r
 
 
 def _rank_main(rank: int, port: int, model_dir: str, out_path: str) -> None:

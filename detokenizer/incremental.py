@@ -85,15 +85,10 @@ class IncrementalDecoder:
 
 def _decode_fn(tokenizer: Tokenizer) -> Callable[..., str]:
     """`tokenizer.decode`, or the Rust tokenizer's own decode when the HF wrapper would add nothing
-    to it but Python overhead (about 4 us of 5.5 per call): a fast tokenizer class that overrides
-    neither decode nor _decode, with clean_up_tokenization_spaces off."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    to it but Python overhead (about 4 us of 5.5 per call; hf_tokenizer.raw_decode_is_exact). A Rust
+    tokenizer given as such (the detokenizer's cached one) is its own decode."""
+    if getattr(tokenizer, "backend_tokenizer", None) is None:
         return tokenizer.decode
-    from transformers import PreTrainedTokenizerFast
+    from lightserve.hf_tokenizer import raw_decode_is_exact
 
-    cls = type(tokenizer)
-    if (isinstance(tokenizer, PreTrainedTokenizerFast) and cls.decode is PreTrainedTokenizerFast.decode
-            and cls._decode is PreTrainedTokenizerFast._decode):
-        return backend.decode
-    return tokenizer.decode
+    return tokenizer.backend_tokenizer.decode if raw_decode_is_exact(tokenizer) else tokenizer.decode

@@ -121,9 +121,9 @@ class Detokenizer:
 def run_detokenizer(config: ServerConfig, ready: Connection) -> None:
     model_dir = config.model_dir
     with child_process("detokenizer", config, ready) as stop:
-        from transformers import AutoTokenizer  # slow import: only in the process that needs it
+        from lightserve.hf_tokenizer import load_decoder
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_decoder(model_dir)  # without importing transformers where the front cached its tokenizer
         pool = ReqPool.attach(config.shm_name)
         ctx = zmq.Context()
         inbox = ctx.socket(zmq.PULL)

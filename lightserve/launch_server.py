@@ -147,14 +147,14 @@ class _FrontPrep:
     def _run(self, config: ServerConfig) -> None:
         try:
             import uvicorn  # noqa: F401 - imported for its cost, here
-            from transformers import AutoTokenizer
 
             import lightserve.http.app  # noqa: F401
+            from lightserve.hf_tokenizer import load_tokenizer
             from lightserve.sampling import generation_defaults
 
             model_dir = config.model_dir
 
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            tokenizer = load_tokenizer(model_dir)
             if config.chat_template is not None:
                 with open(config.chat_template) as f:
                     tokenizer.chat_template = f.read()

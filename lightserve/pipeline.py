@@ -66,9 +66,8 @@ class Pipeline:
     stops the processes and frees their shared memory."""
 
     def __init__(self, config: ServerConfig):
-        from transformers import AutoTokenizer
-
         from lightserve.engine.procs import EngineProcs
+        from lightserve.hf_tokenizer import load_tokenizer
         from lightserve.resolve_config import resolve_config
 
         self._lock = threading.Lock()       # guards _closed against submissions racing close()
@@ -80,7 +79,7 @@ class Pipeline:
             self._procs = EngineProcs(resolve_config(config))
             self.config: ServerConfig = self._procs.start()
             self.model_dir = model_dir = self.config.model_dir
-            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            self.tokenizer = load_tokenizer(model_dir)
             # NOTE: the first encode resets any truncation/padding stored in tokenizer.json (a write
             # to the Rust tokenizer); doing it here, on one thread, leaves later encodes read-only.
             self.tokenizer.encode("warm up")

@@ -129,8 +129,7 @@ def _draft_model(config: ServerConfig, backend: KernelBackend, model_dir: str, m
     ModelConfig), checked against the served model before any process starts: the same vocabulary (size and every
     token's id in the tokenizer), a context of at least --max_req_total_len, a split over --tp. StartError naming
     the flag otherwise."""
-    from transformers import AutoTokenizer
-
+    from lightserve.hf_tokenizer import load_tokenizer
     from lightserve.model_infer.models import check_gguf, check_tp, read_model_config
 
     flag = "speculative_draft_model_dir"
@@ -149,7 +148,7 @@ def _draft_model(config: ServerConfig, backend: KernelBackend, model_dir: str, m
         raise StartError(f"--{flag} {given}: a vocabulary of {draft.vocab_size} tokens, the served model's has "
                          f"{model_config.vocab_size}; the draft model must share its tokenizer")
     try:
-        vocabs = [AutoTokenizer.from_pretrained(folder).get_vocab() for folder in (draft_dir, model_dir)]
+        vocabs = [load_tokenizer(folder).get_vocab() for folder in (draft_dir, model_dir)]
     except (OSError, ValueError) as exc:
         raise StartError(f"--{flag} {given}: cannot compare its tokenizer with the served model's: {exc}") from None
     if vocabs[0] != vocabs[1]:

@@ -161,9 +161,10 @@ class GrammarSet:
     def _get_compiler(self):
         if self._compiler is None:
             import xgrammar as xgr
-            from transformers import AutoTokenizer
 
-            tokenizer = self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            from lightserve.hf_tokenizer import load_tokenizer
+
+            tokenizer = self._tokenizer = load_tokenizer(self.model_dir)
             if self._reasoning is not None:
                 self._open_ids = tokenizer.encode(self._reasoning.OPEN, add_special_tokens=False)
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)

@@ -117,7 +117,7 @@ class Shapes:
                            "--output-len", "128", "--max-concurrency", "64"),
                           (1, 64, 256), (1024, 8192), 20, 8192, 3, 10)
         # The interpreter runs every Triton program in numpy: few tokens, few steps.
-        return Shapes(96, 32, 4, (10, 20), 16, 4, 512,
+        return Shapes(96, 32, 4, (10, 20), 6, 4, 512,
                       ("--num-prompts", "4", "--input-len-min", "16", "--input-len-max", "32",
                        "--output-len", "4", "--max-concurrency", "4"),
                       (1, 4), (32, 64), 1, 64, 1, 1)

@@ -30,11 +30,12 @@ LIBRARIES = ("lightserve.shm", "lightserve.kernels")
 # config). And chat/'s parser registries with the base they stand on: config names the tool and
 # reasoning parsers to check its flags, and rank 0's grammar waits out the reasoning by the reasoning
 # parser's own tags and rule. And the LoRA adapter reader: the front validates an adapter with it before
-# accepting it, and each worker reads the adapter with it.
+# accepting it, and each worker reads the adapter with it. And the tokenizer loader: the front, the
+# detokenizer (its cached decoder), rank 0's grammar and the offline pipeline load the model's tokenizer alike.
 SHARED = frozenset({"lightserve.config", "lightserve.messages", "lightserve.sampling", "lightserve.log",
                     "lightserve.procutil", "lightserve.envs", "lightserve.model_config",
                     "lightserve.chat.tool_call", "lightserve.chat.tool_parsers", "lightserve.chat.reasoning_parsers",
-                    "lightserve.lora_adapter"})
+                    "lightserve.lora_adapter", "lightserve.hf_tokenizer"})
 # The rest of lightserve/'s top: the launch's entry modules. The package itself (the pipeline's public
 # names), the server launcher, the offline pipeline, the config's resolution and its command line.
 ENTRIES = frozenset({"lightserve", "lightserve.launch_server", "lightserve.pipeline", "lightserve.resolve_config",

@@ -20,15 +20,16 @@ TIMEOUT = aiohttp.ClientTimeout(total=300)
 
 
 @pytest.fixture(scope="module")
-def all_servers(tmp_path_factory):
-    """(with ngram speculation, without, with a draft model), started together."""
+def all_servers(tmp_path_factory, server):
+    """(with ngram speculation, without: the e2e tests' shared float32 server, with a draft model); the two that
+    speculate started together."""
     tmp = tmp_path_factory.mktemp("speculative")
     config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
     draft = ("--speculative_algorithm", "draft", "--speculative_draft_model_dir", str(default_gguf()),
              "--num_speculative_tokens", "3")
     with servers_together(tmp, ("--data_type", "float32", "--max_total_token_num", "8192"),
-                          spec=("--speculative-config", config), plain=(), draft=draft) as procs:
-        yield procs
+                          spec=("--speculative-config", config), draft=draft) as (spec, draft_server):
+        yield spec, server, draft_server
 
 
 @pytest.fixture(scope="module")

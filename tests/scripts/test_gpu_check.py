@@ -74,7 +74,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert set(runner["phases"]) >= {"runner_start_s", "prefill_s", "decode_s", "transformers_load_s", "reference_s"}
     server = reports["c"]
     assert server["ok"] is True and server["kernel_backend"] == "triton" and server["error"] is None, server
-    assert len(server["prompts"]) == 16 and server["shm_left"] == [] and server["w1_completed"] == 4
+    assert len(server["prompts"]) == 6 and server["shm_left"] == [] and server["w1_completed"] == 4
     timings = reports["d"]
     assert timings["ok"] is True and timings["kernel_backend"] == "triton", timings
     assert timings["hbm_peak_bytes_s"] is None and "not a GPU" in timings["hbm_peak_source"]

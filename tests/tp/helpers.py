@@ -25,10 +25,10 @@ SERVER_FLAGS = ("--data_type", "float32", "--max_total_token_num", "4096")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def make_tiny_llama(out_dir: Path) -> Path:
-    """2 layers, hidden 64, 4 query heads, 2 KV heads (so TP 2 splits them), random weights, with
-    SmolLM2's tokenizer (hence its vocabulary size) so the HTTP front can serve it."""
-    make_tiny_model("llama3", out_dir, vocab_size=49152, max_position_embeddings=1024)
+def make_tiny_llama(out_dir: Path, **overrides) -> Path:
+    """2 layers, hidden 64, 4 query heads, 2 KV heads (so TP 2 splits them) unless overridden, random weights,
+    with SmolLM2's tokenizer (hence its vocabulary size) so the HTTP front can serve it."""
+    make_tiny_model("llama3", out_dir, vocab_size=49152, max_position_embeddings=1024, **overrides)
     for name in TOKENIZER_FILES:
         if (MODEL_DIR / name).exists():
             shutil.copy(MODEL_DIR / name, out_dir / name)

@@ -1,9 +1,9 @@
 """A GGUF checkpoint served by a real server: a tiny random Qwen2 written by lightserve.engine.gguf_export (Q8_0, Q4_0,
 Q5_1, Q4_1 across its tensors, an untied output layer) in a folder with its HF config and the bundled model's
-tokenizer files (the default model's server reads them from its GGUF metadata; tests/model checks that reading). Two
-tensor-parallel ranks. /v1/completions' greedy text equals transformers' greedy generation over the same weights
-dequantized by transformers' own GGUF loader, for concurrent requests; a repeated prefix is served from the prefix
-cache; the served name is the file's stem."""
+tokenizer files (the default model's server reads them from its GGUF metadata; tests/model checks that reading, and
+the tensor-parallel shards of packed weights). /v1/completions' greedy text equals transformers' greedy generation
+over the same weights dequantized by transformers' own GGUF loader, for concurrent requests; a repeated prefix is
+served from the prefix cache; the served name is the file's stem."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from lightserve.engine.gguf_export import export_gguf
-from lightserve.engine.model_prep import default_gguf
 from tests.e2e.server import MODEL_DIR, ServerProc, bundled_tokenizer
 from tests.model.tiny_models import make_tiny_model
 
@@ -37,16 +36,18 @@ def served(tmp_path_factory):
     folder = root / "model"
     folder.mkdir()
     config = json.loads((hf_dir / "config.json").read_text())
-    path = export_gguf(load_file(hf_dir / "model.safetensors"), config, folder / "tiny-qwen2.Q8_mix.gguf", TYPES,
-                       tokenizer_from=default_gguf())
+    # No tokenizer.* fields: the server reads the HF files beside the file, and transformers' GGUF reader would take
+    # 8 s over a 49k-token vocabulary it does not need for the weights.
+    path = export_gguf(load_file(hf_dir / "model.safetensors"), config, folder / "tiny-qwen2.Q8_mix.gguf", TYPES)
     for name in ("config.json", *TOKENIZER_FILES):
         shutil.copy(hf_dir / name if name == "config.json" else MODEL_DIR / name, folder / name)
     shutil.rmtree(hf_dir)
-    srv = ServerProc("--model_dir", str(folder), "--data_type", "float32", "--tp", "2",
-                     log_path=root / "server.log").wait_ready()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32).eval()
-    yield srv, hf
-    srv.stop()
+    srv = ServerProc("--model_dir", str(folder), "--data_type", "float32", log_path=root / "server.log")
+    try:  # the reference loads while the server starts
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=path.name, dtype=torch.float32).eval()
+        yield srv.wait_ready(), hf
+    finally:
+        srv.stop()
 
 
 async def _complete(session, url: str, prompt: str) -> dict:

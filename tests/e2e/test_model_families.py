@@ -55,10 +55,15 @@ def family(request, tmp_path_factory):
     srv = ServerProc("--model_dir", str(model_dir), "--data_type", "float32", "--max_total_token_num",
                      str(KV_TOKENS), "--chunked_prefill_size", "24",
                      *(("--speculative_algorithm", "mtp", "--num_speculative_tokens", "3") if mtp else ()),
-                     log_path=log).wait_ready()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    yield srv, hf, AutoTokenizer.from_pretrained(model_dir)
-    srv.stop()
+                     log_path=log)
+    try:
+        # The reference loads while the server starts (a start leaves this process's core partly idle).
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        srv.wait_ready()
+        yield srv, hf, tokenizer
+    finally:
+        srv.stop()
 
 
 async def _generate(session, url: str, prompt: str) -> dict:

@@ -40,10 +40,12 @@ def served(tmp_path_factory):
     finally:
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
-    srv.wait_ready()
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    yield srv, hf, AutoTokenizer.from_pretrained(model_dir)
-    srv.stop()
+    try:  # the reference loads while the server starts
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        yield srv.wait_ready(), hf, tokenizer
+    finally:
+        srv.stop()
     assert srv.shm_segments() == []
 
 

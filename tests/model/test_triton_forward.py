@@ -129,6 +129,9 @@ def test_chunked_prefill_prefix_hit_and_mixed_step_match_transformers(tiny, no_c
     torch.testing.assert_close(logits, torch.stack([hf_logits(hf, seqs[row])[-1] for row, _ in items]), **TOL)
 
 
+# The padding is the graph runner's, the same for every family: one plain family, one with a window and soft-capped
+# scores, and the latent cache.
+@pytest.mark.parametrize("tiny", ["llama3", "gemma2", "deepseek_v3"], indirect=True)
 def test_decode_padded_to_a_graph_size_matches_transformers(tiny, no_cpu_paths):
     """Three decoding requests in a size-4 graph batch, as CudaGraphRunner replays them: the padding row points at a
     scratch KV row and request row 0 with length 1, and the three real rows come out as transformers has them."""

@@ -1,9 +1,9 @@
 """lightserve/hf_tokenizer.py: load_tokenizer gives the tokenizer AutoTokenizer gives (its class, vocabulary, special
 tokens, chat template, encodings and decodings) for folders that name their class and for those that take the
 fallback; load_decoder's cached Rust tokenizer decodes (and streams through the detokenizer's IncrementalDecoder)
-exactly as that tokenizer does, is keyed by the folder's files, is never written for a tokenizer whose decode
-transformers changes; and in a fresh process both skip what they are there to skip (the config class; transformers
-itself)."""
+exactly as that tokenizer does, is keyed by the folder's files, is loaded around when damaged, and is never written
+for a tokenizer whose decode transformers changes; in a fresh process both skip what they are there to skip (the
+config class; transformers itself)."""
 from __future__ import annotations
 
 import json
@@ -37,11 +37,9 @@ def _folder(tmp_path, model_type: str, tokenizer_config: dict):
 
 @pytest.mark.parametrize("model_type,tokenizer_config", [
     ("llama", {"tokenizer_class": "TokenizersBackend"}),
-    ("llama", {"tokenizer_class": "LlamaTokenizerFast"}),
-    ("qwen3", {"tokenizer_class": "Qwen2Tokenizer"}),
-    ("gemma3_text", {"tokenizer_class": "GPT2TokenizerFast", "clean_up_tokenization_spaces": True}),
+    ("qwen3", {"tokenizer_class": "Qwen2Tokenizer", "clean_up_tokenization_spaces": True}),
     ("mixtral", {}),                                      # no tokenizer_class: AutoTokenizer's own path
-], ids=["backend", "llama-class", "qwen-class", "cleanup-on", "no-class"])
+], ids=["backend", "qwen-class-cleanup", "no-class"])
 def test_same_tokenizer_as_auto_tokenizer(tmp_path, model_type, tokenizer_config):
     folder = _folder(tmp_path, model_type, tokenizer_config)
     ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
@@ -89,6 +87,10 @@ def test_cached_decoder_decodes_and_streams_as_the_tokenizer(tmp_path, cache):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
     assert not isinstance(load_decoder(folder), tokenizers.Tokenizer) and len(_entries(cache)) == 2
+    # A damaged entry is loaded around, as if there were none.
+    for entry in _entries(cache):
+        entry.write_text("{not json")
+    assert load_decoder(folder).decode(ids) == ref.decode(ids)
 
 
 @pytest.mark.parametrize("model_type,tokenizer_config", [
@@ -102,14 +104,6 @@ def test_no_entry_for_a_tokenizer_whose_decode_transformers_may_change(tmp_path,
     assert _entries(cache) == []
     decoder = load_decoder(folder)
     assert type(decoder) is type(AutoTokenizer.from_pretrained(folder)) and _entries(cache) == []
-
-
-def test_a_damaged_entry_is_loaded_around(tmp_path, cache):
-    folder = _folder(tmp_path, "llama", {"tokenizer_class": "TokenizersBackend"})
-    load_tokenizer(folder)
-    [entry] = _entries(cache)
-    entry.write_text("{not json")
-    assert load_decoder(folder).decode([42, 43]) == AutoTokenizer.from_pretrained(folder).decode([42, 43])
 
 
 def test_fresh_processes_skip_the_config_class_and_transformers(cache):

@@ -99,7 +99,7 @@ def _store_decoder(folder: Path, tokenizer) -> None:
 
 def _entry_path(folder: Path) -> Path | None:
     """$LIGHTSERVE_CACHE/tokenizers/<key>.json, the key a hash of everything load_tokenizer's result depends on;
-    None for a folder whose files cannot be read."""
+    None for a folder whose files cannot be read or that holds no tokenizer file."""
     digest = hashlib.sha256()
     found = 0
     try:

@@ -135,7 +135,7 @@ class ServerConfig:
     max_lora_rank: int = field(default=16, metadata={"help": "largest adapter rank accepted (every slot is sized for it)"})
     max_cpu_loras: int | None = field(default=None, metadata={"help": "adapters kept in each worker's CPU cache (least recently used dropped first); default --max_loras"})
     allow_runtime_lora_updating: bool = field(default=False, metadata={"help": "accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter"})
-    lora_dtype: DType = field(default=DType.AUTO, metadata={"help": "how the resident adapters' stacked A and B are stored (products summed in float32 whatever it is): auto = the activation dtype; bfloat16 halves the bytes a decode step reads for them (batch-1 latency with an adapter on CPU)"})
+    lora_dtype: DType = field(default=DType.AUTO, metadata={"help": "how the resident adapters' stacked A and B are stored (products summed in float32 whatever it is): auto = the activation dtype, but bfloat16 over quantized weights (GGUF, int8/int4) on CPU; bfloat16 halves the bytes a decode step reads for them (batch-1 latency with an adapter on CPU)"})
     admission_policy: AdmissionPolicy = field(default=AdmissionPolicy.OPTIMISTIC, metadata={"help": "how requests are admitted against free KV"})
     data_type: DType = field(default=DType.AUTO, metadata={"help": "weights/activations dtype; auto = bfloat16 on CUDA or CPUs with native bf16"})
     kv_cache_dtype: KVCacheDType = field(default=KVCacheDType.AUTO, metadata={"help": "KV cache storage: auto = the activation dtype; int8 (a scale per token and head) and fp8_e4m3 / fp8_e5m2 (fp8 = e4m3; the checkpoint's k_scale / v_scale, else 1.0) hold about twice the tokens and halve the bytes a decode step reads"})

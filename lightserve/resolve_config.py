@@ -63,7 +63,14 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     kv_dtype = config.kv_cache_dtype
     if kv_dtype is KVCacheDType.AUTO:
         kv_dtype = KVCacheDType(dtype.value)
-    lora_dtype = dtype if config.lora_dtype is DType.AUTO else config.lora_dtype
+    lora_dtype = config.lora_dtype
+    if lora_dtype is DType.AUTO:
+        # Beside packed 4- or 8-bit weights on CPU, float32 adapter stacks are a large share of what a batch-1 step
+        # reads (rank 16 on every projection of SmolLM2: 19.5 MB against its 85 MB Q4_1 file), and their bytes
+        # bound the LoRA products there; bf16 halves them, an error (one rounding of A and scaling * B, products
+        # summed in float32) far below the base weights' own quantization.
+        quantized_base = gguf_file is not None or bool(model_config.quantization)
+        lora_dtype = DType.BFLOAT16 if device is Device.CPU and dtype is DType.FLOAT32 and quantized_base else dtype
     batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
     join = config.prefill_join_tokens or (batch_max if device is Device.CUDA else CPU_PREFILL_JOIN_TOKENS)
     max_len = min(config.max_req_total_len or DEFAULT_MAX_REQ_TOTAL_LEN, model_config.max_context_len)

@@ -267,9 +267,12 @@ def test_model_runner_loads_adapters_and_runs_a_plan_with_lora_slots(family):
 
 
 def test_lora_dtype_flag_resolves_to_the_stacks_dtype(tmp_path):
-    """--lora_dtype: auto resolves to the activation dtype (float32 stays float32); a bad value is refused naming the
-    flag, by ServerConfig, make_config and LoraLimits alike."""
+    """--lora_dtype: auto resolves to the activation dtype (float32 stays float32), but to bfloat16 over a GGUF base on
+    a float32 CPU model; a bad value is refused naming the flag, by ServerConfig, make_config and LoraLimits alike."""
     model_dir = str(make_tiny_model("llama3", tmp_path / "base"))
+    for data_type, want in [(DType.FLOAT32, DType.BFLOAT16), (DType.BFLOAT16, DType.BFLOAT16)]:
+        config = resolve_config(ServerConfig(model_dir=None, device=Device.CPU, data_type=data_type, enable_lora=True))
+        assert config.lora_dtype is want  # the bundled model's Q4_1 file
     assert parse_args(["--enable_lora", "--lora-dtype", "bfloat16"]).lora_dtype is DType.BFLOAT16
     assert ServerConfig(lora_dtype="float16").lora_dtype is DType.FLOAT16
     for data_type, lora_dtype, want in [(DType.FLOAT32, DType.AUTO, DType.FLOAT32),

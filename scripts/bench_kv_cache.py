@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_rows import add_common_args, chosen_workloads, median, run_side  # scripts/, beside this file
+from bench_rows import add_common_args, chosen_workloads, median, run_sides  # scripts/, beside this file
 
 WORKLOADS = {
     "W1": "--dataset random --num-prompts 128 --input-len-min 128 --input-len-max 512 --output-len 128 "
@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "w1_requests_in_8gib": EIGHT_GIB // per_token // W1_REQUEST_TOKENS}
     for name in names:
         result["workloads"][name] = {}
-        for kv in kvs:
-            rows = run_side(f"{args.server} --kv_cache_dtype {kv}", table[name], args.runs)
+        sides = run_sides([(f"{args.server} --kv_cache_dtype {kv}", table[name]) for kv in kvs], args)
+        for kv, rows in zip(kvs, sides):
             result["workloads"][name][kv] = {k: median(rows, k) for k in KEYS}
             print(f"{name} {kv}: {result['workloads'][name][kv]}", file=sys.stderr)
     base = kvs[0]

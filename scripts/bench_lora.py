@@ -10,6 +10,10 @@ Targets: W1 output tok/s >= 0.8x of the base alone; W2 inter-token latency p50 <
 
     python scripts/bench_lora.py --server="--data_type float32"
     python scripts/bench_lora.py --smoke      # a minute: small versions of each, to check the script runs
+    python scripts/bench_lora.py --runs 7 --workloads W2 --in-turn   # both servers up, their runs alternating
+
+On a shared host the machine's speed drifts over minutes by as much as the W2 target's margin: --in-turn keeps both
+servers up and alternates their measured runs, so the drift falls on both sides alike.
 
 The adapters are written once under $LIGHTSERVE_CACHE/bench_lora (random A and B of the model's shapes, PEFT's file
 layout); they change the output, which is why the workloads ignore eos.
@@ -23,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from bench_rows import add_common_args, chosen_workloads, median, print_ratios, run_side  # scripts/, beside this file
+from bench_rows import add_common_args, chosen_workloads, median, print_ratios, run_sides  # scripts/, beside this file
 from benchmark_serving import default_model_dir
 from safetensors.torch import save_file
 
@@ -88,11 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         # W1 spreads its requests over every adapter; W2 (batch 1) runs on one.
         models = ",".join(n for n, _ in adapters) if name == "W1" else adapters[0][0]
-        base = run_side(args.server, table[name], args.runs)
-        lora = run_side(f"{args.server} {lora_flags}", f"{table[name]} --model {models}", args.runs)
+        base, lora = run_sides([(args.server, table[name]),
+                                (f"{args.server} {lora_flags}", f"{table[name]} --model {models}")], args)
         keys = ("output_tok_s", "tpot_p50_ms", "itl_p50_ms", "ttft_p50_ms")
-        result[name] = {side: {k: median(rows, k) for k in keys} for side, rows in (("base", base), ("lora", lora))}
-        print(f"{name}: base {result[name]['base']}  lora {result[name]['lora']}", file=sys.stderr)
+        result[name] = {side: {**{k: median(rows, k) for k in keys},
+                               "runs": [{k: r.get(k) for k in keys} for r in rows]}
+                        for side, rows in (("base", base), ("lora", lora))}
+        for side in ("base", "lora"):
+            print(f"{name} {side}: " + "  ".join(f"{k} {result[name][side][k]:.2f}" for k in keys) + "; runs' ITL p50 "
+                  + " ".join(f"{r['itl_p50_ms']:.2f}" for r in result[name][side]["runs"]), file=sys.stderr)
     met = print_ratios(result, TARGETS, ("base", "lora"))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

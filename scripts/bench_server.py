@@ -19,6 +19,7 @@ workload's CPU time goes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -127,6 +128,95 @@ def report_kinds(report: str) -> dict[str, float]:
     return {k: round(v, 2) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
 
 
+@dataclasses.dataclass
+class Running:
+    """A server started by start_server: its launcher process, URL, log file, start time and process pids."""
+    flags: str
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+    start_s: float
+    pids: dict[str, int]
+
+
+def start_server(flags: str) -> Running:
+    """Start lightserve.launch_server with `flags` (one string) on a free port and wait for /health; RuntimeError with
+    the log's tail if it exits first."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile("w", prefix="bench_server_", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "lightserve.launch_server", "--port", str(port), *shlex.split(flags)]
+    t0 = time.monotonic()
+    # cwd outside the repo: its top-level folders (kernels/, router/) must not shadow installed packages.
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
+                            start_new_session=True)
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(Path(log.name).read_text()[-3000:]) from None
+            time.sleep(0.2)
+    start_s = time.monotonic() - t0
+    print(f"# server ready in {start_s:.1f} s: {' '.join(cmd[2:])} (log {log.name})", file=sys.stderr)
+    return Running(flags, proc, url, log.name, start_s, server_pids(Path(log.name).read_text(), proc.pid))
+
+
+def stop_server(server: Running) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    try:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        server.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+
+
+def measure(server: Running, bench_args: list[str], seed: int, perf: bool = False) -> dict:
+    """One benchmark_serving.py run against the server: its row (the client's aggregates, the router's counters,
+    each process's CPU and run-queue seconds, and with `perf` the workers' perf shares)."""
+    pids, url = server.pids, server.url
+    workers = [pid for role, pid in pids.items() if role.startswith("worker")]
+    before = metrics(url)
+    cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    wait_before = {role: wait_seconds(pid) for role, pid in pids.items()}
+    client_before = children_cpu_seconds()
+    recorder = perf_data = None
+    if perf:
+        perf_data = tempfile.NamedTemporaryFile(prefix="bench_server_", suffix=".perf", delete=False).name
+        recorder = subprocess.Popen(["perf", "record", "-q", "-F", "499", "-o", perf_data,
+                                     "-p", ",".join(map(str, workers))], stderr=subprocess.DEVNULL)
+    try:
+        with tempfile.NamedTemporaryFile(suffix=".json") as res:
+            seeded = ["--seed", str(seed)] if "--seed" not in bench_args else []
+            subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_serving.py"), "--base-url",
+                            url, "--output-json", res.name, "--no-progress", "--quiet", *seeded, *bench_args],
+                           check=True)
+            agg = json.loads(Path(res.name).read_text())["aggregates"]
+    finally:
+        if recorder is not None:
+            recorder.send_signal(signal.SIGINT)  # perf writes its file and exits
+            recorder.wait(60)
+    after = metrics(url)
+    row = {"server": server.flags, "start_s": round(server.start_s, 2),
+           "output_tok_s": agg["output_throughput"], "duration_s": agg.get("duration_s"),
+           "ttft_p50_ms": agg["ttft_ms"]["p50"], "itl_p50_ms": agg.get("itl_ms", {}).get("p50"),
+           "tpot_p50_ms": agg.get("tpot_ms", {}).get("p50"), "completed": agg["completed"],
+           **{k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS if k.endswith("_total")},
+           "kv_tokens_free_after": after.get("kv_tokens_free"), "kv_tokens_total": after.get("kv_tokens_total"),
+           "cpu_s": {**{role: round(cpu_seconds(pid) - cpu_before[role], 2) for role, pid in pids.items()},
+                     "benchmark client": round(children_cpu_seconds() - client_before, 2)},
+           "cpu_wait_s": {role: round(wait_seconds(pid) - wait_before[role], 2) for role, pid in pids.items()}}
+    if perf_data is not None:
+        row["worker_perf_pct"] = perf_kinds(perf_data)
+        os.unlink(perf_data)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", default="", help="lightserve.launch_server flags (one string)")
@@ -141,81 +231,24 @@ def main() -> int:
     bench_args = args.bench[1:] if args.bench[:1] == ["--"] else args.bench
     if args.perf and shutil.which("perf") is None:
         ap.error("--perf needs the `perf` tool on PATH (linux-tools)")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w", prefix="bench_server_", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "lightserve.launch_server", "--port", str(port), *shlex.split(args.server)]
-    t0 = time.monotonic()
-    # cwd outside the repo: its top-level folders (kernels/, router/) must not shadow installed packages.
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir(),
-                              start_new_session=True)
     try:
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                if server.poll() is not None:
-                    print(Path(log.name).read_text()[-3000:], file=sys.stderr)
-                    return 1
-                time.sleep(0.2)
-        start_s = time.monotonic() - t0
-        print(f"# server ready in {start_s:.1f} s: {' '.join(cmd[2:])} (log {log.name})", file=sys.stderr)
-        pids = server_pids(Path(log.name).read_text(), server.pid)
-        workers = [pid for role, pid in pids.items() if role.startswith("worker")]
+        server = start_server(args.server)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    try:
         for i in range(args.warmup_runs + args.runs):
-            before = metrics(url)
-            cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
-            wait_before = {role: wait_seconds(pid) for role, pid in pids.items()}
-            client_before = children_cpu_seconds()
-            perf = None
-            if args.perf and i >= args.warmup_runs:
-                perf_data = tempfile.NamedTemporaryFile(prefix="bench_server_", suffix=".perf", delete=False).name
-                perf = subprocess.Popen(["perf", "record", "-q", "-F", "499", "-o", perf_data,
-                                         "-p", ",".join(map(str, workers))], stderr=subprocess.DEVNULL)
-            try:
-                with tempfile.NamedTemporaryFile(suffix=".json") as res:
-                    seed = ["--seed", str(1000 + i)] if "--seed" not in bench_args else []
-                    subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_serving.py"), "--base-url",
-                                    url, "--output-json", res.name, "--no-progress", "--quiet", *seed, *bench_args],
-                                   check=True)
-                    agg = json.loads(Path(res.name).read_text())["aggregates"]
-            finally:
-                if perf is not None:
-                    perf.send_signal(signal.SIGINT)  # perf writes its file and exits
-                    perf.wait(60)
-            after = metrics(url)
-            cpu = {role: round(cpu_seconds(pid) - cpu_before[role], 2) for role, pid in pids.items()}
-            cpu["benchmark client"] = round(children_cpu_seconds() - client_before, 2)
-            wait = {role: round(wait_seconds(pid) - wait_before[role], 2) for role, pid in pids.items()}
-            if i < args.warmup_runs:
+            warm_up = i < args.warmup_runs
+            row = measure(server, bench_args, 1000 + i, args.perf and not warm_up)
+            if warm_up:
                 continue
-            row = {"label": args.label, "server": args.server, "start_s": round(start_s, 2),
-                   "run": i - args.warmup_runs,
-                   "output_tok_s": agg["output_throughput"], "duration_s": agg.get("duration_s"),
-                   "ttft_p50_ms": agg["ttft_ms"]["p50"], "itl_p50_ms": agg.get("itl_ms", {}).get("p50"),
-                   "tpot_p50_ms": agg.get("tpot_ms", {}).get("p50"), "completed": agg["completed"],
-                   **{k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS if k.endswith("_total")},
-                   "kv_tokens_free_after": after.get("kv_tokens_free"), "kv_tokens_total": after.get("kv_tokens_total"),
-                   "cpu_s": cpu, "cpu_wait_s": wait}
-            if perf is not None:
-                row["worker_perf_pct"] = perf_kinds(perf_data)
-                os.unlink(perf_data)
-            line = json.dumps(row)
+            line = json.dumps({"label": args.label, "run": i - args.warmup_runs, **row})
             print(line, flush=True)
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(line + "\n")
     finally:
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_server(server)
     return 0
 
 

@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench_rows import add_common_args, chosen_workloads, median, print_ratios, run_side  # scripts/, beside this file
+from bench_rows import add_common_args, chosen_workloads, median, print_ratios, run_sides  # scripts/, beside this file
 
 WORKLOADS = {
     "W4-b1": "--dataset copy-edit --num-prompts 4 --input-len 1000 --output-len 256 --max-concurrency 1",
@@ -56,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     table, names = chosen_workloads(ap, args, WORKLOADS, SMOKE)
     result = {}
     for name in names:
-        off = run_side(args.server, table[name], args.runs)
-        on = run_side(f"{args.server} {args.speculative}", table[name], args.runs)
+        off, on = run_sides([(args.server, table[name]), (f"{args.server} {args.speculative}", table[name])], args)
         keys = ("output_tok_s", "tpot_p50_ms", "itl_p50_ms", "ttft_p50_ms")
         result[name] = {side: {k: median(rows, k) for k in keys} for side, rows in (("off", off), ("on", on))}
         drafted = sum(r.get("spec_draft_tokens_total", 0) for r in on)

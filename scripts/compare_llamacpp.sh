@@ -47,8 +47,9 @@
 # nothing: it rebuilds the medians and the table from those files.
 # Env equivalents: MODELS ONLY PORT RUNS WORKLOADS DTYPE LLAMA_SERVER THREADS PARALLEL SLOT_CTX PYTHON OUT; also
 # BENCH_GGUF_DIR (make_bench_gguf.py's folder), GGUF_DTYPE (the GGUF side's --data_type, its activations; default:
-# none given), START_TIMEOUT (s), LLAMA_EXTRA_ARGS (more llama-server flags) and LIGHTSERVE_EXTRA_ARGS (more
-# lightserve server flags, both lightserve sides).
+# none given), START_TIMEOUT (s), LLAMA_EXTRA_ARGS (more llama-server flags), LIGHTSERVE_EXTRA_ARGS (more
+# lightserve server flags, both lightserve sides) and BENCH_EXTRA_ARGS (more benchmark_serving.py flags, every side:
+# `--num-prompts 4` shortens W2 for a 1B model on 2 cores; the last of a repeated flag wins).
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -72,7 +73,7 @@ SUMMARIZE_ONLY=0
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 # shellcheck source=scripts/bench_common.sh
 source "$REPO/scripts/bench_common.sh"  # die, log, the server's lifetime, the workloads, run_side
-BENCH_EXTRA_ARGS="--no-keep-alive"  # every side alike (see above)
+BENCH_EXTRA_ARGS="--no-keep-alive ${BENCH_EXTRA_ARGS:-}"  # every side alike (see above), before the caller's flags
 
 while [[ $# -gt 0 ]]; do
   case "$1" in

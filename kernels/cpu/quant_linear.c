@@ -26,9 +26,10 @@
 //   linear.c's panel order ([KC][NR]), and gemm_tile.h's float32 register tile runs every row of x over it: the
 //   dequantization is paid once per panel for all M rows.
 // Work split: output rows (GEMV) or panels (tiles) shared among the threads (share.h), as in linear.c.
-// A third, quant_linear_q8 (at the end of the file): int8 activations and integer block dots at small M, llama.cpp's
-// scheme, chosen per weight (QuantLinear.int8_dot). The paths share the block formats' decoding (block_elems,
-// block_scales, the layouts), which is why the file holds all three and runs past 400 lines.
+// quant_linear_q8 (the second half of the file): int8 activations and integer block dots, llama.cpp's scheme, chosen
+// per weight (QuantLinear.int8_dot): a GEMV of the packed rows at M <= GEMV_MAX_M, and above it a GEMM over panels
+// decoded once per call into bytes that vpmaddubsw multiplies. The paths share the block formats' decoding
+// (block_elems, block_bytes, the layouts), which is why the file holds all four.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -449,9 +450,8 @@ int quant_dequant_rows(const uint8_t *w, int64_t w_row_bytes, int qtype, int K, 
 // converts and FMAs every weight. Q8_0's signed weights take the sign trick (|w| by x with w's sign).
 // The result is the float product of the dequantized activations with the dequantized weights, up to float32
 // summation order: not the float32 activations' product (quant_linear_f32), an error of about 1/254 of each block's
-// largest |x| per element.
-// Q8_K weights, and M above GEMV_MAX_M (where the float tiles share one dequantization among all rows), run
-// quant_linear_f32.
+// largest |x| per element. That is the GEMV here (M <= GEMV_MAX_M); the GEMM for larger M follows it. Q8_K weights
+// run quant_linear_f32.
 
 typedef float f8 __attribute__((vector_size(32)));
 typedef int32_t i8 __attribute__((vector_size(32)));
@@ -766,6 +766,238 @@ static inline __attribute__((always_inline)) void q8_rows(const int qtype, const
     }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// int8 activations at larger M (prefill, batched decode): the weights decoded once per call into panels of 8 output
+// features, interleaved so that a vector's 8 int32 lanes are 8 features. Per chunk c of 32 (one block of the
+// 32-element formats, a sub-block of the K-quants):
+//   p.q[c][g]  32 bytes: bytes 4g .. 4g + 3 of the chunk's quants for each of the 8 features (feature f at 4f)
+//   p.s[c][h]  the 8 features' float scales (h: the two 16-element halves, which differ only in Q6_K)
+//   p.o[c][h]  their offsets (o of value = q * s + o; zero for Q8_0)
+// A row m of x then meets 8 features at once: its 4 quants at 4g broadcast to every lane, one vpmaddubsw by p.q[c][g]
+// gives 16 int16 pair sums, and the runs of them that cannot overflow int16 (8 for 4-bit quants, 4 for 5-bit, 2 for
+// Q6_K's 6 bits, 1 for Q8_0's sign trick: |w| 15 * |x| 127 * 2 = 3,810 a pair, 8 of them 30,480) are added before one
+// vpmaddwd widens them to int32: the chunk's 8 dot products, exact. One conversion and one FMA a chunk scale them:
+//   acc[m][f] += d_x[m][c] * s[c][f] * dot[m][f] + o[c][f] * d_x[m][c] * sum(q_x[m][c])
+// which is quant_linear_q8_ref's product up to float32 summation order, as the GEMV path's. For 4-bit quants that
+// is 1.1 vector integer multiplies per 32 multiply-adds of a feature, where the float32 register tile spends four
+// FMAs. Work item: QG_SUB panels (32 output features) over every row of x, K in pieces of QG_KC (the decoded panels,
+// 48 KB, stay in L2; a tile's 4 rows of x, 6 KB, in L1 across the 4 panels); the accumulators go to `out` after
+// each piece (lanes are features: no horizontal sums).
+// Zen 3, 2 threads, a Llama-3.2-1B's shapes at M = 256 (scripts/bench_quant_linear.py --rows 8 64 256): Q4_1 and
+// Q4_K 0.57-0.64x the float32 GEMM's time (which runs at 93-99% of the FMA peak) and 0.45-0.53x the float tiles
+// over dequantized panels; Q6_K 0.81-0.90x (two halves a chunk, runs of two), Q8_0 0.89-0.99x (the sign trick and
+// a widening every group). At M = 8 the decoding is paid for few rows and still 0.55-0.79x for 4-bit (Q6_K 1.0-1.1x).
+
+#define QG_MT 4      // rows of x a tile: 4 float accumulators, 4 int16 partial sums, the weights and a broadcast
+#define QG_SUB 4     // panels of 8 features a work item
+#define QG_KC 1024   // K a decoded piece covers (a multiple of 256: whole K-quant super-blocks)
+
+typedef int16_t h16 __attribute__((vector_size(32)));
+typedef struct {
+    b32 q[QG_KC / 32][8];
+    f8 s[QG_KC / 32][2], o[QG_KC / 32][2];
+} QPanel;
+
+// Chunk j of a weight block (elements 32 j .. 32 j + 31; j a constant where the caller unrolls): its 32 quants
+// (unsigned; Q8_0's signed), the scale and offset of each 16-element half (values = q * s + o, as dequantize_ref).
+static inline __attribute__((always_inline)) void decode_chunk(const int qtype, const uint8_t *blk, const int j,
+                                                                b32 *q, float s[2], float o[2]) {
+    switch (qtype) {
+        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: {
+            const float d = half_to_float(blk);
+            s[0] = s[1] = d;
+            if (qtype == GGML_Q4_0) o[0] = -8.0f * d, *q = nibbles16(blk + 2);
+            if (qtype == GGML_Q4_1) o[0] = half_to_float(blk + 2), *q = nibbles16(blk + 4);
+            if (qtype == GGML_Q5_0) o[0] = -16.0f * d, *q = nibbles16(blk + 6) | bits16(blk + 2);
+            if (qtype == GGML_Q5_1) o[0] = half_to_float(blk + 2), *q = nibbles16(blk + 8) | bits16(blk + 4);
+            if (qtype == GGML_Q8_0) o[0] = 0.0f, *q = load32(blk + 2);
+            o[1] = o[0];
+            break;
+        }
+        case GGML_Q4_K: case GGML_Q5_K: {
+            int sc, m;
+            scale_min_k4(j, blk + 4, &sc, &m);
+            s[0] = s[1] = half_to_float(blk) * (float)sc;
+            o[0] = o[1] = -half_to_float(blk + 2) * (float)m;
+            const b32 v = load32(blk + (qtype == GGML_Q4_K ? 16 : 48) + 32 * (j / 2));
+            *q = j & 1 ? v >> 4 : v & 15;
+            if (qtype == GGML_Q5_K) *q |= (load32(blk + 16) >> j & 1) << 4;
+            break;
+        }
+        case GGML_Q6_K: {
+            const int half = j / 4, c = j % 4;
+            const b32 a = load32(blk + 64 * half + 32 * (c & 1)), h = load32(blk + 128 + 32 * half);
+            *q = (c < 2 ? a & 15 : a >> 4) | (h >> (2 * c) & 3) << 4;
+            const float d = half_to_float(blk + 208);
+            for (int i = 0; i < 2; i++) {
+                s[i] = d * (float)(int8_t)blk[192 + 8 * half + 2 * c + i];
+                o[i] = -32.0f * s[i];
+            }
+            break;
+        }
+    }
+}
+
+// Features n0 .. n0 + nf - 1 (nf <= 8; the lanes past nf zero) over chunks gc0 .. gc0 + nc - 1 (whole blocks) into
+// p: each chunk's 8 rows of 32 bytes transposed as an 8 x 8 matrix of 4-byte words (three levels of interleaves, as
+// to_panel).
+static inline __attribute__((always_inline)) void decode_panel(const int qtype, const uint8_t *w, int64_t w_row_bytes,
+                                                                int nf, int gc0, int nc, QPanel *p) {
+    const int per_block = block_elems(qtype) / 32;
+    for (int c0 = 0; c0 < nc; c0 += per_block) {
+        const int64_t blk = (int64_t)(gc0 + c0) / per_block * block_bytes(qtype);
+#pragma GCC unroll 8
+        for (int j = 0; j < per_block; j++) {  // unrolled: the shifts by j are constants
+            const int c = c0 + j;
+            i8 r[8], t[8];
+            f8 s[2] = {}, o[2] = {};
+            for (int f = 0; f < 8; f++) {
+                b32 q = {};
+                float sf[2] = {0.0f, 0.0f}, of[2] = {0.0f, 0.0f};
+                if (f < nf) decode_chunk(qtype, w + f * w_row_bytes + blk, j, &q, sf, of);
+                r[f] = (i8)q;
+                for (int h = 0; h < 2; h++) s[h][f] = sf[h], o[h][f] = of[h];
+            }
+            for (int level = 0; level < 3; level++) {
+                for (int i = 0; i < 4; i++) {
+                    t[2 * i] = __builtin_shufflevector(r[i], r[i + 4], 0, 8, 1, 9, 2, 10, 3, 11);
+                    t[2 * i + 1] = __builtin_shufflevector(r[i], r[i + 4], 4, 12, 5, 13, 6, 14, 7, 15);
+                }
+                memcpy(r, t, sizeof r);
+            }
+            for (int g = 0; g < 8; g++) p->q[c][g] = (b32)r[g];
+            for (int h = 0; h < 2; h++) p->s[c][h] = s[h], p->o[c][h] = o[h];
+        }
+    }
+}
+
+// 4 bytes of x broadcast to 8 lanes, and the vpmaddubsw / vpmaddwd the tile runs (the generic loops give the same
+// integers: the pair sums stay inside int16 by the runs above).
+static inline b32 bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return (b32)(i8){v, v, v, v, v, v, v, v};
+}
+static inline h16 maddubs(b32 w, b32 x) {
+#if defined(__AVX2__)
+    return (h16)_mm256_maddubs_epi16((__m256i)w, (__m256i)x);
+#else
+    h16 r;
+    for (int i = 0; i < 16; i++) r[i] = (int16_t)(w[2 * i] * (int8_t)x[2 * i] + w[2 * i + 1] * (int8_t)x[2 * i + 1]);
+    return r;
+#endif
+}
+static inline i8 madd_ones(h16 p) {
+#if defined(__AVX2__)
+    return (i8)_mm256_madd_epi16((__m256i)p, _mm256_set1_epi16(1));
+#else
+    i8 r;
+    for (int i = 0; i < 8; i++) r[i] = p[2 * i] + p[2 * i + 1];
+    return r;
+#endif
+}
+// x's bytes with w's signs (zero where w is zero), and |w|: Q8_0's signed weights as unsigned ones (vpsignb).
+static inline b32 sign8(b32 x, b32 w) {
+#if defined(__AVX2__)
+    return (b32)_mm256_sign_epi8((__m256i)x, (__m256i)w);
+#else
+    b32 r;
+    for (int i = 0; i < 32; i++) r[i] = (int8_t)w[i] < 0 ? (uint8_t)-(int8_t)x[i] : w[i] ? x[i] : 0;
+    return r;
+#endif
+}
+
+// Rows 4t .. 4t + 3 of the quantized x at chunk c, the layout the GEMM's tiles read (one pointer walks it): their
+// quants, scales d, d * (the chunk's quant sum) and d * (each half's sum); rows past M are zeros.
+typedef struct {
+    int8_t q[QG_MT][32];
+    float d[QG_MT], s32[QG_MT], s16[QG_MT][2];
+} XChunk;
+
+static void quantize_tiles(const float *x, int64_t x_row, int M, int K, XChunk *xt) {
+    const int nc = K / 32, tiles = (M + QG_MT - 1) / QG_MT;
+    memset(xt + (int64_t)(tiles - 1) * nc, 0, sizeof(XChunk) * nc);  // the last tile's rows past M
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < nc; c++) {
+            XChunk *t = xt + (int64_t)(m / QG_MT) * nc + c;
+            const int r = m % QG_MT;
+            quantize_block(x + m * x_row + 32 * c, t->q[r], &t->d[r], &t->s32[r], t->s16[r]);
+        }
+}
+
+// A tile of 4 rows of x (xt: its chunk gc0) by the panel's 8 features over the panel's nc chunks, added to acc[4]
+// (lanes: features). Each run of groups adds its vpmaddubsw results in int16 and widens them once.
+static inline __attribute__((always_inline)) void qg_tile(const int qtype, const QPanel *p, int nc, const XChunk *xt,
+                                                          f8 *acc_io) {
+    const int q6 = qtype == GGML_Q6_K, q8 = qtype == GGML_Q8_0;
+    const int run = q8 ? 1 : q6 ? 2 : (qtype == GGML_Q5_0 || qtype == GGML_Q5_1 || qtype == GGML_Q5_K) ? 4 : 8;
+    f8 acc[QG_MT];
+    for (int m = 0; m < QG_MT; m++) acc[m] = acc_io[m];
+    for (int c = 0; c < nc; c++) {
+        const XChunk *x = xt + c;
+        for (int h = 0; h < (q6 ? 2 : 1); h++) {
+            const int g_first = q6 ? 4 * h : 0, g_end = q6 ? 4 * h + 4 : 8;
+            i8 dot[QG_MT];
+            for (int g0 = g_first; g0 < g_end; g0 += run) {
+                h16 part[QG_MT];
+                for (int g = g0; g < g0 + run; g++) {
+                    const b32 w = p->q[c][g], uw = q8 ? sign8(w, w) : w;
+                    for (int m = 0; m < QG_MT; m++) {
+                        b32 xb = bcast4(x->q[m] + 4 * g);
+                        if (q8) xb = sign8(xb, w);
+                        const h16 t = maddubs(uw, xb);
+                        part[m] = g == g0 ? t : part[m] + t;
+                        __asm__("" : "+x"(part[m]));  // the sums in order: gcc's reassociated trees spilled
+                    }
+                }
+                for (int m = 0; m < QG_MT; m++)
+                    dot[m] = g0 == g_first ? madd_ones(part[m]) : dot[m] + madd_ones(part[m]);
+            }
+            for (int m = 0; m < QG_MT; m++) acc[m] += to_f8(dot[m]) * (p->s[c][h] * bcast8(x->d[m]));
+        }
+        if (!q8)
+            for (int m = 0; m < QG_MT; m++)
+                acc[m] += q6 ? p->o[c][0] * bcast8(x->s16[m][0]) + p->o[c][1] * bcast8(x->s16[m][1])
+                             : p->o[c][0] * bcast8(x->s32[m]);
+    }
+    for (int m = 0; m < QG_MT; m++) acc_io[m] = acc[m];
+}
+
+// Work item `item`: output features item * 32 .. + 31 for every row of x (xt: quantize_tiles' layout).
+static inline __attribute__((always_inline)) void qg_item(const int qtype, const XChunk *xt, int M, int K,
+                                                          const uint8_t *w, int64_t w_row_bytes, int N,
+                                                          const float *bias, float *out, int64_t out_row,
+                                                          int64_t item, QPanel *panels) {
+    const int64_t n0 = item * 8 * QG_SUB;
+    const int nf_all = N - n0 < 8 * QG_SUB ? (int)(N - n0) : 8 * QG_SUB, nsub = (nf_all + 7) / 8;
+    for (int k0 = 0; k0 < K; k0 += QG_KC) {
+        const int nc = (K - k0 < QG_KC ? K - k0 : QG_KC) / 32;
+        for (int sp = 0; sp < nsub; sp++) {
+            const int nf = nf_all - 8 * sp < 8 ? nf_all - 8 * sp : 8;
+            decode_panel(qtype, w + (n0 + 8 * sp) * w_row_bytes, w_row_bytes, nf, k0 / 32, nc, panels + sp);
+        }
+        for (int m0 = 0; m0 < M; m0 += QG_MT) {
+            const int mt = M - m0 < QG_MT ? M - m0 : QG_MT;
+            for (int sp = 0; sp < nsub; sp++) {
+                const int64_t n = n0 + 8 * sp;
+                const int nf = nf_all - 8 * sp < 8 ? nf_all - 8 * sp : 8;
+                f8 acc[QG_MT] = {};
+                for (int m = 0; m < mt; m++) {
+                    const float *src = k0 ? out + (int64_t)(m0 + m) * out_row + n : bias ? bias + n : NULL;
+                    if (src && nf == 8) acc[m] = load8f(src);
+                    else if (src) for (int f = 0; f < nf; f++) acc[m][f] = src[f];
+                }
+                qg_tile(qtype, panels + sp, nc, xt + (int64_t)(m0 / QG_MT) * (K / 32) + k0 / 32, acc);
+                for (int m = 0; m < mt; m++) {
+                    float *dst = out + (int64_t)(m0 + m) * out_row + n;
+                    if (nf == 8) *(f8_u *)dst = acc[m];
+                    else for (int f = 0; f < nf; f++) dst[f] = acc[m][f];
+                }
+            }
+        }
+    }
+}
+
 #define FOR_EACH_Q8_TYPE(CASE)                                                                                   \
     CASE(GGML_Q4_0) CASE(GGML_Q4_1) CASE(GGML_Q5_0) CASE(GGML_Q5_1) CASE(GGML_Q8_0) CASE(GGML_Q4_K)           \
     CASE(GGML_Q5_K) CASE(GGML_Q6_K)
@@ -780,14 +1012,9 @@ int quant_activations_q8(const float *x, int64_t x_row, int M, int K, int8_t *q,
     return 0;
 }
 
-int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
-                    int N, const float *bias, float *out, int64_t out_row, int threads) {
-    const int qk = block_elems(qtype);
-    if (qk == 0 || M < 1 || N < 1 || K < qk || K % qk || w_row_bytes < (int64_t)K / qk * block_bytes(qtype))
-        return -1;
-    // Q8_K and lightserve's own formats have no integer path (kernels/quant_linear.py's INT8_DOT_TYPES)
-    if (qtype == GGML_Q8_K || qtype == LS_Q8_0F || qtype == LS_Q4_1F || M > GEMV_MAX_M)
-        return quant_linear_f32(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
+// M <= GEMV_MAX_M: the packed rows streamed, Q8_ROWS output rows an item.
+static int q8_gemv(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
+                   int N, const float *bias, float *out, int64_t out_row, int threads) {
     const size_t nc = (size_t)M * (K / 32);
     const size_t qbytes = ((size_t)M * K + 63) / 64 * 64;  // the quants, then the floats: d, s32, s16 (2 nc)
     char *mem = malloc(qbytes + sizeof(float) * 4 * nc);
@@ -809,4 +1036,44 @@ int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *
     }
     free(mem);
     return 0;
+}
+
+// Larger M: work items of 8 * QG_SUB output features, each thread its own decoded panels.
+static int q8_gemm(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
+                   int N, const float *bias, float *out, int64_t out_row, int threads) {
+    XChunk *xt = aligned_alloc(64, sizeof(XChunk) * (size_t)((M + QG_MT - 1) / QG_MT) * (K / 32));
+    if (!xt) return -1;
+    quantize_tiles(x, x_row, M, K, xt);
+    int failed = 0;
+    Shares shares;
+    shares_init(&shares, ((int64_t)N + 8 * QG_SUB - 1) / (8 * QG_SUB), threads);
+    #pragma omp parallel num_threads(threads)
+    {
+        QPanel *panels = aligned_alloc(64, sizeof(QPanel) * QG_SUB);
+        if (!panels) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t item; panels && (item = shares_take(&shares)) >= 0;) {
+#define QG_CASE(T)                                                                                               \
+    case T: qg_item(T, xt, M, K, w, w_row_bytes, N, bias, out, out_row, item, panels); break;
+            switch (qtype) { FOR_EACH_Q8_TYPE(QG_CASE) }
+#undef QG_CASE
+        }
+        free(panels);
+    }
+    free(xt);
+    return failed ? -1 : 0;  // a thread without its panels left items undone: the caller falls back
+}
+
+int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
+                    int N, const float *bias, float *out, int64_t out_row, int threads) {
+    const int qk = block_elems(qtype);
+    if (qk == 0 || M < 1 || N < 1 || K < qk || K % qk || w_row_bytes < (int64_t)K / qk * block_bytes(qtype))
+        return -1;
+    // Q8_K and lightserve's own formats have no integer path (kernels/quant_linear.py's INT8_DOT_TYPES)
+    if (qtype == GGML_Q8_K || qtype == LS_Q8_0F || qtype == LS_Q4_1F)
+        return quant_linear_f32(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
+    return (M <= GEMV_MAX_M ? q8_gemv : q8_gemm)(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row,
+                                                 threads);
 }

@@ -300,8 +300,8 @@ def quantize_projections(model, int8_dot: bool = False) -> None:
 def test_projections_in_ggml_blocks_run_in_one_call_bit_for_bit(arch, int8_dot, tmp_path):
     """A float32 model whose projections are kept in GGML blocks (a GGUF checkpoint): the driver runs quant_linear.c's
     kernel on them segment by segment, bit for bit the per-kernel forward, at every step. With int8 activations
-    (int8_dot) the 4-token decode steps run quant_linear_q8 (the prefills the float tiles), in both forwards alike:
-    their logits differ from the float activations' ones."""
+    (int8_dot) every step runs quant_linear_q8 (the 4-token decode steps its GEMV, the prefills its GEMM), in both
+    forwards alike: their logits differ from the float activations' ones."""
     if library() is None:
         pytest.skip("no C compiler here")
     fused, loop = load_pair(arch, torch.float32, tmp_path)
@@ -316,7 +316,7 @@ def test_projections_in_ggml_blocks_run_in_one_call_bit_for_bit(arch, int8_dot, 
     for got, ref in zip(got_steps, run_steps(loop), strict=True):
         assert torch.equal(got, ref)
     assert calls == [65, 4, 4, 4, 22]
-    if int8_dot:  # the decode steps took the int8 path: the same model with float activations computes otherwise
+    if int8_dot:  # every step took the int8 path: the same model with float activations computes otherwise
         import dataclasses
 
         names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -324,7 +324,7 @@ def test_projections_in_ggml_blocks_run_in_one_call_bit_for_bit(arch, int8_dot, 
                                                 for n in names}) for layer in loop.weights.layers]
         loop.weights = dataclasses.replace(loop.weights, layers=layers)
         float_steps = run_steps(loop)
-        assert torch.equal(got_steps[0], float_steps[0])  # the 65-token prefill: the float tiles
+        assert not torch.equal(got_steps[0], float_steps[0])  # the 65-token prefill: the int8 GEMM
         assert not torch.equal(got_steps[1], float_steps[1])
 
 

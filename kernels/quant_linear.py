@@ -11,9 +11,10 @@ The reference (`dequantize_ref`, `quant_linear_ref`) is the spec: each block for
 GGML definitions (ggml-quants.c's dequantize_row_*), checked block by block against the `gguf` package's own
 dequantizer in tests/kernels/test_quant_linear.py. The C kernels take float32 activations (weight-only
 quantization: the result is the float32 product with the dequantized weight, up to summation order). A weight with
-`int8_dot` instead runs llama.cpp's scheme at small M: the activations quantized to int8 per 32-element block
-(`quantize_activations_ref`), integer dot products with the weight's quants (`quant_linear_q8_ref` is its spec):
-faster at batch 1 to 4, not token-exact against the float32 product.
+`int8_dot` instead runs llama.cpp's scheme at every M: the activations quantized to int8 per 32-element block
+(`quantize_activations_ref`), integer dot products with the weight's quants (`quant_linear_q8_ref` is its spec;
+a GEMV at M <= INT8_DOT_MAX_M, a GEMM over panels decoded once per call above): faster at every batch, not
+token-exact against the float32 product.
 There is no Triton version: quantized weights are served on CPU (the launcher refuses them elsewhere).
 
 Two block formats are lightserve's own (OWN_TYPES, numbers past GGML's): Q8_0 and Q4_1 with float32 scales, into
@@ -91,7 +92,7 @@ class QuantLinear:
 
     `in_perm` [K] int64, or None: the blocks hold the weight's input columns in this order (block column j is the
     weight's column in_perm[j]; a GPTQ act-order weight sorted by group), so the kernel multiplies x[:, in_perm].
-    `int8_dot`: multiplied with int8-quantized activations at small M (quant_linear_q8_ref), else with float32 ones."""
+    `int8_dot`: multiplied with int8-quantized activations (quant_linear_q8_ref), else with float32 ones."""
 
     segments: tuple[QuantSegment, ...]
     in_features: int  # K, a multiple of every segment's block size

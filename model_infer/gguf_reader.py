@@ -200,7 +200,7 @@ class GGUFCheckpointReader(Mapping[str, torch.Tensor]):
     router or other small tensor the family computes with) and a tensor of the model dtype for a float one. As a
     Mapping (`reader[name]`) it gives a whole tensor dequantized to float32 on the host. Raises ValueError for a
     tensor type not served packed, KeyError naming a missing tensor. `int8_dot`: every QuantLinear it returns is
-    multiplied with int8 activations at small M (--quant_activations int8; kernels/quant_linear.py)."""
+    multiplied with int8 activations (--quant_activations int8; kernels/quant_linear.py)."""
 
     def __init__(self, path: str | Path, config: ModelConfig, dtype: torch.dtype,
                  device: torch.device | str = "cpu", int8_dot: bool = False) -> None:

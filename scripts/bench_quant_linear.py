@@ -1,7 +1,8 @@
 """Micro benchmark of the linears over GGML block weights (kernels/quant_linear.py, quant_linear.c), with float32
-activations (weight-only) and with int8 ones (int8_dot: quant_linear_q8, M <= 4), against the float32 GEMM on packed
-panels (kernels.linear's pack_linear_weight + linear_cpu) and the bf16 prepacked path (prepack_weight + linear), per
-weight shape, block type and row count M: median ms a call, GB/s of the weight bytes each path reads, GFLOP/s.
+activations (weight-only) and with int8 ones (int8_dot: quant_linear_q8, its GEMV to M = 4 and its GEMM above),
+against the float32 GEMM on packed panels (kernels.linear's pack_linear_weight + linear_cpu) and the bf16 prepacked
+path (prepack_weight + linear), per weight shape, block type and row count M: median ms a call, GB/s of the weight
+bytes each path reads, GFLOP/s.
 Weights come from memory, as in a decode step: each path cycles through distinct copies of a shape's weight, at
 least --pool_mb of them, far past the L3.
 

@@ -784,7 +784,7 @@ static inline __attribute__((always_inline)) void q8_rows(const int qtype, const
 // 48 KB, stay in L2; a tile's 4 rows of x, 6 KB, in L1 across the 4 panels); the accumulators go to `out` after
 // each piece (lanes are features: no horizontal sums).
 // Zen 3, 2 threads, a Llama-3.2-1B's shapes at M = 256 (scripts/bench_quant_linear.py --rows 8 64 256): Q4_1 and
-// Q4_K 0.57-0.64x the float32 GEMM's time (which runs at 93-99% of the FMA peak) and 0.45-0.53x the float tiles
+// Q4_K 0.57-0.64x the float32 GEMM's time (which runs at 93-99% of the FMA peak) and 0.45-0.58x the float tiles
 // over dequantized panels; Q6_K 0.81-0.90x (two halves a chunk, runs of two), Q8_0 0.89-0.99x (the sign trick and
 // a widening every group). At M = 8 the decoding is paid for few rows and still 0.55-0.79x for 4-bit (Q6_K 1.0-1.1x).
 

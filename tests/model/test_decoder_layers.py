@@ -265,7 +265,7 @@ def quantize_projections(model, int8_dot: bool = False) -> None:
     """Give every layer of a float32 model its projections kept in GGML blocks (the same weights quantized by the gguf
     package), then rebuild its one-call driver: q | k in one block type and v in another (two row segments, as a
     Q4_K_M file mixes them), K-quants where K is a multiple of 256 and 32-element blocks elsewhere (by the exporter's
-    quantizers); with `int8_dot`, multiplied with int8 activations at small M."""
+    quantizers); with `int8_dot`, multiplied with int8 activations."""
     import dataclasses
 
     import gguf

@@ -1,6 +1,7 @@
 """Linear layers over weights kept packed in GGML's block formats (GGUF files): y = x . w^T (+ b) where w stays in its
-quantized blocks in memory and the kernel dequantizes in registers (kernels/cpu/quant_linear.c), never a full
-dequantized copy. Also the embedding lookup over the same packed rows (a tied lm_head and the embedding share them).
+quantized blocks in memory and the kernel dequantizes in registers (kernels/cpu/quant_linear.c; quant_linear_q8.c for
+int8 activations), never a full dequantized copy. Also the embedding lookup over the same packed rows (a tied lm_head
+and the embedding share them).
 
 Layout: a [N, K] weight is N rows of K / QK blocks each, exactly as a GGUF file stores it (ne0 = K runs fastest), so
 a tensor is taken from the file's mapping unchanged and its resident size is the file's. A fused projection (q | k |
@@ -253,7 +254,7 @@ def quant_linear(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tenso
 
 
 def quant_linear_cpu(x: Tensor, w: QuantLinear, bias: Tensor | None = None, lib=None) -> Tensor | None:
-    """quant_linear.c, one call per segment (each writes its own output columns): x [M, K] float32 or bf16 (rows may be
+    """quant_linear.c or quant_linear_q8.c, one call per segment (each writes its own output columns): x [M, K] float32 or bf16 (rows may be
     strided; bf16 is widened to float32 and the output rounded back), bias [N] or None -> [M, N] in x's dtype;
     quant_linear_f32, or for an int8_dot weight quant_linear_q8 (which runs quant_linear_f32 where it does not
     take the type or M). None

@@ -35,7 +35,7 @@ from lightserve.log import get_logger
 logger = get_logger(__name__)
 
 _SOURCES = ("decode_attention.c", "decoder_layers.c", "elementwise.c", "linear.c", "lora.c", "prefill_attention.c",
-            "quant_linear.c", "sampling.c")
+            "quant_linear.c", "quant_linear_q8.c", "sampling.c")
 # -fno-math-errno and -fno-trapping-math: no errno or FP-exception semantics to keep, so gcc may
 # vectorize loops with rint and compare-selects (exp in elementwise.c); results are unchanged.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math")

@@ -50,7 +50,7 @@ int linear_bf16_pairs_dpbf16(void);
 int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float *wp, int inter, float *out,
                        int num_threads);
 
-// quant_linear.c; the GGML type numbers of the block formats it takes (ggml.h's enum ggml_type, kernels/quant_linear.py
+// quant_linear.c and quant_linear_q8.c; the GGML type numbers of the block formats they take (ggml.h's enum ggml_type, kernels/quant_linear.py
 // GGMLType). quant_linear_f32 and quant_dequant_rows return 0, or -1 for a type or a K they do not take.
 #define GGML_Q4_0 2
 #define GGML_Q4_1 3
@@ -69,9 +69,9 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 #define LS_Q4_1F 101
 int quant_linear_f32(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
                      int N, const float *bias, float *out, int64_t out_row, int threads);
-// int8 activations (small M): x quantized per 32-block to int8 with a float32 scale, integer dot products with the
-// weight blocks; Q8_K weights and M over the GEMV's cut-over run quant_linear_f32. quant_activations_q8: that
-// quantization alone, x [M, K] -> q [M, K] int8 and d [M, K / 32].
+// quant_linear_q8.c, int8 activations: x quantized per 32-block to int8 with a float32 scale, integer dot products with
+// the weight blocks (a GEMV to GEMV_MAX_M rows, a GEMM above); Q8_K weights and lightserve's own formats run
+// quant_linear_f32. quant_activations_q8: that quantization alone, x [M, K] -> q [M, K] int8 and d [M, K / 32].
 int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
                     int N, const float *bias, float *out, int64_t out_row, int threads);
 int quant_activations_q8(const float *x, int64_t x_row, int M, int K, int8_t *q, float *d);

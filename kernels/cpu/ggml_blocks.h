@@ -1,0 +1,80 @@
+// The GGML block formats as both quant_linear kernels read them (quant_linear.c with float32 activations,
+// quant_linear_q8.c with int8 ones): the sizes of each block, its fp16 scales, the K-quants' packed 6-bit scales, and
+// where the GEMVs stop. Block layouts: ggml-common.h's block_q4_0 .. block_q8_K; lightserve's LS_Q8_0F / LS_Q4_1F
+// (kernels.h).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__) || defined(__SSE4_1__)
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+#ifndef GEMV_MAX_M
+// Up to here the GEMVs of both files; above, quant_linear.c's dequantized panels and register tile and
+// quant_linear_q8.c's GEMM. Zen 3, 2 threads, 2048 x 2048, ms of the float GEMV / the tiles: Q4_1 M = 3 0.48 / 0.79,
+// M = 4 0.53 / 0.80, M = 6 0.79 / 0.80; Q6_K M = 4 0.97 / 1.07. With int8 activations, [8192, 2048]: the GEMV at M = 4
+// against the GEMM at M = 5, Q4_1 1.65 / 1.63 ms, Q4_K 1.30 / 2.12, Q6_K 3.68 / 4.29 (before the GEMM decoded
+// K-quant blocks with constant shifts).
+#define GEMV_MAX_M 4
+#endif
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h >> 10 & 0x1f, man = h & 0x3ffu;
+    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
+        const float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | man << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+// The K-quants that the GEMVs take one output row at a time for a single row of x (gemv_rows and q8_rows say why).
+static inline int one_row_gemv(int qtype) { return qtype == GGML_Q4_K || qtype == GGML_Q5_K || qtype == GGML_Q6_K; }
+
+// Elements and bytes per block; 0 for a type the kernels do not take.
+static inline int block_elems(int qtype) {
+    switch (qtype) {
+        case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: case GGML_Q8_0: case LS_Q8_0F: case LS_Q4_1F:
+            return 32;
+        case GGML_Q4_K: case GGML_Q5_K: case GGML_Q6_K: case GGML_Q8_K: return 256;
+        default: return 0;
+    }
+}
+
+static inline int block_bytes(int qtype) {
+    switch (qtype) {
+        case GGML_Q4_0: return 18;
+        case GGML_Q4_1: return 20;
+        case GGML_Q5_0: return 22;
+        case GGML_Q5_1: return 24;
+        case GGML_Q8_0: return 34;
+        case GGML_Q4_K: return 144;
+        case GGML_Q5_K: return 176;
+        case GGML_Q6_K: return 210;
+        case GGML_Q8_K: return 292;
+        case LS_Q8_0F: return 36;
+        case LS_Q4_1F: return 24;
+        default: return 0;
+    }
+}
+
+// ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j from a Q4_K / Q5_K block's 12 packed bytes.
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}

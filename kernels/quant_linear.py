@@ -254,12 +254,11 @@ def quant_linear(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tenso
 
 
 def quant_linear_cpu(x: Tensor, w: QuantLinear, bias: Tensor | None = None, lib=None) -> Tensor | None:
-    """quant_linear.c or quant_linear_q8.c, one call per segment (each writes its own output columns): x [M, K] float32 or bf16 (rows may be
-    strided; bf16 is widened to float32 and the output rounded back), bias [N] or None -> [M, N] in x's dtype;
-    quant_linear_f32, or for an int8_dot weight quant_linear_q8 (which runs quant_linear_f32 where it does not
-    take the type or M). None
-    where it does not run (no C library, a CUDA tensor, another dtype or shape). `lib`: a loaded kernel library other
-    than the default build (tests of each build)."""
+    """quant_linear.c or quant_linear_q8.c, one call per segment (each writes its own output columns): x [M, K]
+    float32 or bf16 (rows may be strided; bf16 is widened to float32 and the output rounded back), bias [N] or None
+    -> [M, N] in x's dtype; quant_linear_f32, or for an int8_dot weight quant_linear_q8 (which runs
+    quant_linear_f32 where it does not take the type). None where it does not run (no C library, a CUDA tensor,
+    another dtype or shape). `lib`: a loaded kernel library other than the default build (tests of each build)."""
     from lightserve.kernels.cpu import library, profiled
 
     lib = lib or library()

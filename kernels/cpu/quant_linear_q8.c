@@ -355,7 +355,8 @@ static inline __attribute__((always_inline)) void q8_rows(const int qtype, const
 // A row m of x then meets 8 features at once: its 4 quants at 4g broadcast to every lane, one vpmaddubsw by p.q[c][g]
 // gives 16 int16 pair sums, and the runs of them that cannot overflow int16 (8 for 4-bit quants, 4 for 5-bit, 2 for
 // Q6_K's 6 bits, 1 for Q8_0's sign trick: |w| 15 * |x| 127 * 2 = 3,810 a pair, 8 of them 30,480) are added before one
-// vpmaddwd widens them to int32: the chunk's 8 dot products, exact. One conversion and one FMA a chunk scale them:
+// vpmaddwd widens them to int32: the chunk's 8 dot products, exact. A conversion, a multiply and an FMA a chunk
+// scale them:
 //   acc[m][f] += d_x[m][c] * s[c][f] * dot[m][f] + o[c][f] * d_x[m][c] * sum(q_x[m][c])
 // which is quant_linear_q8_ref's product up to float32 summation order, as the GEMV path's. For 4-bit quants that
 // is 1.1 vector integer multiplies per 32 multiply-adds of a feature, where the float32 register tile spends four

@@ -228,7 +228,7 @@ def quantize_activations_ref(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def quant_linear_q8_ref(x: Tensor, w: QuantLinear, bias: Tensor | None = None) -> Tensor:
-    """What quant_linear.c's quant_linear_q8 computes, in float64 -> [M, N] float32: each segment of a type it takes
+    """What quant_linear_q8.c's quant_linear_q8 computes, in float64 -> [M, N] float32: each segment of a type it takes
     (INT8_DOT_TYPES) multiplies the dequantized int8 activations by the dequantized weight, at every M; the others
     the float32 activations (quant_linear_ref's product)."""
     m = x.shape[0]

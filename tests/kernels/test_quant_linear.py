@@ -1,7 +1,7 @@
 """quant_linear: the torch decoders of GGML's block formats against the gguf package's dequantizer, bit for bit; the C
 kernels (quant_linear.c: the GEMV at small M, the dequantized panels and register tile above it; quant_linear_q8.c,
-int8 activations: its GEMV and its GEMM over decoded panels) against the
-reference in every build this CPU runs, over block types, row counts, K that the 256-element super-blocks do not
+int8 activations: its GEMV and its GEMM over decoded panels) against the reference in every build this CPU runs,
+over block types, row counts, K that the 256-element super-blocks do not
 divide, output rows that leave partial tiles, strided x and a bias; multi-type weights and their row and column
 slices through the dispatch; and the embedding lookup over packed rows. lightserve's own formats (Q8_0F, Q4_1F: HF
 checkpoints repacked) against their definition s * (q - zero), and weights whose input columns are reordered. The

@@ -37,9 +37,11 @@ from lightserve.kernels.cpu import kernel_times
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.messages import decode, encode
 from lightserve.model_config import ModelConfig
+from lightserve.model_infer.kv_cache import kv_row_bytes
 from lightserve.model_infer.model_runner import ModelRunner
 from lightserve.model_infer.models import read_model_config
 from lightserve.model_infer.output_writer import OutputWriter
+from lightserve.model_infer.process import torch_dtype
 from lightserve.router.admission import Admission
 from lightserve.router.kv_allocator import KVAllocator
 from lightserve.router.radix_cache import RadixCache
@@ -91,17 +93,18 @@ def gemm_rate(dtype: torch.dtype, rows: int, mc: ModelConfig) -> float:
 
 
 def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype,
-                   step_gemm_s: float | None = None) -> float:
+                   step_gemm_s: float | None = None, kv_dtype: torch.dtype | None = None) -> float:
     """Print what one decode step must cost here at least: its bytes (all weights once, every request's KV)
     at the measured read bandwidth, and its FLOPs at the measured GEMM rate; the floor is the larger. The GEMM rate
     is the better of gemm_rate() and the rate the step's own linears reached (their FLOPs over step_gemm_s, the
     seconds of the C linears and of torch's GEMMs in the step): the host sometimes halves gemm_rate()'s 30 calls in a
-    row (Zen 4: 217 GFLOP/s in a run whose step's GEMMs ran at 410), which put the floor above the step."""
+    row (Zen 4: 217 GFLOP/s in a run whose step's GEMMs ran at 410), which put the floor above the step. The KV
+    bytes are those of `kv_dtype` (--kv_cache_dtype; None = the activation dtype), int8's scales included."""
     size = torch.empty((), dtype=dtype).element_size()
     h, d = mc.hidden_size, mc.head_dim
     layer_params = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
     params = mc.num_layers * layer_params + mc.vocab_size * h  # + lm_head; the embedding reads only B rows
-    kv_bytes = batch * context * mc.num_layers * 2 * mc.num_kv_heads * d * size
+    kv_bytes = batch * context * mc.num_layers * 2 * mc.num_kv_heads * kv_row_bytes(d, kv_dtype or dtype)
     flops = 2 * batch * params + 4 * batch * context * mc.num_layers * mc.num_heads * d
     bw = read_bandwidth()
     bench = gemm_rate(dtype, max(batch, 512), mc)  # the GEMM ceiling: large M
@@ -109,8 +112,9 @@ def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype
     rate = max(bench, step_rate)
     mem_ms, flop_ms = 1e3 * (params * size + kv_bytes) / (bw * 1e9), 1e3 * flops / (rate * 1e9)
     print(f"  physical floor ({cpu_caption()}):")
-    print(f"    bytes: {params * size / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB KV at {bw:.1f} GB/s read "
-          f"-> {mem_ms:.1f} ms")
+    kv_name = str(kv_dtype or dtype).removeprefix("torch.")
+    print(f"    bytes: {params * size / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB {kv_name} KV at {bw:.1f} GB/s "
+          f"read -> {mem_ms:.1f} ms")
     own = f", the step's own linears {step_rate:.0f}" if step_rate else ""
     print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s (the better of: {dtype} linear as served at "
           f"M={max(batch, 512)} {bench:.0f}{own}) -> {flop_ms:.1f} ms")
@@ -173,6 +177,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=384, help="tokens already in each request's KV")
     ap.add_argument("--steps", type=int, default=10, help="decode steps timed; with --prefill, prefill runs")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv_cache_dtype", default="auto",
+                    choices=["auto", "float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"],
+                    help="how the KV cache stores K and V, as the server's flag (auto: --dtype)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--report-logprobs", action="store_true",
                     help="requests that show their tokens' logprobs (default: none, as benchmark clients ask; a "
@@ -195,8 +202,9 @@ def main() -> None:
     max_len = args.prefix + ctx + args.steps + 64
     rows = b + (1 if args.prefix else 0)
     kv_size = rows * max_len + 64
+    kv_dtype = torch_dtype(args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     runner = ModelRunner(model_dir, mc, getattr(torch, args.dtype), torch.device("cpu"), 0, 1, None,
-                         num_req_rows=rows, max_req_total_len=max_len, kv_size=kv_size)
+                         num_req_rows=rows, max_req_total_len=max_len, kv_size=kv_size, kv_dtype=kv_dtype)
     pool = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-prof", rows, max_len)
     try:
         rng = np.random.default_rng(0)
@@ -283,7 +291,8 @@ def main() -> None:
             times["detokenizer: decode"].append(time.perf_counter() - t)
         med = {k: statistics.median(v) for k, v in times.items()}
         total = sum(med.values())
-        print(f"decode step, batch {b}, context {ctx}, {args.dtype}, {args.threads} threads")
+        print(f"decode step, batch {b}, context {ctx}, {args.dtype}, {str(kv_dtype).removeprefix('torch.')} KV, "
+              f"{args.threads} threads")
         for k, v in med.items():
             print(f"  {k:32s} {1e3 * v:8.2f} ms  {100 * v / total:5.1f}%")
         print(f"  {'total':32s} {1e3 * total:8.2f} ms   -> {b / total:.0f} tokens/s")
@@ -294,7 +303,7 @@ def main() -> None:
         kernel_med = _print_kernel_times(step_kernels, med["worker: forward"], total) if step_kernels else {}
         # The step's GEMM seconds: the C linears (median over the steps) and torch's (the profiled step).
         gemm_s = kernel_med.get("linear (GEMM)", 0.0) + op_time.get(TORCH_GEMM, 0.0)
-        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), gemm_s)
+        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), gemm_s, kv_dtype)
         print(f"    this step: {1e3 * total:.1f} ms = {1e3 * total / floor_ms:.2f}x the floor")
     finally:
         pool.close()

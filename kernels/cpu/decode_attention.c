@@ -43,7 +43,7 @@
 // Vectors are vec.h's `vf`: 16 lanes on AVX-512 CPUs, 8 on AVX2 ones, from this one source.
 // An 8-bit cache (int8, fp8 e4m3 / e5m2; kernels/kv_store.py) is read the same way at a byte an element: load_row
 // widens each row to floats in registers, and the scales apply to the scores and the weights (int8's per row) or fold
-// into the score scale and the merge (fp8's per tensor). The bf16-only paths (DPBF16) never take it.
+// into the score scale and the merge (fp8's per tensor, with vload_fp8's power of two). The bf16-only paths (DPBF16) never take it.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -154,7 +154,7 @@ typedef struct {
 static int claim(const Queue *queue) { return __atomic_fetch_add(queue->claimed, 1, __ATOMIC_RELAXED); }
 
 // The compiled element formats of the cache (TASK_TABLE's first index): kernels.h's kinds, except that fp8 e4m3 and
-// e5m2 share one, KIND_FP8, their exponent width a run-time shift (fp8_shift below) that costs the same instructions.
+// e5m2 share one, KIND_FP8, their format a run-time flag (fp8_e5m2 below) that costs the same instructions.
 #define KIND_F32 0
 #define KIND_BF16 1
 #define KIND_INT8 2
@@ -179,25 +179,16 @@ static inline vi vload_i8(const int8_t *p) {
 
 // One K or V row of one head (dim elements) as dim / VL float vectors: bf16 rows in vec.h's even/odd order, the
 // others in element order. 8-bit rows are widened, not yet scaled: int8 to its integer value (the row's scale is
-// applied to the scores and weights), fp8 to its value times 2^-120 (e4m3) or 2^-112 (e5m2), the power folded into
-// the per-tensor scales (see decode_attention). The fp8 byte is sign-extended to 32 bits and shifted left by fp8_shift (20 for e4m3, 21 for
-// e5m2), which puts its exponent and mantissa bits at the top of a float32's exponent and mantissa and copies of the
-// sign above them; the mask keeps the sign at bit 31 and the shifted 7 bits. The float32 read from those bits is exact,
-// subnormals included (an fp8 subnormal is a float32 subnormal), as kernels/kv_store.py's contract says.
-// Their products with the query and the weights would be float32 subnormals wherever a term is small (a product under
-// 2^-6 in e4m3's units), each a microcode assist on Intel cores: so the query is multiplied by FP8_LIFT as it is
-// copied and the weights before the V pass, both exact, and only the rest of the power goes into the scales. An fp8
-// subnormal itself (under 2^-6 of the per-tensor scale: rare) stays a subnormal input.
-#define FP8_LIFT 0x1p64f
-static inline __attribute__((always_inline)) void load_row(const void *p, int kind, int fp8_shift, int dim, vf *r) {
+// applied to the scores and weights), fp8 by vec.h's vload_fp8 (fp8_e5m2: the format) to its value, times 2^-8 for
+// e4m3, that power folded into the per-tensor scales (see decode_attention); exact, as kernels/kv_store.py's contract
+// says, and never a float32 subnormal (vload_fp8 says why that matters).
+static inline __attribute__((always_inline)) void load_row(const void *p, int kind, int fp8_e5m2, int dim, vf *r) {
     if (kind == KIND_BF16) {
         for (int c = 0; c < dim / (2 * VL); c++) vload_bf16_pairs((const uint16_t *)p + 2 * VL * c, &r[2 * c], &r[2 * c + 1]);
     } else if (kind == KIND_INT8) {
         for (int i = 0; i < dim / VL; i++) r[i] = __builtin_convertvector(vload_i8((const int8_t *)p + i * VL), vf);
     } else if (kind == KIND_FP8) {
-        const vu mask = (vu){0} + (0x80000000u | 0x7Fu << fp8_shift);
-        for (int i = 0; i < dim / VL; i++)
-            r[i] = (vf)(((vu)vload_i8((const int8_t *)p + i * VL) << fp8_shift) & mask);
+        for (int i = 0; i < dim / VL; i++) r[i] = vload_fp8((const uint8_t *)p + i * VL, fp8_e5m2);
     } else {
         for (int i = 0; i < dim / VL; i++) r[i] = vload((const float *)p + i * VL);
     }
@@ -305,14 +296,14 @@ static void pack_query(const uint16_t *q, int64_t q_head, int num_heads, int gro
 // qb: [Hq, dim], the query as bf16 in its own order, for the DPBF16 scores (qp is then unset), or with groups of
 // PACK_MIN_GROUP or more as pack_query packs it; NULL: widen K.
 // state (written): m [Hq], l [Hq], acc [Hq, dim] (unnormalized, load_row's order) over tokens [lo, hi); for fp8,
-// acc is in load_row's units times FP8_LIFT (the merge multiplies by v_scale and the rest of the power of two).
+// acc is in load_row's units (the merge multiplies by v_scale and the power of two).
 // k_scales, v_scales: int8's [rows, Hk] float32 scales (token-major whatever the cache's layout), else unused;
-// fp8_shift: load_row's.
+// fp8_e5m2: load_row's.
 // kind (KIND_*), dim and group are compile-time constants in the instances below (a runtime group works too).
 static inline __attribute__((always_inline)) int attend(
     const float *qp, const uint16_t *qb, const void *k_cache, const void *v_cache, const int32_t *locs, int lo,
     int hi, const Queue *queue, int num_kv_heads, int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,
-    float scale, float softcap, float *state, const float *k_scales, const float *v_scales, int fp8_shift,
+    float scale, float softcap, float *state, const float *k_scales, const float *v_scales, int fp8_e5m2,
     const int kind, const int dim, const int group) {
     enum { NV_MAX = MAX_DIM / VL };
     const int bf16 = kind == KIND_BF16, int8 = kind == KIND_INT8;
@@ -437,7 +428,7 @@ static inline __attribute__((always_inline)) int attend(
                 }
 #endif
                 vf kv[NV_MAX];
-                load_row(kr[j] + head_off, kind, fp8_shift, dim, kv);
+                load_row(kr[j] + head_off, kind, fp8_e5m2, dim, kv);
                 for (int g = 0; g < group; g++) {
                     const float *qg = qh + g * dim;
                     vf a = vload(qg) * kv[0];
@@ -469,11 +460,9 @@ static inline __attribute__((always_inline)) int attend(
                 for (int j0 = VL; j0 < BLOCK; j0 += VL) s += vload(&p[g][j0]);
                 lsum[hg] = lsum[hg] * alpha[g] + s;
                 // int8: V rows are added as integers, so each weight takes its row's scale (after the sum above,
-                // which is over the softmax weights themselves); fp8: FP8_LIFT (see load_row).
+                // which is over the softmax weights themselves).
                 if (int8)
                     for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vload(&p[g][j0]) * vload(&vsc[j0]));
-                else if (kind == KIND_FP8)
-                    for (int j0 = 0; j0 < BLOCK; j0 += VL) vstore(&p[g][j0], vload(&p[g][j0]) * FP8_LIFT);
             }
 #if DPBF16
             _Static_assert(BLOCK == 2 * VL, "a head's block of weights is one vcvtne2ps2bf16 of two vectors");
@@ -520,7 +509,7 @@ static inline __attribute__((always_inline)) int attend(
                         if (c0 == 0 && g0 == 0 && pv[j])
                             for (int o = 0; o < dim * esize; o += 64) PREFETCH(pv[j] + o);
                         vf vv[NV_MAX];
-                        load_row(vr[j] + vhead_off + (int64_t)c0 * VL * esize, kind, fp8_shift, cv * VL, vv);
+                        load_row(vr[j] + vhead_off + (int64_t)c0 * VL * esize, kind, fp8_e5m2, cv * VL, vv);
                         for (int g = 0; g < ng; g++) {
                             vf pj = vbroadcast(p[g0 + g][j]);
                             for (int i = 0; i < cv; i++) o[g][i] += pj * vv[i];
@@ -550,9 +539,9 @@ typedef int (*task_fn)(const float *, const uint16_t *, const void *, const void
                                          const int32_t *locs, int lo, int hi, const Queue *queue, int hk,         \
                                          int64_t kc_row, int64_t vc_row, int64_t kc_head, int64_t vc_head,        \
                                          float scale, float softcap, float *state, const float *k_scales,         \
-                                         const float *v_scales, int fp8_shift, int group) {                       \
+                                         const float *v_scales, int fp8_e5m2, int group) {                        \
         return attend(qp, qb, kc, vc, locs, lo, hi, queue, hk, kc_row, vc_row, kc_head, vc_head, scale, softcap, \
-                      state, k_scales, v_scales, fp8_shift, KIND, DIM, G ? G : group);                           \
+                      state, k_scales, v_scales, fp8_e5m2, KIND, DIM, G ? G : group);                            \
     }
 // Group sizes 1-8 compiled in (the output rows then live in registers); 0 = any group, at run time.
 #define TASKS(KIND, DIM) TASK(KIND, DIM, 0) TASK(KIND, DIM, 1) TASK(KIND, DIM, 2) TASK(KIND, DIM, 3)           \
@@ -592,11 +581,11 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
         return -1;
     const int kv_is_bf16 = kv_kind == KV_BF16;
     const int kind = kv_kind == KV_FP8_E5M2 ? KIND_FP8 : kv_kind;  // KV_F32 .. KV_FP8_E4M3 are KIND_F32 .. KIND_FP8
-    // fp8: load_row's shift, and the power of two its floats are short of the values less the query's and the
-    // weights' FP8_LIFT, folded with the per-tensor scales into the score scale and into v_mul, which the merge
-    // multiplies each output by (1 for the other kinds).
-    const int fp8_shift = kv_kind == KV_FP8_E5M2 ? 21 : 20;
-    const float fp8_pow = (kv_kind == KV_FP8_E5M2 ? 0x1p112f : 0x1p120f) / FP8_LIFT;
+    // fp8: the power of two load_row's floats are short of the values (2^8 for e4m3, 1 for e5m2), folded with the
+    // per-tensor scales into the score scale and into v_mul, which the merge multiplies each output by (1 for the
+    // other kinds).
+    const int fp8_e5m2 = kv_kind == KV_FP8_E5M2;
+    const float fp8_pow = fp8_e5m2 ? 1.0f : 0x1p8f;
     const float v_mul = kind == KIND_FP8 ? v_scale * fp8_pow : 1.0f;
     if (kind == KIND_FP8) scale *= k_scale * fp8_pow;
     int group = num_heads / num_kv_heads;
@@ -659,8 +648,6 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                     float qrow[MAX_DIM];
                     for (int d = 0; d < dim; d++)
                         qrow[d] = act_bf16 ? bf16_to_f32(((const uint16_t *)q)[off + d]) : ((const float *)q)[off + d];
-                    if (kind == KIND_FP8)
-                        for (int d = 0; d < dim; d++) qrow[d] *= FP8_LIFT;
                     if (kv_is_bf16)
                         bf16_order(qrow, qp + hg * dim, dim);
                     else
@@ -671,7 +658,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
             int slot = first[b] + (int)((tk.lo - WINDOW_LO(b)) / chunk);
             i = fn(qp, use_dp ? qb : NULL, k_cache, v_cache, req_to_token + (int64_t)req_rows[b] * r2t_row, tk.lo,
                    tk.hi, &queue, num_kv_heads, kc_row, vc_row, kc_head, vc_head, scale, softcap,
-                   state + slot * state_len, k_scales, v_scales, fp8_shift, group);
+                   state + slot * state_len, k_scales, v_scales, fp8_e5m2, group);
         }
 #pragma omp barrier
         // Merge each request's chunks: out = sum_t acc_t e^(m_t - M) / sum_t l_t e^(m_t - M).

@@ -1,4 +1,4 @@
-// Shared by the C kernels: a vectorizable expf and the bfloat16 <-> float32 conversions.
+// Shared by the C kernels: a vectorizable expf, the bfloat16 <-> float32 conversions and fp16's and fp8's bits.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +28,25 @@ static inline float exp_in_range(float x) {
 
 // exp(x) for x <= 0 (scores minus their running max); below -87 it is expf's underflow, clamped.
 static inline float exp_neg(float x) { return exp_in_range(x < -87.0f ? -87.0f : x); }
+
+// An fp16 (its bits) as float32, exact; subnormals (exponent 0) are man * 2^-24, normal floats.
+static inline float half_bits_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h >> 10 & 0x1f, man = h & 0x3ffu;
+    if (exp == 0) {
+        const float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | man << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// An fp8 byte (e4m3 or e5m2) as the fp16 bits vload_fp8 (vec.h) converts: e5m2 is an fp16's top byte, its value;
+// e4m3's seven bits below the sign go one place lower, into the fp16's exponent and mantissa, 2^-8 times its value.
+static inline uint16_t fp8_to_half_bits(uint8_t b, int e5m2) {
+    return e5m2 ? (uint16_t)(b << 8) : (uint16_t)((b & 0x80u) << 8 | (b & 0x7fu) << 7);
+}
 
 // A bfloat16 (its bits) as float32: the top half of the float's bits.
 static inline float bf16_to_f32(uint16_t x) {

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include "fastmath.h"
 #include "kernels.h"
 
 #ifndef GEMV_MAX_M
@@ -26,15 +27,7 @@ static inline float half_to_float(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = h >> 10 & 0x1f, man = h & 0x3ffu;
-    if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float32
-        const float f = (float)man * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    const uint32_t bits = sign | (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | man << 13;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
+    return half_bits_to_f32(h);
 #endif
 }
 

@@ -164,7 +164,7 @@ typedef struct {
     const void *k_cache, *v_cache;
     int kv_kind, kv_bf16, act_bf16;
     const float *k_scales, *v_scales;  // int8: [rows, num_kv_heads]
-    float k_mul, v_mul;                // fp8: the per-tensor scale times 2^120 or 2^112 (dequant_row)
+    float k_mul, v_mul;                // fp8: the per-tensor scale times 2^8 (e4m3) or 1 (e5m2; dequant_row)
     int num_kv_heads;
     const int32_t *req_to_token, *req_rows, *q_start, *prefix_lens, *extend_lens;
     void *out;
@@ -185,10 +185,8 @@ typedef struct {
 } Scratch;
 
 // Head row `off` (in elements) of a bf16 or 8-bit cache as dim floats, the value gather_kv gives in float32:
-// bf16 widened; int8 q * mul (the row's scale); fp8 decoded from its bits without a table: sign to bit 31, the
-// other 7 bits to bits 20 .. 26 (e4m3; 21 .. 27 for e5m2) make a float32 2^120 (2^112) times the fp8 value, exact
-// for subnormals too, and mul carries that power of two times the per-tensor scale. (The NaN and inf codes decode as
-// large finite values; store_kv never writes them, it saturates.)
+// bf16 widened; int8 q * mul (the row's scale); fp8 by vec.h's vload_fp8 (the value, times 2^-8 for e4m3; exact, and
+// never a float32 subnormal), mul carrying that power of two times the per-tensor scale.
 static inline void dequant_row(int kind, const void *cache, int64_t off, float mul, int dim, float *dst) {
     if (kind == KV_BF16) {
         const uint16_t *p = (const uint16_t *)cache + off;
@@ -198,13 +196,7 @@ static inline void dequant_row(int kind, const void *cache, int64_t off, float m
         for (int d = 0; d < dim; d++) dst[d] = (float)p[d] * mul;
     } else {
         const uint8_t *p = (const uint8_t *)cache + off;
-        const int shift = kind == KV_FP8_E5M2 ? 21 : 20;
-        for (int d = 0; d < dim; d++) {
-            const uint32_t b = p[d], bits = (b & 0x80u) << 24 | (b & 0x7fu) << shift;
-            float f;
-            memcpy(&f, &bits, sizeof f);
-            dst[d] = f * mul;
-        }
+        for (int d = 0; d < dim; d += VL) vstore(dst + d, vload_fp8(p + d, kind == KV_FP8_E5M2) * mul);
     }
 }
 
@@ -405,9 +397,9 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
         || (kv_kind == KV_INT8 && (!k_scales || !v_scales)))
         return -1;
     const int kv_bf16 = kv_kind == KV_BF16;
-    // fp8: 2^120 (e4m3) or 2^112 (e5m2) folded into the scales (dequant_row); a scale so large that the product
-    // is not a float is left to the reference.
-    const float fp8_pow2 = kv_kind == KV_FP8_E5M2 ? 0x1p112f : 0x1p120f;
+    // fp8: 2^8 (e4m3) or 1 (e5m2) folded into the scales (dequant_row); a scale so large that the product is not a
+    // float is left to the reference.
+    const float fp8_pow2 = kv_kind == KV_FP8_E5M2 ? 1.0f : 0x1p8f;
     const float k_mul = k_scale * fp8_pow2, v_mul = v_scale * fp8_pow2;
     if ((kv_kind == KV_FP8_E4M3 || kv_kind == KV_FP8_E5M2) && !(isfinite(k_mul) && isfinite(v_mul))) return -1;
     const int group = num_heads / num_kv_heads;

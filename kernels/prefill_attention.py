@@ -309,12 +309,31 @@ def prefill_attention(
         return prefill_attention_triton(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
                                         extend_lens, max_extend_len, sm_scale, window, softcap, k_scale=k_scale,
                                         v_scale=v_scale)
+    if sdpa_is_faster(q, k_cache, prefix_lens, window, softcap):
+        return prefill_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
+                                     extend_lens, max_extend_len, sm_scale)
     out = prefill_attention_cpu(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens, extend_lens,
                                 sm_scale, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
     if out is None:
         out = prefill_attention_ref(q, k_cache, v_cache, req_to_token, req_rows, q_start_locs, prefix_lens,
                                     extend_lens, max_extend_len, sm_scale, window, softcap, k_scale, v_scale)
     return out
+
+
+def sdpa_is_faster(q: Tensor, k_cache: Tensor, prefix_lens: Tensor, window: int, softcap: float) -> bool:
+    """Whether torch's SDPA (prefill_attention_ref, a call per request) beats the C kernel on this step: on CPUs with
+    AMX-BF16, for bf16 queries over a bf16 cache with nothing cached before the new tokens, no window and no softcap,
+    where torch's flash kernel multiplies on AMX tiles and the C kernel with vdpbf16ps. Measured on an AMX Xeon
+    (docs/benchmarks.md, "An AMX Xeon"; SmolLM2's heads, per layer): 0.40-0.66x the C kernel's time for fresh prompts
+    of 256 to 1,024 tokens; 16 prompts of 48 tokens over a cached 1,024-token prefix (a masked call) took 1.05x, so
+    extends stay in C. Only where oneDNN runs the bf16 linears (onednn_runs_bf16), so that the layers run one kernel
+    at a time: where they do not, the C decoder-layer driver takes bf16 steps with its own C attention, which the
+    per-kernel loop matches bit for bit."""
+    from lightserve.kernels.cpu import cpu_flags
+    from lightserve.kernels.linear import onednn_runs_bf16
+
+    return q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.bfloat16 and window == 0 and softcap == 0 \
+        and "amx_bf16" in cpu_flags().split() and onednn_runs_bf16() and not bool(prefix_lens.any())
 
 
 def prefill_attention_cpu(

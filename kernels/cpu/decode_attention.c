@@ -43,7 +43,8 @@
 // Vectors are vec.h's `vf`: 16 lanes on AVX-512 CPUs, 8 on AVX2 ones, from this one source.
 // An 8-bit cache (int8, fp8 e4m3 / e5m2; kernels/kv_store.py) is read the same way at a byte an element: load_row
 // widens each row to floats in registers, and the scales apply to the scores and the weights (int8's per row) or fold
-// into the score scale and the merge (fp8's per tensor, with vload_fp8's power of two). The bf16-only paths (DPBF16) never take it.
+// into the score scale and the merge (fp8's per tensor, with vload_fp8's power of two). The bf16-only paths (DPBF16)
+// never take it.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

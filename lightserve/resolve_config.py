@@ -57,20 +57,6 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
         model_config = read_model_config(model_dir)
     except (ValueError, KeyError) as exc:
         raise StartError(f"--model_dir {config.model_dir or gguf_file}: {exc}") from None
-    dtype = config.data_type
-    if dtype is DType.AUTO:
-        dtype = DType.BFLOAT16 if device is Device.CUDA or cpu_has_native_bf16() else DType.FLOAT32
-    kv_dtype = config.kv_cache_dtype
-    if kv_dtype is KVCacheDType.AUTO:
-        kv_dtype = KVCacheDType(dtype.value)
-    lora_dtype = config.lora_dtype
-    if lora_dtype is DType.AUTO:
-        # Beside packed 4- or 8-bit weights on CPU, float32 adapter stacks are a large share of what a batch-1 step
-        # reads (rank 16 on every projection of SmolLM2: 19.5 MB against its 85 MB Q4_1 file), and their bytes
-        # bound the LoRA products there; bf16 halves them, an error (one rounding of A and scaling * B, products
-        # summed in float32) far below the base weights' own quantization.
-        quantized_base = gguf_file is not None or bool(model_config.quantization)
-        lora_dtype = DType.BFLOAT16 if device is Device.CPU and dtype is DType.FLOAT32 and quantized_base else dtype
     batch_max = config.batch_max_tokens or (GPU_BATCH_MAX_TOKENS if device is Device.CUDA else CPU_BATCH_MAX_TOKENS)
     join = config.prefill_join_tokens or (batch_max if device is Device.CUDA else CPU_PREFILL_JOIN_TOKENS)
     max_len = min(config.max_req_total_len or DEFAULT_MAX_REQ_TOTAL_LEN, model_config.max_context_len)
@@ -86,11 +72,32 @@ def resolve_config(config: ServerConfig) -> ServerConfig:
     if model_config.quantization and backend is not KernelBackend.CPU:
         raise StartError(f"--model_dir {config.model_dir}: quantized weights are served packed on CPU only (the C "
                          "kernels); use --device cpu with --kernel_backend cpu (or auto)")
+    packed_gguf = False
     if gguf_file is not None:  # its tensor types and block boundaries, before any rank fails on them
         try:
-            check_gguf(gguf_file, model_config, config.tp)
+            packed_gguf = check_gguf(gguf_file, model_config, config.tp)
         except ValueError as exc:
             raise StartError(f"--model_dir {config.model_dir or gguf_file}: {exc}") from None
+    quantized_base = packed_gguf or bool(model_config.quantization)
+    dtype = config.data_type
+    if dtype is DType.AUTO:
+        # Weights kept in blocks (a GGUF file, an int8 / int4 checkpoint) multiply float32 activations in their C
+        # kernels, and the one-call decoder layers take them with float32 activations only: on CPU bf16 activations
+        # only add conversions around every projection there (Intel Xeon with AMX, the bundled Q4_1 file with int8
+        # activations, float32 against bf16: W2 inter-token p50 6.25 against 11.33 ms, W1 309 against 295 output
+        # tok/s, W3 TTFT p50 314 against 392 ms; docs/quantization.md).
+        native_bf16 = device is Device.CUDA or (cpu_has_native_bf16() and not quantized_base)
+        dtype = DType.BFLOAT16 if native_bf16 else DType.FLOAT32
+    kv_dtype = config.kv_cache_dtype
+    if kv_dtype is KVCacheDType.AUTO:
+        kv_dtype = KVCacheDType(dtype.value)
+    lora_dtype = config.lora_dtype
+    if lora_dtype is DType.AUTO:
+        # Beside packed 4- or 8-bit weights on CPU, float32 adapter stacks are a large share of what a batch-1 step
+        # reads (rank 16 on every projection of SmolLM2: 19.5 MB against its 85 MB Q4_1 file), and their bytes
+        # bound the LoRA products there; bf16 halves them, an error (one rounding of A and scaling * B, products
+        # summed in float32) far below the base weights' own quantization.
+        lora_dtype = DType.BFLOAT16 if device is Device.CPU and dtype is DType.FLOAT32 and quantized_base else dtype
     if config.enable_lora:
         _check_lora_modules(config, model_config, name)
     if config.speculative_algorithm is SpeculativeAlgorithm.MTP:

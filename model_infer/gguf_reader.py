@@ -169,19 +169,22 @@ def qk_permutation(num_rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(num_rows).view(num_heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def check_gguf(path: str | Path, config: ModelConfig, tp_size: int) -> None:
+def check_gguf(path: str | Path, config: ModelConfig, tp_size: int) -> bool:
     """What would stop a worker from loading this GGUF, found before any starts: ValueError naming a tensor of a type
     not served packed (IQ*, Q2_K, Q3_K, ...) or a row-parallel tensor whose columns tp_size cannot cut at whole
-    blocks, or an architecture not served from GGUF."""
+    blocks, or an architecture not served from GGUF. Returns whether any tensor is kept in blocks (not all float)."""
     gguf_architecture(config.architecture)
+    packed = False
     for t in read_gguf(path)[1]:
         qtype = _served_type(t)
+        packed = packed or qtype in BLOCK_SHAPES
         if tp_size > 1 and qtype in BLOCK_SHAPES and t.name.endswith(ROW_PARALLEL):
             qk = BLOCK_SHAPES[qtype][0]
             cols = int(t.shape[0])  # ne0: the input features
             if cols % tp_size or (cols // tp_size) % qk:
                 raise ValueError(f"--tp {tp_size} would cut {t.name}'s {cols} input features into slices of "
                                  f"{cols / tp_size:g}, not whole {qtype.name} blocks of {qk}")
+    return packed
 
 
 @dataclass(frozen=True)

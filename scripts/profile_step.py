@@ -25,6 +25,7 @@ import secrets
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,14 +33,14 @@ from bench_cpu_kernels import cpu_caption, read_bandwidth, rerun_under_tcmalloc 
 
 from lightserve import kernels
 from lightserve.config import AdmissionPolicy
-from lightserve.engine.model_prep import ensure_default_model
+from lightserve.engine.model_prep import ensure_default_model, prepare_gguf
 from lightserve.kernels.cpu import kernel_times
 from lightserve.kernels.linear import cpu_pack_for
 from lightserve.messages import decode, encode
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.kv_cache import kv_row_bytes
 from lightserve.model_infer.model_runner import ModelRunner
-from lightserve.model_infer.models import read_model_config
+from lightserve.model_infer.models import gguf_weights, read_model_config
 from lightserve.model_infer.output_writer import OutputWriter
 from lightserve.model_infer.process import torch_dtype
 from lightserve.router.admission import Admission
@@ -93,13 +94,16 @@ def gemm_rate(dtype: torch.dtype, rows: int, mc: ModelConfig) -> float:
 
 
 def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype,
-                   step_gemm_s: float | None = None, kv_dtype: torch.dtype | None = None) -> float:
+                   step_gemm_s: float | None = None, kv_dtype: torch.dtype | None = None,
+                   weight_bytes: int | None = None) -> float:
     """Print what one decode step must cost here at least: its bytes (all weights once, every request's KV)
     at the measured read bandwidth, and its FLOPs at the measured GEMM rate; the floor is the larger. The GEMM rate
     is the better of gemm_rate() and the rate the step's own linears reached (their FLOPs over step_gemm_s, the
     seconds of the C linears and of torch's GEMMs in the step): the host sometimes halves gemm_rate()'s 30 calls in a
     row (Zen 4: 217 GFLOP/s in a run whose step's GEMMs ran at 410), which put the floor above the step. The KV
-    bytes are those of `kv_dtype` (--kv_cache_dtype; None = the activation dtype), int8's scales included."""
+    bytes are those of `kv_dtype` (--kv_cache_dtype; None = the activation dtype), int8's scales included. The
+    weights' bytes are `weight_bytes` where given (a GGUF file's size: its blocks, read once a step), else every
+    parameter in `dtype`."""
     size = torch.empty((), dtype=dtype).element_size()
     h, d = mc.hidden_size, mc.head_dim
     layer_params = h * (mc.num_heads + 2 * mc.num_kv_heads) * d + mc.num_heads * d * h + 3 * h * mc.intermediate_size
@@ -110,10 +114,11 @@ def physical_floor(mc: ModelConfig, batch: int, context: int, dtype: torch.dtype
     bench = gemm_rate(dtype, max(batch, 512), mc)  # the GEMM ceiling: large M
     step_rate = 2 * batch * params / step_gemm_s / 1e9 if step_gemm_s else 0.0
     rate = max(bench, step_rate)
-    mem_ms, flop_ms = 1e3 * (params * size + kv_bytes) / (bw * 1e9), 1e3 * flops / (rate * 1e9)
+    weight_bytes = weight_bytes or params * size
+    mem_ms, flop_ms = 1e3 * (weight_bytes + kv_bytes) / (bw * 1e9), 1e3 * flops / (rate * 1e9)
     print(f"  physical floor ({cpu_caption()}):")
     kv_name = str(kv_dtype or dtype).removeprefix("torch.")
-    print(f"    bytes: {params * size / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB {kv_name} KV at {bw:.1f} GB/s "
+    print(f"    bytes: {weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.0f} MB {kv_name} KV at {bw:.1f} GB/s "
           f"read -> {mem_ms:.1f} ms")
     own = f", the step's own linears {step_rate:.0f}" if step_rate else ""
     print(f"    FLOPs: {flops / 1e9:.1f} GFLOP at {rate:.0f} GFLOP/s (the better of: {dtype} linear as served at "
@@ -185,7 +190,10 @@ def main() -> None:
                     help="requests that show their tokens' logprobs (default: none, as benchmark clients ask; a "
                     "float32 model then screens its lm_head in bf16: any batch where the CPU multiplies bf16 "
                     "natively, up to 4 rows elsewhere)")
-    ap.add_argument("--model_dir", default=None, help="a checkpoint folder (default: SmolLM2, prepared as make does)")
+    ap.add_argument("--model_dir", default=None,
+                    help="a checkpoint folder or a .gguf file (default: SmolLM2, prepared as make does)")
+    ap.add_argument("--quant_activations", choices=["none", "int8"], default="none",
+                    help="as the server's flag: GGML-block weights multiply int8 activations")
     ap.add_argument("--prefill", action="store_true",
                     help="profile the prefill step (batch x context prompt tokens) and stop")
     ap.add_argument("--prefix", type=int, default=0,
@@ -195,6 +203,8 @@ def main() -> None:
     rerun_under_tcmalloc()
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir or str(ensure_default_model())
+    if model_dir.endswith(".gguf"):
+        model_dir = str(prepare_gguf(Path(model_dir)))
     mc = read_model_config(model_dir)
     b, ctx = args.batch, args.context
     if args.prefix and not args.prefill:
@@ -204,7 +214,8 @@ def main() -> None:
     kv_size = rows * max_len + 64
     kv_dtype = torch_dtype(args.dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     runner = ModelRunner(model_dir, mc, getattr(torch, args.dtype), torch.device("cpu"), 0, 1, None,
-                         num_req_rows=rows, max_req_total_len=max_len, kv_size=kv_size, kv_dtype=kv_dtype)
+                         num_req_rows=rows, max_req_total_len=max_len, kv_size=kv_size, kv_dtype=kv_dtype,
+                         int8_activations=args.quant_activations == "int8")
     pool = ReqPool.create(f"lightserve-{os.getpid()}-{secrets.token_hex(3)}-prof", rows, max_len)
     try:
         rng = np.random.default_rng(0)
@@ -303,7 +314,9 @@ def main() -> None:
         kernel_med = _print_kernel_times(step_kernels, med["worker: forward"], total) if step_kernels else {}
         # The step's GEMM seconds: the C linears (median over the steps) and torch's (the profiled step).
         gemm_s = kernel_med.get("linear (GEMM)", 0.0) + op_time.get(TORCH_GEMM, 0.0)
-        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), gemm_s, kv_dtype)
+        gguf_file = gguf_weights(model_dir)
+        floor_ms = physical_floor(mc, b, ctx, getattr(torch, args.dtype), gemm_s, kv_dtype,
+                                  gguf_file.stat().st_size if gguf_file else None)
         print(f"    this step: {1e3 * total:.1f} ms = {1e3 * total / floor_ms:.2f}x the floor")
     finally:
         pool.close()

@@ -162,8 +162,6 @@ static int claim(const Queue *queue) { return __atomic_fetch_add(queue->claimed,
 #define KIND_FP8 3
 #define NUM_KINDS 4
 
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-
 // VL int8 values at any address, sign-extended to 32-bit lanes: one vpmovsxbd. gcc compiles the same written as a
 // vector conversion of a VL-byte vector type one byte at a time (a scalar load and insert per lane).
 static inline vi vload_i8(const int8_t *p) {
@@ -453,12 +451,13 @@ static inline __attribute__((always_inline)) int attend(
                 mx = mx > m[hg] ? mx : m[hg];
                 alpha[g] = exp_neg(m[hg] - mx);  // ~1e-38 on the first block (m is -inf), where acc and l are 0
                 m[hg] = mx;
-                for (int j = 0; j < BLOCK; j++) {
-                    float e = exp_neg(p[g][j] - mx);
-                    p[g][j] = j < n ? e : 0.0f;
+                vf s = (vf){0};
+                for (int j0 = 0; j0 < BLOCK; j0 += VL) {
+                    const vu live = (vu)(vlane_index() + j0 < n);  // rows n .. BLOCK - 1 weigh 0
+                    const vf e = (vf)((vu)vexp_neg(vload(&p[g][j0]) - mx) & live);
+                    vstore(&p[g][j0], e);
+                    s += e;
                 }
-                vf s = vload(p[g]);
-                for (int j0 = VL; j0 < BLOCK; j0 += VL) s += vload(&p[g][j0]);
                 lsum[hg] = lsum[hg] * alpha[g] + s;
                 // int8: V rows are added as integers, so each weight takes its row's scale (after the sum above,
                 // which is over the softmax weights themselves).

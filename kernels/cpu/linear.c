@@ -154,6 +154,9 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 // The products are exact in float and summed in float; the output is rounded once (bias added first), as
 // oneDNN's bf16 GEMM rounds.
 #define PAIR_PW 16
+#ifndef PAIR_AHEAD
+#define PAIR_AHEAD 8192
+#endif
 #if defined(__AVX512BF16__) && VL == 16
 #include <immintrin.h>
 #define PAIR_DPBF16 1
@@ -171,6 +174,7 @@ static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, 
     int j = 0;
     for (; j + 2 <= kp; j += 2)
         for (int u = 0; u < 2; u++) {
+            __builtin_prefetch((const char *)(w + (int64_t)(j + u) * PAIR_PW) + PAIR_AHEAD, 0, 2);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)(j + u) * PAIR_PW);
             for (int i = 0; i < m; i++) {
                 uint32_t xx;

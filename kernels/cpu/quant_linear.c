@@ -43,7 +43,6 @@
 
 #define KC 256        // K chunk of a dequantized panel: a super-block, [KC][NR] floats (16 KB with AVX2)
 
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
 typedef int32_t int32_u __attribute__((aligned(1)));
 
 // VL bytes widened to int32 lanes: vpmovzxbd / vpmovsxbd from memory with AVX2 and AVX-512, two pmovzxbd with
@@ -215,7 +214,7 @@ static inline __attribute__((always_inline)) void dequant_range(const int qtype,
 static inline __attribute__((always_inline)) void gemv_tile(const int qtype, const float *x, int64_t x_row,
                                                             const int mt, int K, const uint8_t *w,
                                                             int64_t w_row_bytes, int nr, const int R, float *out,
-                                                            int64_t out_row, const float *bias) {
+                                                            int64_t out_row, const float *bias, Ahead ahead) {
     const int qk = block_elems(qtype), nb = block_bytes(qtype);
     vf acc[2][GEMV_ROWS][2];  // mt <= 2
     const uint8_t *wr[GEMV_ROWS];
@@ -225,6 +224,7 @@ static inline __attribute__((always_inline)) void gemv_tile(const int qtype, con
     }
     for (int b = 0; b < K / qk; b++) {
         const float *xb = x + b * qk;
+        ahead_slice(ahead, b, K / qk);
 #pragma GCC unroll 4  // unrolled whole, so that the accumulators stay in registers
         for (int r = 0; r < R; r++)
             FOR_EACH_STEP(qtype, wr[r] + (int64_t)b * nb,
@@ -243,7 +243,8 @@ static inline __attribute__((always_inline)) void gemv_tile(const int qtype, con
 // Output rows n .. n + nr - 1 (nr <= GEMV_ROWS) for every row of x.
 static inline __attribute__((always_inline)) void gemv_rows(const int qtype, const float *x, int64_t x_row, int M,
                                                             int K, const uint8_t *w, int64_t w_row_bytes, int nr,
-                                                            const float *bias, float *out, int64_t out_row) {
+                                                            const float *bias, float *out, int64_t out_row,
+                                                            const uint8_t *w_end) {
     // Two output rows at a time by pairs of rows of x (8 accumulators; the two rows' bytes stay in L1 for the next
     // pair). Four rows at once ran M = 1 slower (Zen 3, 2 threads, 2048 x 2048 Q6_K: 0.93 ms against 0.65), and for
     // the K-quants a single row of x goes one output row at a time: their blocks carry 8 or 16 scales each, and
@@ -256,14 +257,17 @@ static inline __attribute__((always_inline)) void gemv_rows(const int qtype, con
             const float *xm = x + m * x_row, *br = bias ? bias + r : NULL;
             float *om = out + m * out_row + r;
             const int rr = nr - r < 2 ? nr - r : 2;
+            // The first pair of x rows fetches ahead; the rows after it read the same weight rows from L1.
+            const Ahead ahead = m ? (Ahead){w, 0} : ahead_of(w + r * w_row_bytes, rr * w_row_bytes, w_end);
             if (M - m >= 2)
-                gemv_tile(qtype, xm, x_row, 2, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br);
+                gemv_tile(qtype, xm, x_row, 2, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br, ahead);
             else if (one_row_gemv(qtype))
                 for (int i = 0; i < rr; i++)
                     gemv_tile(qtype, xm, x_row, 1, K, w + (r + i) * w_row_bytes, w_row_bytes, 1, 1, om + i, out_row,
-                              br ? br + i : NULL);
+                              br ? br + i : NULL,
+                              m ? (Ahead){w, 0} : ahead_of(w + (r + i) * w_row_bytes, w_row_bytes, w_end));
             else
-                gemv_tile(qtype, xm, x_row, 1, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br);
+                gemv_tile(qtype, xm, x_row, 1, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br, ahead);
         }
 }
 
@@ -340,7 +344,7 @@ int quant_linear_f32(const float *x, int64_t x_row, int M, int K, const uint8_t 
             const int nr = N - n < GEMV_ROWS ? (int)(N - n) : GEMV_ROWS;
 #define GEMV_CASE(T)                                                                                             \
     case T: gemv_rows(T, x, x_row, M, K, w + n * w_row_bytes, w_row_bytes, nr, bias ? bias + n : NULL, out + n,    \
-                      out_row); break;
+                      out_row, w + N * w_row_bytes); break;
             switch (qtype) { FOR_EACH_TYPE(GEMV_CASE) }
 #undef GEMV_CASE
         }

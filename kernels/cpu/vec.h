@@ -22,6 +22,7 @@ typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 // Element-aligned twins, for loads and stores at any float / bf16-pair address.
 typedef float vf_u __attribute__((vector_size(VL * 4), aligned(4)));
 typedef uint32_t vu_u __attribute__((vector_size(VL * 4), aligned(2)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
 
 static inline vf vload(const float *p) { return *(const vf_u *)p; }
 static inline void vstore(float *p, vf x) { *(vf_u *)p = x; }
@@ -33,6 +34,32 @@ static inline vf vbroadcast(float x) { return x - (vf){0}; }
 static inline vf vmax(vf a, vf b) {
     vu gt = (vu)(a > b);
     return (vf)(((vu)a & gt) | ((vu)b & ~gt));
+}
+
+// Each lane's index: 0, 1, ..., VL - 1.
+static inline vi vlane_index(void) {
+#if VL == 16
+    return (vi){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    return (vi){0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+}
+
+// fastmath.h's exp_neg a vector at a time, the same polynomial and rounding, so each lane equals exp_neg of it: gcc
+// leaves the scalar one unvectorized inside the attention kernels' large loops (scalar vfmadd...ss in perf annotate).
+// Adding and subtracting 1.5 * 2^23 rounds t to the nearest integer (ties to even) for |t| < 2^22, as rintf does.
+static inline vf vexp_neg(vf x) {
+    const vf t = vmax(x, vbroadcast(-87.0f)) * 1.44269504088896341f;
+    const vf n = (t + 0x1.8p23f) - 0x1.8p23f;
+    const vf f = t - n;
+    vf p = vbroadcast(1.5403530e-4f);
+    p = p * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 2.4022651e-1f;
+    p = p * f + 6.9314718e-1f;
+    p = p * f + 1.0f;
+    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
 // The largest lane of x: log2(VL) shuffle-and-max levels instead of a chain of VL scalar maxes.

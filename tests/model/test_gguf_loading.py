@@ -20,9 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightserve.config import Device, DType, ServerConfig
 from lightserve.engine.gguf_export import export_gguf
+from lightserve.kernels import cpu as kernels_cpu
 from lightserve.kernels.quant_linear import QuantLinear
 from lightserve.model_infer.models import check_gguf, load_weights, read_model_config
+from lightserve.resolve_config import resolve_config
+from tests.e2e.server import MODEL_DIR
 from tests.greedy_check import greedy_mismatch
 
 from .fake_worker import FakeWorker
@@ -161,6 +165,18 @@ def _rank_main(rank: int, port: int, folder: str, out_path: str) -> None:
             torch.save(logits, out_path)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("types, dtype", [("*=Q8_0", DType.FLOAT32), ("*=F16", DType.BFLOAT16)])
+def test_auto_dtype_is_float32_for_packed_weights_on_a_native_bf16_cpu(tmp_path, monkeypatch, types, dtype):
+    """--data_type auto on a CPU with native bf16 products: float32 activations where the GGUF's weights stay packed
+    (their kernels and the one-call decoder layers take float32), bf16 where every tensor is a float one."""
+    monkeypatch.setattr(kernels_cpu, "cpu_flags", lambda: "avx2 avx512f avx512_bf16")
+    folder = gguf_checkpoint("llama3", tmp_path, types=types)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the server's tokenizer, beside the file
+        shutil.copy(MODEL_DIR / name, folder / name)
+    config = resolve_config(ServerConfig(model_dir=str(folder), device=Device.CPU, data_type=DType.AUTO))
+    assert config.data_type is dtype and config.kv_cache_dtype.value == dtype.value
 
 
 def test_tp2_logits_equal_tp1(tmp_path):

@@ -154,6 +154,11 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 // The products are exact in float and summed in float; the output is rounded once (bias added first), as
 // oneDNN's bf16 GEMM rounds.
 #define PAIR_PW 16
+// The pair GEMV (M <= PAIR_MAX_M) fetches each line of its panels PAIR_AHEAD bytes before it reads it, into L2: a
+// thread's panels are one contiguous stream, which an Intel core's prefetchers follow too late at this rate (as the
+// packed GEMVs, ggml_blocks.h's GEMV_AHEAD). Intel Xeon (AMX), SmolLM2's projections over 30 layers and its lm_head
+// (scripts/bench_cpu_kernels.py --linears): M = 1 15.58 ms before, 12.33 after; M = 4 18.72 and 12.62 (oneDNN's
+// prepacked GEMM 12.9-13.4). Past the weight's end the prefetches fetch nothing the kernel reads (they never fault).
 #ifndef PAIR_AHEAD
 #define PAIR_AHEAD 8192
 #endif

@@ -41,20 +41,21 @@ static inline float half_to_float(const uint8_t *p) {
 // as much, 16 and 32 KB no more than 8 (docs/benchmarks.md, "The AMX Xeon again").
 #define GEMV_AHEAD 8192
 typedef struct {
-    const uint8_t *p;  // the first byte to fetch
-    int lines;         // 64-byte lines from p; 0 past the weight's end
+    const uint8_t *next;  // the next line to fetch
+    int lines;            // 64-byte lines to fetch over the tile's blocks; 0 past the weight's end
+    int owed;             // ahead_step's running remainder
 } Ahead;
 
 // The `bytes` GEMV_AHEAD past `rows` (a tile's first row), cut at `end` (the weight's end).
 static inline Ahead ahead_of(const uint8_t *rows, int64_t bytes, const uint8_t *end) {
     const int64_t start = (int64_t)((uintptr_t)rows - (uintptr_t)end) + GEMV_AHEAD;  // < 0 before the end
     const int64_t n = start >= 0 ? 0 : -start < bytes ? -start : bytes;
-    return (Ahead){rows + (n > 0 ? GEMV_AHEAD : 0), (int)((n + 63) / 64)};
+    return (Ahead){rows + (n > 0 ? GEMV_AHEAD : 0), (int)((n + 63) / 64), 0};
 }
 
-// Slice b of nb of a's lines.
-static inline void ahead_slice(Ahead a, int b, int nb) {
-    for (int l = b * a.lines / nb; l < (b + 1) * a.lines / nb; l++) __builtin_prefetch(a.p + 64 * l, 0, 2);
+// One block of the tile's nb: its share of the lines (all of them over nb calls), without a division a block.
+static inline void ahead_step(Ahead *a, int nb) {
+    for (a->owed += a->lines; a->owed >= nb; a->owed -= nb, a->next += 64) __builtin_prefetch(a->next, 0, 2);
 }
 
 // The K-quants that the GEMVs take one output row at a time for a single row of x (gemv_rows and q8_rows say why).

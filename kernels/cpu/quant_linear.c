@@ -224,7 +224,7 @@ static inline __attribute__((always_inline)) void gemv_tile(const int qtype, con
     }
     for (int b = 0; b < K / qk; b++) {
         const float *xb = x + b * qk;
-        ahead_slice(ahead, b, K / qk);
+        ahead_step(&ahead, K / qk);
 #pragma GCC unroll 4  // unrolled whole, so that the accumulators stay in registers
         for (int r = 0; r < R; r++)
             FOR_EACH_STEP(qtype, wr[r] + (int64_t)b * nb,
@@ -258,14 +258,14 @@ static inline __attribute__((always_inline)) void gemv_rows(const int qtype, con
             float *om = out + m * out_row + r;
             const int rr = nr - r < 2 ? nr - r : 2;
             // The first pair of x rows fetches ahead; the rows after it read the same weight rows from L1.
-            const Ahead ahead = m ? (Ahead){w, 0} : ahead_of(w + r * w_row_bytes, rr * w_row_bytes, w_end);
+            const Ahead ahead = m ? (Ahead){w, 0, 0} : ahead_of(w + r * w_row_bytes, rr * w_row_bytes, w_end);
             if (M - m >= 2)
                 gemv_tile(qtype, xm, x_row, 2, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br, ahead);
             else if (one_row_gemv(qtype))
                 for (int i = 0; i < rr; i++)
                     gemv_tile(qtype, xm, x_row, 1, K, w + (r + i) * w_row_bytes, w_row_bytes, 1, 1, om + i, out_row,
                               br ? br + i : NULL,
-                              m ? (Ahead){w, 0} : ahead_of(w + (r + i) * w_row_bytes, w_row_bytes, w_end));
+                              m ? (Ahead){w, 0, 0} : ahead_of(w + (r + i) * w_row_bytes, w_row_bytes, w_end));
             else
                 gemv_tile(qtype, xm, x_row, 1, K, w + r * w_row_bytes, w_row_bytes, rr, 2, om, out_row, br, ahead);
         }

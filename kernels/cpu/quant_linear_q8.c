@@ -227,7 +227,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
     const float *xd = a->d + (int64_t)m0 * nc, *xs = a->s32 + (int64_t)m0 * nc, *xh = a->s16 + (int64_t)m0 * 2 * nc;
     for (int b = 0; b < nb; b++) {
         const int c0 = b * qk / 32;  // the block's first chunk of 32
-        ahead_slice(ahead, b, nb);
+        ahead_step(&ahead, nb);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = wr[r] + (int64_t)b * nbytes;
@@ -329,7 +329,7 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
 static inline __attribute__((always_inline)) void q8_rows(const int qtype, const Act *a, int M, const uint8_t *w,
                                                           int64_t w_row_bytes, int nr, const float *bias, float *out,
                                                           int64_t out_row, const uint8_t *w_end) {
-    const Ahead none = {w, 0};  // rows already read by the pass for the rows of x before
+    const Ahead none = {w, 0, 0};  // rows already read by the pass for the rows of x before
     for (int m = 0; m < M;) {
         if (M - m >= 2) {
             for (int r = 0; r < nr; r += 2)

@@ -34,11 +34,11 @@ static inline float half_to_float(const uint8_t *p) {
 // The GEMVs read each packed row once, and a thread's rows are one contiguous run of the weight (share.h), but a tile
 // of rows (a few hundred bytes to a few KB) is done before the hardware prefetchers of an Intel core run far enough
 // ahead: there both GEMVs read 7-15 GB/s of the 25 the machine streams. So each tile fetches the bytes GEMV_AHEAD past
-// its rows into L2 (prefetcht1), a slice per block, so that the requests spread over the tile. Intel Xeon (AMX), 2
-// threads, weights from memory, M = 1 (scripts/bench_quant_linear.py), ms before / after, weight-only and int8
-// activations: SmolLM2's gate_up in Q4_1 0.124 / 0.092 and 0.114 / 0.072; its Q8_0 lm_head 2.19 / 1.16 and
-// 2.18 / 0.98; a Llama-3.2-1B's [8192, 2048] Q4_1 1.39 / 0.72 and 1.13 / 0.57. 4 KB ahead gained about two thirds
-// as much, 16 and 32 KB no more than 8 (docs/benchmarks.md, "The AMX Xeon again").
+// its rows into L2 (prefetcht1), a share of the lines per block, so that the requests spread over the tile. Intel Xeon
+// (AMX), 2 threads, weights from memory, M = 1 (scripts/bench_quant_linear.py), ms before / after, weight-only and
+// int8 activations: SmolLM2's gate_up in Q4_1 0.122 / 0.089 and 0.116 / 0.066; its Q8_0 lm_head 2.03 / 1.11 and
+// 1.92 / 0.84; a Llama-3.2-1B's [8192, 2048] Q4_1 1.34 / 0.70 and 1.07 / 0.57, Q6_K 1.56 / 1.20 and 1.32 / 0.65. 4 KB
+// ahead gained about two thirds as much, 16 and 32 KB no more than 8 (docs/benchmarks.md, "The AMX Xeon again").
 #define GEMV_AHEAD 8192
 typedef struct {
     const uint8_t *next;  // the next line to fetch

@@ -373,6 +373,24 @@ static inline __attribute__((always_inline)) void q8_rows(const int qtype, const
 // over dequantized panels; Q6_K 0.81-0.90x (two halves a chunk, runs of two), Q8_0 0.89-0.99x (the sign trick and
 // a widening every group). At M = 8 the decoding is paid for few rows and still 0.55-0.79x for 4-bit (Q6_K 1.0-1.1x).
 
+// With VNNI (AVX512-VNNI with VL, or AVX-VNNI) the tile runs vpdpbusd: acc + the sums of four products of w's bytes
+// (unsigned) by x's (signed) per int32 lane, the same integers as maddubs then madd_ones, without the int16 step. With
+// no int16 sums to keep from saturating, Q8_0 is decoded there as unsigned bytes w + 128 and an offset of -128 d, as
+// the 4-bit formats carry theirs, so its groups skip the sign trick: Intel Xeon (AMX), 2 threads, a Llama-3.2-1B's
+// shapes at M = 64 and 256, 0.70-0.79x the time of the sign trick, level with Q4_1 (scripts/bench_quant_linear.py
+// --rows 64 256).
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define QG_VNNI 1
+static inline i8 dpbusd(i8 acc, b32 w, b32 x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (i8)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
+#else
+    return (i8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
+#endif
+}
+#else
+#define QG_VNNI 0
+#endif
 #define QG_MT 4      // rows of x a tile: 4 float accumulators, 4 int16 partial sums, the weights and a broadcast
 #define QG_SUB 4     // panels of 8 features a work item
 #define QG_KC 1024   // K a decoded piece covers (a multiple of 256: whole K-quant super-blocks)
@@ -395,7 +413,9 @@ static inline __attribute__((always_inline)) void decode_chunk(const int qtype, 
             if (qtype == GGML_Q4_1) o[0] = half_to_float(blk + 2), *q = nibbles16(blk + 4);
             if (qtype == GGML_Q5_0) o[0] = -16.0f * d, *q = nibbles16(blk + 6) | bits16(blk + 2);
             if (qtype == GGML_Q5_1) o[0] = half_to_float(blk + 2), *q = nibbles16(blk + 8) | bits16(blk + 4);
-            if (qtype == GGML_Q8_0) o[0] = 0.0f, *q = load32(blk + 2);
+            // Q8_0 with VNNI: as unsigned bytes w + 128, whose extra 128 * sum(x) the offset -128 d takes back (the
+            // signed bytes would need the sign trick in every group of the tile).
+            if (qtype == GGML_Q8_0) o[0] = QG_VNNI ? -128.0f * d : 0.0f, *q = load32(blk + 2) ^ (QG_VNNI ? 0x80 : 0);
             o[1] = o[0];
             break;
         }
@@ -481,20 +501,6 @@ static inline i8 madd_ones(h16 p) {
     return r;
 #endif
 }
-// With VNNI (AVX512-VNNI with VL, or AVX-VNNI) the tile runs vpdpbusd: acc + the sums of four products of w's bytes
-// (unsigned) by x's (signed) per int32 lane, the same integers as maddubs then madd_ones, without the int16 step.
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define QG_VNNI 1
-static inline i8 dpbusd(i8 acc, b32 w, b32 x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return (i8)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
-#else
-    return (i8)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
-#endif
-}
-#else
-#define QG_VNNI 0
-#endif
 // x's bytes with w's signs (zero where w is zero), and |w|: Q8_0's signed weights as unsigned ones (vpsignb).
 static inline b32 sign8(b32 x, b32 w) {
 #if defined(__AVX2__)
@@ -528,7 +534,7 @@ static void quantize_tiles(const float *x, int64_t x_row, int M, int K, XChunk *
 // (lanes: features). Each run of groups adds its vpmaddubsw results in int16 and widens them once.
 static inline __attribute__((always_inline)) void qg_tile(const int qtype, const QPanel *p, int nc, const XChunk *xt,
                                                           f8 *acc_io) {
-    const int q6 = qtype == GGML_Q6_K, q8 = qtype == GGML_Q8_0;
+    const int q6 = qtype == GGML_Q6_K, q8 = qtype == GGML_Q8_0 && !QG_VNNI;  // q8: signed bytes (decode_chunk)
     const int run = q8 ? 1 : q6 ? 2 : (qtype == GGML_Q5_0 || qtype == GGML_Q5_1 || qtype == GGML_Q5_K) ? 4 : 8;
     f8 acc[QG_MT];
     for (int m = 0; m < QG_MT; m++) acc[m] = acc_io[m];

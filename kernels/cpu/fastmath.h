@@ -9,17 +9,15 @@
 // exp(x) for x in [-87, 88] (callers clamp): 2^(x log2 e) as 2^n * 2^f with f in [-0.5, 0.5] and a
 // degree-6 polynomial for 2^f (relative error ~2e-7, like expf's last bits). rint, not round, so
 // gcc vectorizes it (vroundps); the callers' clamps vectorize under -fno-trapping-math.
+// EXP2_POLY(f): that polynomial by Horner's rule, for a float f or a vec.h vector (vexp_neg).
+#define EXP2_POLY(f)                                                                                        \
+    ((((((1.5403530e-4f * (f) + 1.3333558e-3f) * (f) + 9.6181291e-3f) * (f) + 5.5504109e-2f) * (f) +       \
+       2.4022651e-1f) * (f) + 6.9314718e-1f) * (f) + 1.0f)
 static inline float exp_in_range(float x) {
     float t = x * 1.44269504088896341f;
     float n = __builtin_rintf(t);
     float f = t - n;
-    float p = 1.5403530e-4f;
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
+    float p = EXP2_POLY(f);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);

@@ -52,14 +52,7 @@ static inline vf vexp_neg(vf x) {
     const vf t = vmax(x, vbroadcast(-87.0f)) * 1.44269504088896341f;
     const vf n = (t + 0x1.8p23f) - 0x1.8p23f;
     const vf f = t - n;
-    vf p = vbroadcast(1.5403530e-4f);
-    p = p * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 2.4022651e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+    return EXP2_POLY(f) * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
 // The largest lane of x: log2(VL) shuffle-and-max levels instead of a chain of VL scalar maxes.

@@ -38,7 +38,7 @@ static inline float half_to_float(const uint8_t *p) {
 // (AMX), 2 threads, weights from memory, M = 1 (scripts/bench_quant_linear.py), ms before / after, weight-only and
 // int8 activations: SmolLM2's gate_up in Q4_1 0.122 / 0.089 and 0.116 / 0.066; its Q8_0 lm_head 2.03 / 1.11 and
 // 1.92 / 0.84; a Llama-3.2-1B's [8192, 2048] Q4_1 1.34 / 0.70 and 1.07 / 0.57, Q6_K 1.56 / 1.20 and 1.32 / 0.65. 4 KB
-// ahead gained about two thirds as much, 16 and 32 KB no more than 8 (docs/benchmarks.md, "The AMX Xeon again").
+// ahead gained less, 16 and 32 KB no more than 8 (one noisy pass each; docs/benchmarks.md, "The AMX Xeon again").
 #define GEMV_AHEAD 8192
 typedef struct {
     const uint8_t *next;  // the next line to fetch

@@ -179,7 +179,7 @@ static inline __attribute__((always_inline)) void pair_panel(const uint16_t *x, 
     int j = 0;
     for (; j + 2 <= kp; j += 2)
         for (int u = 0; u < 2; u++) {
-            __builtin_prefetch((const char *)(w + (int64_t)(j + u) * PAIR_PW) + PAIR_AHEAD, 0, 2);
+            __builtin_prefetch((const void *)((uintptr_t)(w + (int64_t)(j + u) * PAIR_PW) + PAIR_AHEAD), 0, 2);
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (int64_t)(j + u) * PAIR_PW);
             for (int i = 0; i < m; i++) {
                 uint32_t xx;

@@ -45,7 +45,7 @@ static inline vi vlane_index(void) {
 #endif
 }
 
-// fastmath.h's exp_neg a vector at a time, the same polynomial and rounding, so each lane equals exp_neg of it: gcc
+// fastmath.h's exp_neg a vector at a time, the same polynomial and rounding, so each finite lane equals exp_neg of it: gcc
 // leaves the scalar one unvectorized inside the attention kernels' large loops (scalar vfmadd...ss in perf annotate).
 // Adding and subtracting 1.5 * 2^23 rounds t to the nearest integer (ties to even) for |t| < 2^22, as rintf does.
 static inline vf vexp_neg(vf x) {

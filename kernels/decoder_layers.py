@@ -179,12 +179,13 @@ class CpuDecoderLayers:
         layout whose per-kernel forward would not run every kernel in C (bf16 weights with no pair layout, say), or
         shapes its kernels decline.
 
-        bf16 GEMMs run on linear.c's pair layout at every M where the build has vdpbf16ps and no weight keeps a
-        oneDNN copy or float32 panels. Where every weight has float32 panels of this build's width instead (CPUs
-        without native bf16 products) the driver runs them above PAIR_MAX_M rows, as linear() does, and takes every
-        step. Elsewhere (AMX, where oneDNN is about twice as fast above a few rows) the per-kernel forward runs the
-        pairs up to PAIR_MAX_M rows and oneDNN above, so the driver takes the steps of up to PAIR_MAX_M tokens: the
-        decode of one to a few requests, where the Python between kernels weighs most."""
+        bf16 GEMMs run on linear.c's pair layout at every M where the build has vdpbf16ps (or AMX tiles) and no
+        weight keeps a oneDNN copy or float32 panels. Where every weight has float32 panels of this build's width
+        instead (CPUs without native bf16 products) the driver runs them above PAIR_MAX_M rows, as linear() does, and
+        takes every step. Elsewhere (a weight that keeps oneDNN's copy: an AMX CPU whose tiles the process was not
+        granted, or a K the tile GEMM does not take) the per-kernel forward runs the pairs up to PAIR_MAX_M rows and
+        oneDNN above, so the driver takes the steps of up to PAIR_MAX_M tokens: the decode of one to a few requests,
+        where the Python between kernels weighs most."""
         from lightserve.kernels.cpu import library
 
         lib = lib or library()

@@ -6,12 +6,16 @@ On GPU it is F.linear (cuBLAS). On CPU, for float32 models, the weights are pack
 and prefill alike: it beats MKL's sgemm at every M measured, most at small M. For bfloat16 models the weights are
 laid out once at load (`prepack_weight`):
 - linear.c's pair layout (each 64-byte row is 16 output features times a pair of k, what vdpbf16ps multiplies
-  against a broadcast pair of x) runs every M where the C build has vdpbf16ps (AVX512-BF16) and the CPU has no
-  AMX: a 12-row by 32-feature register tile above PAIR_MAX_M rows, a weight stream at or below it. Measured faster
-  than oneDNN's prepacked GEMM at every M on Zen 4, near the CPU's vdpbf16ps ceiling at large M.
-- On AMX CPUs oneDNN's blocked layout runs M over PAIR_MAX_M (about twice the vdpbf16ps rate), and the pair
-  layout, a second copy, the decode of one to four requests (its builds without vdpbf16ps widen each pair by a
-  shift and a mask).
+  against a broadcast pair of x, and 16 of them one AMX B tile) runs every M where the C build has vdpbf16ps
+  (AVX512-BF16) and the CPU has no AMX: a 12-row by 32-feature register tile above PAIR_MAX_M rows, a weight stream
+  at or below it. Measured faster than oneDNN's prepacked GEMM at every M on Zen 4, near the CPU's vdpbf16ps
+  ceiling at large M.
+- On AMX CPUs the same layout runs every M on the tile unit above PAIR_MAX_M rows (a weight with K a multiple of
+  AMX_K), the only copy: on an AMX Xeon 0.76-0.86x oneDNN's time at M = 5-128 over SmolLM2's projections and
+  lm_head, 0.94x at 512-1024, 1.27x at 2,048 (past the 512 tokens a CPU step takes by default).
+- Elsewhere on AMX CPUs (the tiles not granted, a K they do not take) oneDNN's blocked layout runs M over
+  PAIR_MAX_M (about twice the vdpbf16ps rate), and the pair layout, a second copy, the decode of one to four
+  requests (its builds without vdpbf16ps widen each pair by a shift and a mask).
 - Where oneDNN does not multiply bf16 natively (`onednn_bf16_dot`: no AVX512-BF16 or AMX-BF16, as on AVX2-only
   EPYCs and Skylake-SP to Ice Lake Xeons), a float32 copy in the C GEMM's panels runs M over PAIR_MAX_M on x
   widened to float32, the output rounded to bf16: the float32 GEMM's rate. oneDNN's bf16 GEMM runs far slower there
@@ -125,16 +129,20 @@ def onednn_runs_bf16() -> bool:
     return onednn_bf16_dot() or (envs.onednn_bf16_gemm() and onednn_bf16_available())
 
 
-def pairs_take_every_m(lib) -> bool:
-    """Whether linear.c's pair layout runs bf16 linears at every M with `lib`: where the build has vdpbf16ps and
-    the CPU has no AMX (whose oneDNN GEMM is about twice as fast), unless LIGHTSERVE_ONEDNN_BF16_GEMM asks for
-    oneDNN. Zen 4, 2 threads, SmolLM2's projections and lm_head from DRAM, the C kernels' time over oneDNN's:
-    0.58 at M = 1, 0.54-0.68 at M = 8-16, 0.79 at M = 64, 0.95-0.96 at M = 256-512."""
+def pairs_take_every_m(lib, in_features: int | None = None) -> bool:
+    """Whether linear.c's pair layout runs bf16 linears of `in_features` (None: any multiple of AMX_K) at every M
+    with `lib`, unless LIGHTSERVE_ONEDNN_BF16_GEMM asks for oneDNN: where the build runs the pairs on AMX tiles and
+    K is a multiple of AMX_K, or where it has vdpbf16ps and the CPU has no AMX (on an AMX CPU oneDNN's tiles are
+    about twice the vdpbf16ps rate). Zen 4, 2 threads, SmolLM2's projections and lm_head from DRAM, the vdpbf16ps
+    kernels' time over oneDNN's: 0.58 at M = 1, 0.54-0.68 at M = 8-16, 0.79 at M = 64, 0.95-0.96 at M = 256-512."""
     from lightserve import envs
     from lightserve.kernels.cpu import cpu_flags
 
-    return lib is not None and bool(lib.linear_bf16_pairs_dpbf16()) and "amx_bf16" not in cpu_flags().split() \
-        and not envs.onednn_bf16_gemm()
+    if lib is None or envs.onednn_bf16_gemm():
+        return False
+    if lib.linear_bf16_pairs_amx():
+        return in_features is None or in_features % AMX_K == 0
+    return bool(lib.linear_bf16_pairs_dpbf16()) and "amx_bf16" not in cpu_flags().split()
 
 
 def prepack_weight(weight: Tensor) -> PrepackedLinear:
@@ -146,7 +154,7 @@ def prepack_weight(weight: Tensor) -> PrepackedLinear:
 
     n, k = weight.shape
     pairs_ok = weight.dtype == torch.bfloat16 and k % 2 == 0 and library() is not None
-    if pairs_ok and pairs_take_every_m(library()):
+    if pairs_ok and pairs_take_every_m(library(), k):
         return PrepackedLinear(None, n, k, pairs=pack_bf16_pairs(weight))
     if weight.dtype == torch.bfloat16 and not onednn_runs_bf16():
         pairs = pack_bf16_pairs(weight) if pairs_ok and pairs_fit(weight.numel() * 2) else None
@@ -159,6 +167,7 @@ def prepack_weight(weight: Tensor) -> PrepackedLinear:
 
 PAIR_MAX_M = 4  # up to here the pair kernel streams the weights (0.50-0.69x oneDNN's time at M = 1 on Zen 4)
 PAIR_PANEL = 16  # output features per panel of the pair layout (linear.c's PAIR_PW), on every CPU
+AMX_K = 32  # the K a tile step of linear.c's AMX GEMM, which takes K in multiples of it
 PAIR_MIN_FREE_FRACTION = 0.5  # a second copy beside oneDNN's is made only while MemAvailable stays over half the total
 
 

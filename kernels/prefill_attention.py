@@ -320,20 +320,25 @@ def prefill_attention(
     return out
 
 
+def sdpa_takes_fresh_prefills(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether a CPU step's prefills with nothing cached before their new tokens run torch's SDPA (sdpa_is_faster)
+    in the layers without a window or softcap: on CPUs with AMX-BF16, for bf16 queries over a bf16 cache. Such steps
+    run the per-kernel loop (models/llama.py), whose attention is then the faster one, not the one-call driver."""
+    from lightserve.kernels.cpu import cpu_flags
+
+    return q_dtype == kv_dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split()
+
+
 def sdpa_is_faster(q: Tensor, k_cache: Tensor, prefix_lens: Tensor, window: int, softcap: float) -> bool:
     """Whether torch's SDPA (prefill_attention_ref, a call per request) beats the C kernel on this step: on CPUs with
     AMX-BF16, for bf16 queries over a bf16 cache with nothing cached before the new tokens, no window and no softcap,
     where torch's flash kernel multiplies on AMX tiles and the C kernel with vdpbf16ps. Measured on an AMX Xeon
     (docs/benchmarks.md, "An AMX Xeon"; SmolLM2's heads, per layer): 0.40-0.66x the C kernel's time for fresh prompts
     of 256 to 1,024 tokens; 16 prompts of 48 tokens over a cached 1,024-token prefix (a masked call) took 1.05x, so
-    extends stay in C. Only where oneDNN runs the bf16 linears (onednn_runs_bf16), so that the layers run one kernel
-    at a time: where they do not, the C decoder-layer driver takes bf16 steps with its own C attention, which the
-    per-kernel loop matches bit for bit."""
-    from lightserve.kernels.cpu import cpu_flags
-    from lightserve.kernels.linear import onednn_runs_bf16
-
-    return q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.bfloat16 and window == 0 and softcap == 0 \
-        and "amx_bf16" in cpu_flags().split() and onednn_runs_bf16() and not bool(prefix_lens.any())
+    extends stay in C. The C decoder-layer driver leaves such steps to the per-kernel loop
+    (sdpa_takes_fresh_prefills), which it otherwise matches bit for bit."""
+    return q.device.type == "cpu" and window == 0 and softcap == 0 \
+        and sdpa_takes_fresh_prefills(q.dtype, k_cache.dtype) and not bool(prefix_lens.any())
 
 
 def prefill_attention_cpu(

@@ -42,16 +42,17 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-err
 
 
 # The builds the same sources make: `native` is what serving uses (-march=native: AVX-512 where the CPU has
-# it); the others switch wide instructions off, so a machine that has them can test what narrower CPUs run.
-# `avx512` is 16-lane vectors without vdpbf16ps, as on Skylake-SP to Ice Lake Xeons: where the native build has
-# AVX512-BF16 it is the only build that runs the 16-lane widening paths for bf16. `avx2` is an AVX2-only CPU's (no
-# AVX-VNNI either, as on a Zen 3 or a Skylake client: int8 dot products as vpmaddubsw). Each needs the CPU flags listed
-# (a build for a CPU without them would not run here).
+# it); the others switch wide instructions off, so a machine that has them can test what narrower CPUs run. None of
+# them multiplies on AMX tiles. `avx512` is 16-lane vectors without vdpbf16ps, as on Skylake-SP to Ice Lake Xeons:
+# where the native build has AVX512-BF16 it is the only build that runs the 16-lane widening paths for bf16. `avx2` is
+# an AVX2-only CPU's (no AVX-VNNI either, as on a Zen 3 or a Skylake client: int8 dot products as vpmaddubsw). Each
+# needs the CPU flags listed (a build for a CPU without them would not run here).
+NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")  # each named: -mno-amx-tile alone leaves the others on
 BUILD_VARIANTS = {
     "native": ((), ()),
-    "avx512": (("-mno-avx512bf16",), ("avx512f",)),
-    "avx2": (("-mno-avx512f", "-mno-avxvnni"), ("avx2", "fma")),
-    "portable": (("-mno-avx2", "-mno-fma"), ()),
+    "avx512": (("-mno-avx512bf16", *NO_AMX), ("avx512f",)),
+    "avx2": (("-mno-avx512f", "-mno-avxvnni", *NO_AMX), ("avx2", "fma")),
+    "portable": (("-mno-avx2", "-mno-fma", *NO_AMX), ()),
 }
 
 

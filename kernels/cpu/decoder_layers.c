@@ -29,8 +29,8 @@
 // build. On a CPU without native bf16 products a bf16 model's layers also carry float32 panels (`*_f`, with float32
 // biases): above PAIR_MAX_M rows x is widened to float32, the float32 GEMM runs and its output is rounded to bf16,
 // as kernels/linear.py's linear() runs `PrepackedLinear.widened`. The caller keeps a step's tokens within what its
-// weights' kernels take (kernels/decoder_layers.py), so on an AMX CPU, whose larger bf16 GEMMs run on oneDNN, the
-// decode of one to a few requests runs here and larger steps run the per-kernel forward.
+// weights' kernels take (kernels/decoder_layers.py): where a bf16 weight keeps oneDNN's copy for larger M (an AMX CPU
+// without the tile GEMM), the decode of one to a few requests runs here and larger steps run the per-kernel forward.
 // A float32 model's projections may instead be kept in GGML blocks (a GGUF checkpoint; kernels/quant_linear.py):
 // then the layer's `*_q` descriptor is set and the projection runs quant_linear.c's kernel segment by segment, with
 // the activation as its own call after gate_up (linear_packed_silu takes float32 panels only).

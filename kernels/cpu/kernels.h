@@ -47,6 +47,7 @@ int linear_bf16_pairs(const uint16_t *x, int64_t x_row, int M, int K, const uint
 int linear_bf16_pairs_f32(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
                           const uint16_t *bias, float *out, int64_t out_row, int num_threads);
 int linear_bf16_pairs_dpbf16(void);
+int linear_bf16_pairs_amx(void);
 int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float *wp, int inter, float *out,
                        int num_threads);
 

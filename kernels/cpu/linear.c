@@ -25,6 +25,8 @@
 // Measured over SmolLM2's 30 layers (424 MB of weights, far past the 32 MB L3): 48-row blocks, which
 // read the weights once per 48 rows, ran 95-114 GFLOP/s at M = 64..576; one block 120-142.
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "fastmath.h"
 #include "gemm_tile.h"
@@ -167,6 +169,13 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 #define PAIR_DPBF16 1
 #else
 #define PAIR_DPBF16 0
+#endif
+#if PAIR_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAIR_AMX 1
+#else
+#define PAIR_AMX 0
 #endif
 
 // One panel (PAIR_PW features) for rows 0 .. m-1 of x, m a constant at each call site. acc [m][PAIR_PW].
@@ -323,10 +332,162 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
 }
 #endif
 
+#if PAIR_AMX
+// On an AMX CPU the same layout runs on the tile unit above PAIR_MAX_M rows: a 64-byte row of a panel (16 features
+// times a k pair) is a row of the B operand tdpbf16ps takes, so 16 consecutive rows of a panel (32 k, 1 KB, contiguous)
+// are one B tile, and 16 rows of x by 32 k (row stride x_row) one A tile, loaded in place. A block is 32 rows of x
+// by a panel pair: two A tiles, two B tiles, four C tiles of 16 x 16 floats (tiles 4-5, 6-7 and 0-3). Each pair meets
+// every 32-row block of its x block before the next pair is read, as in the register-tiled GEMM, and while its
+// first block runs it fetches the next pair into L2, chunk by chunk (an Intel core's prefetchers start too late on
+// a stream this fast, as the pair GEMV's PAIR_AHEAD says). x rows past M in the last 16-row tile are read from a
+// zeroed copy of x's tail, never past x's end. The kernel needs K a multiple of 32; other K go to oneDNN.
+#define AMX_K 32               // k a tile step
+#define AMX_CHUNK (16 * PAIR_PW)  // uint32 of one B tile: 16 k pairs of one panel
+#ifndef AMX_X_BLOCK_BYTES
+#define AMX_X_BLOCK_BYTES (1 << 20)
+#endif
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 1
+#endif
+#ifndef AMX_HINT
+#define AMX_HINT _MM_HINT_T1
+#endif
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+// Linux lends a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
+// without it the first tile instruction faults. The request is idempotent; it is refused where a thread's signal
+// stack is too small for the tile state, and then the caller keeps oneDNN.
+static int amx_permitted(void) {
+    static int state;  // 0: not asked yet, 1: granted, -1: refused
+    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (!s) {
+        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
+    }
+    return s > 0;
+}
+
+// Every tile 16 rows of 64 bytes: A 16 rows x 32 bf16, B 16 k pairs x 16 features, C 16 x 16 floats.
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+// acc [32][2 * PAIR_PW] = rows of x0 (16) and x1 (16, where two) by the pair at w (panel stride pstride), all K;
+// x0 / x1 with row strides s0 / s1 in bytes. Alongside, `lines` cache lines from `fetch` on (a slice of the next
+// pair; 0 lines: none) go to L2, spread evenly over the chunks.
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x0, int64_t s0, const uint16_t *x1,
+                                                            int64_t s1, const int two, int chunks, const uint32_t *w,
+                                                            int64_t pstride, const char *fetch, int lines,
+                                                            float *acc) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const int per = (lines + chunks - 1) / chunks;  // lines a chunk
+    const char *fetch_end = fetch + (int64_t)lines * 64;
+    for (int c = 0; c < chunks; c++) {
+        const uint32_t *b = w + (int64_t)c * AMX_CHUNK;
+        for (int l = 0; l < per && fetch < fetch_end; l++, fetch += 64) _mm_prefetch(fetch, AMX_HINT);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + pstride, 64);
+        _tile_loadd(4, x0 + c * AMX_K, s0);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x1 + c * AMX_K, s1);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, 2 * PAIR_PW * 4);
+    _tile_stored(1, acc + PAIR_PW, 2 * PAIR_PW * 4);
+    if (two) {
+        _tile_stored(2, acc + 16 * 2 * PAIR_PW, 2 * PAIR_PW * 4);
+        _tile_stored(3, acc + 16 * 2 * PAIR_PW + PAIR_PW, 2 * PAIR_PW * 4);
+    }
+}
+
+// M > PAIR_MAX_M, K % 32 == 0, amx_permitted(). Returns 0, or -1 where it could not allocate.
+static int linear_bf16_amx(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
+                           const uint16_t *bias, uint16_t *out, float *outf, int64_t out_row, int num_threads) {
+    const int chunks = K / AMX_K;
+    const int64_t pstride = (int64_t)(K / 2) * PAIR_PW;
+    const int64_t pairs = ((int64_t)N + 2 * PAIR_PW - 1) / (2 * PAIR_PW);
+    // The last 16-row tile's rows past M: a copy of x's tail, zero past it. [16, K] bf16, rows K apart.
+    const int full = M / 16 * 16;
+    uint16_t *tail = NULL;
+    if (full < M) {
+        tail = aligned_alloc(64, (size_t)16 * K * sizeof *tail);
+        if (!tail) return -1;
+        memset(tail, 0, (size_t)16 * K * sizeof *tail);
+        for (int i = full; i < M; i++) memcpy(tail + (int64_t)(i - full) * K, x + i * x_row, (size_t)K * sizeof *x);
+    }
+    const int MC = row_block(M, (int64_t)K * 2, AMX_X_BLOCK_BYTES, 32);
+    for (int m0 = 0; m0 < M; m0 += MC) {
+        const int mc = M - m0 < MC ? M - m0 : MC;
+        Shares shares;
+        shares_init(&shares, pairs, num_threads);
+        #pragma omp parallel num_threads(num_threads)
+        {
+            amx_configure();
+            float acc[32 * 2 * PAIR_PW];
+            // Each 32-row block of a pair fetches its slice of the next pair's K * 64 bytes, so the stream from
+            // memory runs under every block (not just under the first, the rest then computing with memory idle).
+            const int blocks = (mc + 31) / 32, pair_lines = K;  // K * 64 bytes a pair
+            const int slice = (pair_lines + blocks - 1) / blocks;
+            for (int64_t g; (g = shares_take(&shares)) >= 0;) {
+                const uint32_t *w = wp + 2 * g * pstride;
+                const char *next = (const char *)(w + 2 * AMX_AHEAD * pstride);
+                const int64_t n0 = 2 * g * PAIR_PW;
+                const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
+                for (int i0 = m0, b = 0; i0 < m0 + mc; i0 += 32, b++) {
+                    const int mr = m0 + mc - i0 < 32 ? m0 + mc - i0 : 32;
+                    // Tile rows i0 .. i0 + 15 and i0 + 16 .. i0 + 31: from x where all 16 rows are in it.
+                    const uint16_t *x0 = i0 + 16 <= M ? x + i0 * x_row : tail;
+                    const int64_t s0 = i0 + 16 <= M ? x_row * 2 : (int64_t)K * 2;
+                    const uint16_t *x1 = i0 + 32 <= M ? x + (i0 + 16) * x_row : tail;
+                    const int64_t s1 = i0 + 32 <= M ? x_row * 2 : (int64_t)K * 2;
+                    const int first = b * slice, lines = AMX_AHEAD && g + AMX_AHEAD < pairs ? (pair_lines - first < slice ?
+                                                                             pair_lines - first : slice) : 0;
+                    const char *fetch = next + (int64_t)first * 64;
+                    if (mr > 16)
+                        amx_block(x0, s0, x1, s1, 1, chunks, w, pstride, fetch, lines > 0 ? lines : 0, acc);
+                    else
+                        amx_block(x0, s0, x1, s1, 0, chunks, w, pstride, fetch, lines > 0 ? lines : 0, acc);
+                    const int64_t at = (int64_t)i0 * out_row;
+                    gemm_store(acc, mr, bias, outf ? NULL : out + at, outf ? outf + at : NULL, out_row, n0, ncols);
+                }
+            }
+            _tile_release();
+        }
+    }
+    free(tail);
+    return 0;
+}
+#endif
+
 // Either output: bf16 `out` or, where `outf` is not NULL, float32 `outf`.
 static int pairs_gemm(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
                       const uint16_t *bias, uint16_t *out, float *outf, int64_t out_row, int num_threads) {
     if (M < 1 || K < 2 || K % 2 || N < 1) return -1;
+#if PAIR_AMX
+    if (M > PAIR_MAX_M && K % AMX_K == 0 && x_row % 2 == 0 && amx_permitted())
+        return linear_bf16_amx(x, x_row, M, K, wp, N, bias, out, outf, out_row, num_threads);
+#endif
 #if PAIR_DPBF16
     if (M > PAIR_MAX_M) {
         if (x_row % 2) return -1;
@@ -380,3 +541,13 @@ int linear_bf16_pairs_f32(const uint16_t *x, int64_t x_row, int M, int K, const 
 
 // Whether this build multiplies the pairs with vdpbf16ps, and so also takes every M (kernels/linear.py).
 int linear_bf16_pairs_dpbf16(void) { return PAIR_DPBF16; }
+
+// Whether this build runs the pairs on AMX tiles above PAIR_MAX_M rows (where K is a multiple of 32), and the process
+// has been granted the tile registers (asked here, once).
+int linear_bf16_pairs_amx(void) {
+#if PAIR_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from lightserve import envs, kernels
 from lightserve.config import KernelBackend
 from lightserve.kernels.decoder_layers import LORA_C_DTYPES, CpuDecoderLayers, DecoderLayer, ModelShape
+from lightserve.kernels.prefill_attention import sdpa_takes_fresh_prefills
 from lightserve.log import get_logger
 from lightserve.model_config import ModelConfig
 from lightserve.model_infer.models.base import AttentionInputs, DecoderLM
@@ -129,8 +130,8 @@ class LlamaForCausalLM(DecoderLM):
 
     On CPU, where every kernel of a layer runs in C, the layers run in one C call (kernels/decoder_layers.py):
     the same kernels as the loop below, bit for bit, without the Python between them, LoRA deltas included. With
-    bf16 GEMMs on oneDNN above a few rows (AMX), that is the steps of up to PAIR_MAX_M tokens; the loop runs the
-    others."""
+    bf16 GEMMs on oneDNN above a few rows (an AMX CPU without the tile GEMM), that is the steps of up to PAIR_MAX_M
+    tokens; the loop runs the others, and on AMX CPUs the bf16 steps whose prefills run torch's SDPA."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
                  tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
@@ -173,7 +174,8 @@ class LlamaForCausalLM(DecoderLM):
         attn = AttentionInputs.from_batch(batch)
         hidden = self._embed(batch.input_ids)  # [T, hidden]
         residual = hidden  # a fresh tensor, so add_rmsnorm may update it in place
-        one_call = self.cpu_layers is not None and self.cpu_layers.takes(hidden.shape[0])
+        one_call = self.cpu_layers is not None and self.cpu_layers.takes(hidden.shape[0]) \
+            and not self._fresh_prefills_on_sdpa(attn, kv_cache)
         if one_call:
             hidden = self.cpu_layers.run(
                 residual, kv_cache.k_caches, kv_cache.v_caches, batch.req_to_token, batch.positions, batch.kv_locs,
@@ -199,6 +201,13 @@ class LlamaForCausalLM(DecoderLM):
         last_residual = residual[batch.logits_indices]  # [B, hidden]
         x = kernels.add_rmsnorm(last_hidden, last_residual, w.final_norm, cfg.rms_norm_eps, self.backend)
         return self._logits(x, batch.argmax_only)
+
+    def _fresh_prefills_on_sdpa(self, attn: AttentionInputs, kv_cache: KVCache) -> bool:
+        """Whether the step's prefills, none with a cached prefix, run torch's SDPA in the per-kernel loop
+        (kernels/prefill_attention.py, sdpa_is_faster: bf16 on AMX CPUs), which then runs the step instead of the
+        one-call driver and its slower C attention."""
+        return attn.has_extend and sdpa_takes_fresh_prefills(self.dtype, kv_cache.k_caches[0].dtype) \
+            and not bool(attn.extend_prefix_lens.any())
 
     def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:
         """Layer i's feed-forward block on the normed hidden states, all-reduced (models/moe.py: its experts);

@@ -234,6 +234,41 @@ def test_bf16_gemm_row_blocks_and_strided_rows():
     torch.testing.assert_close(linear(odd[:, :1536], weight).float(), _bf16_ref(x[:30], w), **BF16_TOL)
 
 
+@pytest.mark.skipif(library() is None or not library().linear_bf16_pairs_amx(), reason="no AMX tiles here")
+@pytest.mark.parametrize("m", [5, 16, 17, 31, 32, 33, 100])  # whole and partial 16-row tiles and 32-row blocks
+@pytest.mark.parametrize("n,k", [(1000, 576), (40, 1536), (96, 32)])  # a partial panel pair; one tile step of K
+def test_bf16_amx_tiles_match_f_linear(m, n, k):
+    """On an AMX CPU the pairs run every M over PAIR_MAX_M on the tile unit, and a bf16 weight keeps no other copy.
+    Both entry points: bf16 output, and float32 sums left unrounded (the argmax head's); columns past N and rows
+    past M are never written, and x rows past M (the last tile's) are never read into the output."""
+    lib = library()
+    x, w, b = _bf16_case(m + 16, n, k, seed=m * 7 + n)
+    x[m:] = float("nan")  # rows a 16-row tile would cover past M: a read of them would poison a column
+    weight = prepack_weight(w)
+    assert weight.onednn is None and weight.widened is None and pairs_take_every_m(lib, k)
+    ref = F.linear(x[:m].float(), w.float(), b.float())
+    out = torch.full((m + 1, n + 8), 7.0, dtype=torch.bfloat16)
+    outf = torch.full((m + 1, n + 8), 7.0)
+    threads = torch.get_num_threads()
+    assert lib.linear_bf16_pairs(x.data_ptr(), k, m, k, weight.pairs.data_ptr(), n, b.data_ptr(), out.data_ptr(),
+                                 n + 8, threads) == 0
+    assert lib.linear_bf16_pairs_f32(x.data_ptr(), k, m, k, weight.pairs.data_ptr(), n, b.data_ptr(),
+                                     outf.data_ptr(), n + 8, threads) == 0
+    torch.testing.assert_close(out[:m, :n].float(), ref.to(torch.bfloat16).float(), **BF16_TOL)
+    torch.testing.assert_close(outf[:m, :n], ref, rtol=1e-5, atol=1e-4)
+    assert (out[:m, n:] == 7).all() and (out[m] == 7).all() and (outf[:m, n:] == 7).all() and (outf[m] == 7).all()
+    assert torch.equal(out[:m, :n], outf[:m, :n].to(torch.bfloat16))  # one rounding of the same sums
+
+
+@pytest.mark.skipif(library() is None or not library().linear_bf16_pairs_amx(), reason="no AMX tiles here")
+def test_bf16_amx_leaves_k_off_its_step_to_onednn():
+    """A K that is not a multiple of AMX_K keeps oneDNN's copy for M over PAIR_MAX_M, as before the tiles."""
+    x, w, b = _bf16_case(20, 64, 48)
+    weight = prepack_weight(w)
+    assert not pairs_take_every_m(library(), 48) and weight.onednn is not None and weight.pairs is not None
+    torch.testing.assert_close(linear(x, weight, b).float(), _bf16_ref(x, w, b), **BF16_TOL)
+
+
 @needs_onednn
 @pytest.mark.parametrize("variant", c_library_variants())
 def test_bf16_gemm_only_in_dpbf16_builds(variant):
@@ -247,12 +282,15 @@ def test_bf16_gemm_only_in_dpbf16_builds(variant):
 
 @needs_onednn
 def test_bf16_dispatch(monkeypatch):
-    """Where the C GEMM takes every M (a vdpbf16ps build on a CPU without AMX) a bf16 weight keeps only the pair
-    layout and linear() runs it at every M; elsewhere, or with LIGHTSERVE_ONEDNN_BF16_GEMM=1, oneDNN's copy is
-    made too and runs M over PAIR_MAX_M (float32 panels instead where oneDNN has no bf16 path: AVX2-only CPUs)."""
+    """Where the C GEMM takes every M (a build with AMX tiles, or with vdpbf16ps on a CPU without AMX) a bf16
+    weight keeps only the pair layout and linear() runs it at every M; elsewhere, or with
+    LIGHTSERVE_ONEDNN_BF16_GEMM=1, oneDNN's copy is made too and runs M over PAIR_MAX_M (float32 panels instead where
+    oneDNN has no bf16 path: AVX2-only CPUs)."""
     x, w, b = _bf16_case(PAIR_MAX_M + 20, 1000, 576)
-    every_m = pairs_take_every_m(library())
-    assert every_m == (bool(library().linear_bf16_pairs_dpbf16()) and "amx_bf16" not in cpu_flags().split())
+    lib = library()
+    every_m = pairs_take_every_m(lib, 576)
+    assert every_m == (bool(lib.linear_bf16_pairs_amx())
+                       or (bool(lib.linear_bf16_pairs_dpbf16()) and "amx_bf16" not in cpu_flags().split()))
     weight = prepack_weight(w)
     assert weight.pairs is not None
     if every_m:
@@ -265,7 +303,7 @@ def test_bf16_dispatch(monkeypatch):
         assert torch.equal(linear(x, weight, b), linear_bf16_pairs(x, weight, b))
     torch.testing.assert_close(linear(x, weight, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("LIGHTSERVE_ONEDNN_BF16_GEMM", "1")
-    assert not pairs_take_every_m(library())
+    assert not pairs_take_every_m(library(), 576)
     both = prepack_weight(w)
     assert both.pairs is not None and (both.onednn is not None, both.widened is not None) == _large_m_copies()
     torch.testing.assert_close(linear(x, both, b).float(), _bf16_ref(x, w, b), rtol=2e-2, atol=2e-2)  # oneDNN

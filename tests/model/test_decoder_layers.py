@@ -2,8 +2,9 @@
 at a time: logits and every layer's KV cache bit for bit equal, over a ragged prefill, decode steps and a mixed
 decode + extend batch with a prefix-cache hit, for the Llama-family variants the driver takes (biases, windows,
 Qwen3's q/k norms, GQA groups of 1-3), in float32 and bf16: every step where this CPU's bf16 GEMMs all run in C,
-the decode steps of up to PAIR_MAX_M tokens where larger ones run on oneDNN; the same with LoRA adapters on some
-requests (float32 and bf16 stacks; float16 ones run kernel by kernel). Also which models it declines."""
+the decode steps of up to PAIR_MAX_M tokens where larger ones run on oneDNN (and not the fresh prefills whose
+attention torch's SDPA runs on AMX CPUs); the same with LoRA adapters on some requests (float32 and bf16 stacks;
+float16 ones run kernel by kernel). Also which models it declines."""
 from __future__ import annotations
 
 import ctypes
@@ -33,6 +34,7 @@ from lightserve.kernels.linear import (
     pairs_take_every_m,
     unpack_linear_weight,
 )
+from lightserve.kernels.prefill_attention import sdpa_takes_fresh_prefills
 from lightserve.kernels.quant_linear import QuantLinear
 from lightserve.model_infer.lora import LoraGroup, LoraLimits, LoraWeights
 from tests.kernels.kernel_cases import c_library_variants
@@ -58,6 +60,15 @@ def load_pair(arch: str, dtype: torch.dtype, tmp_path) -> tuple:
     loop = load_model_dir(model_dir, dtype=dtype)
     loop.cpu_layers = None
     return fused, loop
+
+
+def one_call_steps(every_step: bool, dtype: torch.dtype) -> list[int]:
+    """The token counts of run_steps' steps the driver runs: the decode steps where it takes up to PAIR_MAX_M
+    tokens; every step where it takes any number, except the first (a prefill with nothing cached) where torch's SDPA
+    runs such prefills in the per-kernel loop (bf16 on AMX CPUs)."""
+    if not every_step:
+        return [4, 4, 4]
+    return [4, 4, 4, 22] if sdpa_takes_fresh_prefills(dtype, dtype) else [65, 4, 4, 4, 22]
 
 
 def count_one_call_steps(model) -> list[int]:
@@ -140,7 +151,7 @@ def check_lora_steps(fused, loop, lora_slots: dict[int, int], every_step: bool =
     want = run_steps(loop, lora_slots=lora_slots)
     for g, ref in zip(got, want, strict=True):
         assert torch.equal(g, ref)
-    assert calls == ([65, 4, 4, 4, 22] if every_step else [4, 4, 4])
+    assert calls == one_call_steps(every_step, fused.dtype)
     assert times["lora_cpu"] > 0 and "decoder_layers_cpu" not in times
     assert not torch.equal(got[1], run_steps(loop)[1])  # the deltas change the logits
 
@@ -247,8 +258,8 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
         pytest.skip("no C compiler here")
     fused, loop = load_pair(arch, dtype, tmp_path)
     assert fused.cpu_layers is not None
-    # bf16 GEMMs on oneDNN above PAIR_MAX_M rows here (AMX): the driver runs the decode steps. Without native bf16
-    # products the float32 panels run them, in the driver too.
+    # bf16 GEMMs on oneDNN above PAIR_MAX_M rows here (AMX without the tile GEMM): the driver runs the decode steps.
+    # Without native bf16 products the float32 panels run them, in the driver too.
     every_step = dtype == torch.float32 or bf16_in_c() or not onednn_runs_bf16()
     assert fused.cpu_layers.max_tokens == (None if every_step else PAIR_MAX_M)
     calls = count_one_call_steps(fused)
@@ -258,7 +269,7 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
     # A second KV cache handed to the same model: its pointers are bound anew, the results the same.
     for got, ref in zip(run_steps(fused), want, strict=True):
         assert torch.equal(got, ref)
-    assert calls == 2 * ([65, 4, 4, 4, 22] if every_step else [4, 4, 4])
+    assert calls == 2 * one_call_steps(every_step, dtype)
 
 
 def quantize_projections(model, int8_dot: bool = False) -> None:
@@ -366,7 +377,7 @@ def test_bf16_weights_with_float32_panels_run_every_step_in_one_call(arch, tmp_p
     calls = count_one_call_steps(fused)
     for got, ref in zip(run_steps(fused), run_steps(loop), strict=True):
         assert torch.equal(got, ref)
-    assert calls == [65, 4, 4, 4, 22]
+    assert calls == one_call_steps(True, torch.bfloat16)
 
 
 def test_float32_gate_up_runs_fused_or_as_two_kernels_bit_for_bit(tmp_path):
@@ -426,7 +437,7 @@ def test_one_call_layers_of_every_build_this_cpu_runs(variant, tmp_path):
     assert fused.cpu_layers.max_tokens == (None if widened else PAIR_MAX_M)
     calls = count_one_call_steps(fused)
     steps = run_steps(fused)
-    assert calls == ([65, 4, 4, 4, 22] if widened else [4, 4, 4])
+    assert calls == one_call_steps(widened, torch.bfloat16)
     for got, want in zip(steps[1:4], native[1:4], strict=True):  # the decode steps' logits: bf16 sums in other orders
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 

@@ -330,9 +330,11 @@ class CpuDecoderLayers:
             return self._bound[2], self._bound[3]
         sh = self.shape
         k0 = k_caches[0]
-        float_cache = k0.dtype not in QUANT_KV_DTYPES
+        # A float cache in the activations' dtype or, under float32 ones, bf16; an 8-bit one in any format.
+        cache_ok = k0.dtype in QUANT_KV_DTYPES or k0.dtype == self.dtype \
+            or (self.dtype == torch.float32 and k0.dtype == torch.bfloat16)
         for k, v in zip(k_caches, v_caches, strict=True):
-            if not (c_kv_layout(k, v) and k.dtype == v.dtype == (self.dtype if float_cache else k0.dtype)
+            if not (cache_ok and c_kv_layout(k, v) and k.dtype == v.dtype == k0.dtype
                     and k.shape == v.shape == k0.shape and k.stride() == k0.stride()
                     and k.shape[1:] == (sh.num_kv_heads, sh.head_dim)):
                 raise ValueError(f"decoder_layers: a KV cache layer of another layout ({k.shape}, {k.dtype})")

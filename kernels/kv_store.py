@@ -277,15 +277,17 @@ def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Te
 def store_kv_cpu(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs: Tensor, lib=None,
                  k_scale: KVScale = None, v_scale: KVScale = None) -> bool:
     """The C row copy or quantizing write (kernels/cpu/elementwise.c) where k and v share a dtype the C kernels take,
-    both caches hold it or share an 8-bit format, and every kv_loc is a row of the cache. False when it cannot run
-    here (then nothing was written): a cast between float dtypes, other layouts or scales (c_scales_fit), or a loc
-    out of range, for which the reference raises. `lib`: another kernel build (tests)."""
+    both caches hold it (or bf16, rounding float32 rows) or share an 8-bit format, and every kv_loc is a row of the
+    cache. False when it cannot run here (then nothing was written): another cast between float dtypes, other
+    layouts or scales (c_scales_fit), or a loc out of range, for which the reference raises. `lib`: another kernel
+    build (tests)."""
     from lightserve.kernels.cpu import C_DTYPES, library, profiled
 
     lib = lib or library()
     if lib is None or not c_kv_layout(k_cache, v_cache) or k.dim() != 3 \
             or not (k.dtype == v.dtype and k.dtype in C_DTYPES and k_cache.dtype == v_cache.dtype) \
-            or not (k_cache.dtype == k.dtype or k_cache.dtype in QUANT_KV_DTYPES) \
+            or not (k_cache.dtype == k.dtype or k_cache.dtype in QUANT_KV_DTYPES
+                    or (k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)) \
             or k.shape != v.shape or k_cache.shape != v_cache.shape or k_cache.shape[1:] != k.shape[1:] \
             or k.stride(2) != 1 or v.stride(2) != 1 or kv_locs.shape != (k.shape[0],) \
             or kv_locs.dtype not in (torch.int32, torch.int64) or not kv_locs.is_contiguous() \

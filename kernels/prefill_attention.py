@@ -320,25 +320,30 @@ def prefill_attention(
     return out
 
 
-def sdpa_takes_fresh_prefills(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+def sdpa_takes_fresh_prefills(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
     """Whether a CPU step's prefills with nothing cached before their new tokens run torch's SDPA (sdpa_is_faster)
-    in the layers without a window or softcap: on CPUs with AMX-BF16, for bf16 queries over a bf16 cache. Such steps
-    run the per-kernel loop (models/llama.py), whose attention is then the faster one, not the one-call driver."""
-    from lightserve.kernels.cpu import cpu_flags
+    in the layers without a window or softcap: on CPUs with AMX-BF16, for bf16 queries over a bf16 cache, where
+    the C kernel does not run them on AMX tiles itself (a build or process without the tiles, a head_dim off their
+    32-wide step). Such steps run the per-kernel loop (models/llama.py), whose attention is then the faster one, not
+    the one-call driver."""
+    from lightserve.kernels.cpu import cpu_flags, library
 
-    return q_dtype == kv_dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split()
+    lib = library()
+    return q_dtype == kv_dtype == torch.bfloat16 and "amx_bf16" in cpu_flags().split() \
+        and not (lib is not None and lib.prefill_attention_amx(head_dim))
 
 
 def sdpa_is_faster(q: Tensor, k_cache: Tensor, prefix_lens: Tensor, window: int, softcap: float) -> bool:
     """Whether torch's SDPA (prefill_attention_ref, a call per request) beats the C kernel on this step: on CPUs with
-    AMX-BF16, for bf16 queries over a bf16 cache with nothing cached before the new tokens, no window and no softcap,
-    where torch's flash kernel multiplies on AMX tiles and the C kernel with vdpbf16ps. Measured on an AMX Xeon
-    (docs/benchmarks.md, "An AMX Xeon"; SmolLM2's heads, per layer): 0.40-0.66x the C kernel's time for fresh prompts
-    of 256 to 1,024 tokens; 16 prompts of 48 tokens over a cached 1,024-token prefix (a masked call) took 1.05x, so
-    extends stay in C. The C decoder-layer driver leaves such steps to the per-kernel loop
-    (sdpa_takes_fresh_prefills), which it otherwise matches bit for bit."""
+    AMX-BF16 whose C kernel multiplies with vdpbf16ps (sdpa_takes_fresh_prefills), for bf16 queries over a bf16
+    cache with nothing cached before the new tokens, no window and no softcap, where torch's flash kernel multiplies
+    on AMX tiles. Measured on an AMX Xeon (docs/benchmarks.md, "An AMX Xeon"; SmolLM2's heads, per layer): 0.40-0.66x
+    the vdpbf16ps kernel's time for fresh prompts of 256 to 1,024 tokens; 16 prompts of 48 tokens over a cached
+    1,024-token prefix (a masked call) took 1.05x, so extends stay in C. The C kernel on AMX tiles takes 0.79-0.98x
+    SDPA's time on the fresh prompts. The C decoder-layer driver leaves the steps SDPA takes to the per-kernel loop,
+    which it otherwise matches bit for bit."""
     return q.device.type == "cpu" and window == 0 and softcap == 0 \
-        and sdpa_takes_fresh_prefills(q.dtype, k_cache.dtype) and not bool(prefix_lens.any())
+        and sdpa_takes_fresh_prefills(q.dtype, k_cache.dtype, q.shape[-1]) and not bool(prefix_lens.any())
 
 
 def prefill_attention_cpu(

@@ -259,8 +259,9 @@ static int add_lora(const LoraStep *ls, const LoraGroupArgs *lg, void *y, int N,
 
 // 1 when decoder_layers takes this model: shapes its kernels take (the bf16 pair GEMMs need an even K).
 int decoder_layers_supported(const ModelDims *d) {
-    // A float cache holds the activations' dtype; an 8-bit one any format the attention kernels read.
-    if (d->kv_kind < KV_INT8 && d->kv_kind != (d->bf16 ? KV_BF16 : KV_F32)) return 0;
+    // A float cache holds the activations' dtype, or bf16 under float32 ones; an 8-bit one any format the attention
+    // kernels read.
+    if (d->kv_kind == KV_F32 && d->bf16) return 0;
     if (d->bf16 && (d->hidden % 2 || d->inter % 2 || (d->num_heads * d->head_dim) % 2)) return 0;
     return decode_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim)
         && prefill_attention_supported(d->num_heads, d->num_kv_heads, d->head_dim) && d->head_dim % 2 == 0;

@@ -254,14 +254,17 @@ static inline __attribute__((always_inline)) void quantize_head(const void *x, u
 }
 
 // The KV write of a step: torch's index_copy_ took 14 us a call for 64 decode tokens (24 KB), two calls a layer.
-// Returns 0, or -1 (nothing written) when a loc is outside [0, rows), or the kind is neither the source's dtype
-// nor an 8-bit one (int8 without its scales included): the caller then runs the reference, which raises or casts.
+// Float32 rows into a bf16 cache (float32 activations over a half-size cache) are rounded to nearest even, as
+// .to(torch.bfloat16) rounds them. Returns 0, or -1 (nothing written) when a loc is outside [0, rows), or the kind
+// is neither the source's dtype, nor bf16 under float32 rows, nor an 8-bit one (int8 without its scales included):
+// the caller then runs the reference, which raises or casts.
 int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
              void *k_cache, int64_t kc_row, int64_t kc_head, void *v_cache, int64_t vc_row, int64_t vc_head,
              int64_t rows, const void *locs, int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16,
              int kv_kind, float *k_scales, float *v_scales, float k_scale, float v_scale, int num_threads) {
     const int quant = kv_kind == KV_INT8 || kv_kind == KV_FP8_E4M3 || kv_kind == KV_FP8_E5M2;
-    if (!quant && kv_kind != (bf16 ? KV_BF16 : KV_F32)) return -1;
+    const int narrow = !bf16 && kv_kind == KV_BF16;
+    if (!quant && !narrow && kv_kind != (bf16 ? KV_BF16 : KV_F32)) return -1;
     if (kv_kind == KV_INT8 && (!k_scales || !v_scales)) return -1;
     const int es = bf16 ? 2 : 4;
     for (int64_t t = 0; t < tokens; t++) {
@@ -286,6 +289,23 @@ int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_
                 } else {
                     quantize_head(kt, kc, dim, kv_kind, ks, k_scale, 0);
                     quantize_head(vt, vc, dim, kv_kind, vs, v_scale, 0);
+                }
+            }
+        }
+        return 0;
+    }
+    if (narrow) {
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMS)
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t loc = locs_i64 ? ((const int64_t *)locs)[t] : ((const int32_t *)locs)[t];
+            for (int64_t h = 0; h < heads; h++) {
+                const float *kt = (const float *)k + t * k_tok + h * k_head;
+                const float *vt = (const float *)v + t * v_tok + h * v_head;
+                uint16_t *kc = (uint16_t *)k_cache + loc * kc_row + h * kc_head;
+                uint16_t *vc = (uint16_t *)v_cache + loc * vc_row + h * vc_head;
+                for (int64_t d = 0; d < dim; d++) {
+                    kc[d] = f32_to_bf16(kt[d]);
+                    vc[d] = f32_to_bf16(vt[d]);
                 }
             }
         }

@@ -28,6 +28,7 @@ int decode_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16,
                      int window, float softcap, int num_threads);
 
 // prefill_attention.c
+int prefill_attention_amx(int dim);
 int prefill_attention_supported(int num_heads, int num_kv_heads, int dim);
 int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16, const void *k_cache,
                       const void *v_cache, int kv_kind, const float *k_scales, const float *v_scales,

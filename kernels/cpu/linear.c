@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "fastmath.h"
 #include "gemm_tile.h"
 #include "kernels.h"
@@ -170,13 +171,7 @@ int linear_packed_silu(const float *x, int64_t x_row, int M, int K, const float 
 #else
 #define PAIR_DPBF16 0
 #endif
-#if PAIR_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PAIR_AMX 1
-#else
-#define PAIR_AMX 0
-#endif
+#define PAIR_AMX (PAIR_DPBF16 && HAS_AMX)
 
 // One panel (PAIR_PW features) for rows 0 .. m-1 of x, m a constant at each call site. acc [m][PAIR_PW].
 // Two accumulator sets, even and odd j, so that the adds into one register are not one dependency chain.
@@ -337,71 +332,32 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
 // times a k pair) is a row of the B operand tdpbf16ps takes, so 16 consecutive rows of a panel (32 k, 1 KB, contiguous)
 // are one B tile, and 16 rows of x by 32 k (row stride x_row) one A tile, loaded in place. A block is 32 rows of x
 // by a panel pair: two A tiles, two B tiles, four C tiles of 16 x 16 floats (tiles 4-5, 6-7 and 0-3). Each pair meets
-// every 32-row block of its x block before the next pair is read, as in the register-tiled GEMM, and while its
-// first block runs it fetches the next pair into L2, chunk by chunk (an Intel core's prefetchers start too late on
-// a stream this fast, as the pair GEMV's PAIR_AHEAD says). x rows past M in the last 16-row tile are read from a
-// zeroed copy of x's tail, never past x's end. The kernel needs K a multiple of 32; other K go to oneDNN.
-#define AMX_K 32               // k a tile step
+// every 32-row block of its x block before the next pair is read, as in the register-tiled GEMM, so the weights
+// stream from memory once per x block of AMX_X_BLOCK_BYTES (256 KB and 4 MB: 1.04x-1.27x the time at M = 256 and
+// 2,048). x rows past M in the last 16-row tile are read from a zeroed copy of x's tail, never past x's end. K must
+// be a multiple of 32; other K go to oneDNN (kernels/linear.py).
+// Intel Xeon (AMX), 2 threads, SmolLM2's projections over 30 layers and its lm_head from memory, against oneDNN's
+// prepacked GEMM: 0.84x the time at M = 5-9, 0.78x at 16, 0.76x at 32, 0.86x at 64, 0.84x at 128, 1.10x at 256,
+// 0.94-0.95x at 512-1,024 and 1.27x at 2,048. At M = 16 the 269 MB stream at 21 GB/s; at 64 the tile unit's own
+// time (7-9 ms over these shapes with the weights in cache) overlaps it only in part. Fetching the next pair into
+// L2 alongside (one pair or two ahead, prefetcht0 or t1) moved no M by more than the runs' spread.
+#define AMX_K 32                  // k a tile step
 #define AMX_CHUNK (16 * PAIR_PW)  // uint32 of one B tile: 16 k pairs of one panel
-#ifndef AMX_X_BLOCK_BYTES
 #define AMX_X_BLOCK_BYTES (1 << 20)
-#endif
-#ifndef AMX_AHEAD
-#define AMX_AHEAD 1
-#endif
-#ifndef AMX_HINT
-#define AMX_HINT _MM_HINT_T1
-#endif
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-// Linux lends a process the tile registers only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA);
-// without it the first tile instruction faults. The request is idempotent; it is refused where a thread's signal
-// stack is too small for the tile state, and then the caller keeps oneDNN.
-static int amx_permitted(void) {
-    static int state;  // 0: not asked yet, 1: granted, -1: refused
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (!s) {
-        s = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s > 0;
-}
-
-// Every tile 16 rows of 64 bytes: A 16 rows x 32 bf16, B 16 k pairs x 16 features, C 16 x 16 floats.
-static void amx_configure(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    _tile_loadconfig(&c);
-}
 
 // acc [32][2 * PAIR_PW] = rows of x0 (16) and x1 (16, where two) by the pair at w (panel stride pstride), all K;
-// x0 / x1 with row strides s0 / s1 in bytes. Alongside, `lines` cache lines from `fetch` on (a slice of the next
-// pair; 0 lines: none) go to L2, spread evenly over the chunks.
+// x0 / x1 with row strides s0 / s1 in bytes.
 static inline __attribute__((always_inline)) void amx_block(const uint16_t *x0, int64_t s0, const uint16_t *x1,
                                                             int64_t s1, const int two, int chunks, const uint32_t *w,
-                                                            int64_t pstride, const char *fetch, int lines,
-                                                            float *acc) {
+                                                            int64_t pstride, float *acc) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
         _tile_zero(2);
         _tile_zero(3);
     }
-    const int per = (lines + chunks - 1) / chunks;  // lines a chunk
-    const char *fetch_end = fetch + (int64_t)lines * 64;
     for (int c = 0; c < chunks; c++) {
         const uint32_t *b = w + (int64_t)c * AMX_CHUNK;
-        for (int l = 0; l < per && fetch < fetch_end; l++, fetch += 64) _mm_prefetch(fetch, AMX_HINT);
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + pstride, 64);
         _tile_loadd(4, x0 + c * AMX_K, s0);
@@ -421,7 +377,7 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x0, 
     }
 }
 
-// M > PAIR_MAX_M, K % 32 == 0, amx_permitted(). Returns 0, or -1 where it could not allocate.
+// M > PAIR_MAX_M, K % 32 == 0, x_row even, amx_permitted(). Returns 0, or -1 where it could not allocate.
 static int linear_bf16_amx(const uint16_t *x, int64_t x_row, int M, int K, const uint32_t *wp, int N,
                            const uint16_t *bias, uint16_t *out, float *outf, int64_t out_row, int num_threads) {
     const int chunks = K / AMX_K;
@@ -445,29 +401,21 @@ static int linear_bf16_amx(const uint16_t *x, int64_t x_row, int M, int K, const
         {
             amx_configure();
             float acc[32 * 2 * PAIR_PW];
-            // Each 32-row block of a pair fetches its slice of the next pair's K * 64 bytes, so the stream from
-            // memory runs under every block (not just under the first, the rest then computing with memory idle).
-            const int blocks = (mc + 31) / 32, pair_lines = K;  // K * 64 bytes a pair
-            const int slice = (pair_lines + blocks - 1) / blocks;
             for (int64_t g; (g = shares_take(&shares)) >= 0;) {
                 const uint32_t *w = wp + 2 * g * pstride;
-                const char *next = (const char *)(w + 2 * AMX_AHEAD * pstride);
                 const int64_t n0 = 2 * g * PAIR_PW;
                 const int ncols = N - n0 < 2 * PAIR_PW ? (int)(N - n0) : 2 * PAIR_PW;
-                for (int i0 = m0, b = 0; i0 < m0 + mc; i0 += 32, b++) {
+                for (int i0 = m0; i0 < m0 + mc; i0 += 32) {
                     const int mr = m0 + mc - i0 < 32 ? m0 + mc - i0 : 32;
                     // Tile rows i0 .. i0 + 15 and i0 + 16 .. i0 + 31: from x where all 16 rows are in it.
                     const uint16_t *x0 = i0 + 16 <= M ? x + i0 * x_row : tail;
                     const int64_t s0 = i0 + 16 <= M ? x_row * 2 : (int64_t)K * 2;
                     const uint16_t *x1 = i0 + 32 <= M ? x + (i0 + 16) * x_row : tail;
                     const int64_t s1 = i0 + 32 <= M ? x_row * 2 : (int64_t)K * 2;
-                    const int first = b * slice, lines = AMX_AHEAD && g + AMX_AHEAD < pairs ? (pair_lines - first < slice ?
-                                                                             pair_lines - first : slice) : 0;
-                    const char *fetch = next + (int64_t)first * 64;
                     if (mr > 16)
-                        amx_block(x0, s0, x1, s1, 1, chunks, w, pstride, fetch, lines > 0 ? lines : 0, acc);
+                        amx_block(x0, s0, x1, s1, 1, chunks, w, pstride, acc);
                     else
-                        amx_block(x0, s0, x1, s1, 0, chunks, w, pstride, fetch, lines > 0 ? lines : 0, acc);
+                        amx_block(x0, s0, x1, s1, 0, chunks, w, pstride, acc);
                     const int64_t at = (int64_t)i0 * out_row;
                     gemm_store(acc, mr, bias, outf ? NULL : out + at, outf ? outf + at : NULL, out_row, n0, ncols);
                 }

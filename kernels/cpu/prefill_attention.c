@@ -38,11 +38,15 @@
 // of the head dim (scores, K read as bf16 in place) and of keys (P V, P rounded to bf16); see
 // score_tile_bf16. Zen 4, 2 threads, 16 requests x 48 new tokens after a 1,024-token prefix, 9/3 heads of 64:
 // 14.7 -> 10.1 ms a layer; 8/2 heads of 128: 24.2 -> 15.2; one 512-token prompt: 2.07 -> 1.30.
+// On an AMX CPU the same bf16 operands go to the tile unit instead (head_dim a multiple of 32; amx_scores and
+// amx_pv below): the block's K rows gathered into 16-key A tiles against q's pairs as B tiles, and P (rounded to
+// bf16, row-major) as A tiles against the V pairs as B tiles, accumulating into the output rows.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "fastmath.h"
 #include "kernels.h"
 #include "vec.h"
@@ -159,10 +163,61 @@ static void pv_tile_bf16(const uint32_t *pp, int mr, const uint32_t *vp, int dim
 }
 #endif
 
+#if HAS_AMX && DPBF16
+// St[j][r] for keys j < nb (rounded up to 16) and rows r < RP: kb [keys][dim] bf16 (the block's K rows, gathered;
+// rows up to the next 16 finite), qp [dim / 2][MAXR] q's bf16 pairs. A tile: 16 K rows by 32 dims; B tile: 16 dim
+// pairs by 16 rows. Unscaled, as score_tile_bf16's products before its scale.
+static void amx_scores(const uint16_t *kb, const uint32_t *qp, int nb, int RP, int dim, float *st) {
+    for (int j0 = 0; j0 < nb; j0 += 16)
+        for (int r0 = 0; r0 < RP; r0 += 16) {
+            _tile_zero(0);
+            for (int c = 0; c < dim / 32; c++) {
+                _tile_loadd(1, kb + (int64_t)j0 * dim + c * 32, dim * 2);
+                _tile_loadd(2, qp + (int64_t)c * 16 * MAXR + r0, MAXR * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, st + (int64_t)j0 * MAXR + r0, MAXR * 4);
+        }
+}
+
+// pa [RP][BN] bf16 = St transposed for keys j < nb (zero up to keys), each row's keys gathered 16 at a time down
+// St's column. As a scalar f32_to_bf16 a value it took a third of the time of 8 requests x 9 new tokens over 1,000
+// cached (a speculative verify step; 0.82 against 0.55 ms a layer on an AMX Xeon).
+// vcvtneps2bf16 rounds as f32_to_bf16 except that it reads float32 subnormals as zero (a probability below 1e-38).
+static void p_rows_bf16(const float *st, int nb, int keys, int RP, uint16_t *pa) {
+    const __m512i idx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(MAXR));
+    for (int r = 0; r < RP; r++)
+        for (int j0 = 0; j0 < keys; j0 += 16) {
+            const int n = nb - j0 < 0 ? 0 : nb - j0 > 16 ? 16 : nb - j0;
+            const __mmask16 m = (__mmask16)((1u << n) - 1);
+            const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, st + (int64_t)j0 * MAXR + r, 4);
+            _mm256_storeu_si256((__m256i *)(pa + (int64_t)r * BN + j0), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+}
+
+// O[r][d] += sum over keys j < kp2 * 2: P[r][j] V[j][d], rows r < RP. pa [MAXR][BN] bf16 (P row-major, zero past
+// the block's keys), vp [kp2][dim] V rows interleaved in pairs (zero past them), kp2 a multiple of 16. A tile: 16
+// rows by 32 keys of P; B tile: 16 key pairs by 16 dims of V; the accumulator is O's 16 x 16 floats, loaded and stored.
+static void amx_pv(const uint16_t *pa, const uint32_t *vp, int kp2, int RP, int dim, float *o) {
+    for (int r0 = 0; r0 < RP; r0 += 16)
+        for (int d0 = 0; d0 < dim; d0 += 16) {
+            _tile_loadd(0, o + (int64_t)r0 * dim + d0, dim * 4);
+            for (int c = 0; c < kp2 / 16; c++) {
+                _tile_loadd(1, pa + (int64_t)r0 * BN + c * 32, BN * 2);
+                _tile_loadd(2, vp + (int64_t)c * 16 * dim + d0, dim * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, o + (int64_t)r0 * dim + d0, dim * 4);
+        }
+}
+#endif
+
 typedef struct {
     const void *q;
     const void *k_cache, *v_cache;
     int kv_kind, kv_bf16, act_bf16;
+    int amx;  // the bf16 tiles run on AMX (amx_scores, amx_pv)
     const float *k_scales, *v_scales;  // int8: [rows, num_kv_heads]
     float k_mul, v_mul;                // fp8: the per-tensor scale times 2^8 (e4m3) or 1 (e5m2; dequant_row)
     int num_kv_heads;
@@ -252,9 +307,21 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
                 const uint16_t *v0 = vh + locs[n0 + nb - 1] * a->vc_row;
                 for (int d = 0; d < dim; d++) vp[nb / 2 * dim + d] = v0[d];
             }
-            for (int j0 = 0; j0 < nb; j0 += KT)
-                for (int r0 = 0; r0 < RP; r0 += 16)
-                    score_tile_bf16(kb + j0, qp + r0, dim, a->scale, s->st + j0 * MAXR + r0, MAXR);
+#if HAS_AMX
+            if (a->amx) {
+                // K rows gathered (up to the next 16 keys, the last repeated); V pairs zero up to the next 16 pairs.
+                uint16_t *kg = (uint16_t *)s->kf;
+                const int nb16 = (nb + 15) & ~15, kp2 = ((nb + 31) & ~31) / 2;
+                for (int j = 0; j < nb16; j++) memcpy(kg + (int64_t)j * dim, kb[j < nb ? j : nb - 1], dim * 2);
+                memset(vp + (int64_t)((nb + 1) / 2) * dim, 0, sizeof(uint32_t) * (kp2 - (nb + 1) / 2) * dim);
+                amx_scores(kg, qp, nb, RP, dim, s->st);
+                for (int j = 0; j < nb; j++)
+                    for (int r = 0; r < RP; r++) s->st[j * MAXR + r] *= a->scale;
+            } else
+#endif
+                for (int j0 = 0; j0 < nb; j0 += KT)
+                    for (int r0 = 0; r0 < RP; r0 += 16)
+                        score_tile_bf16(kb + j0, qp + r0, dim, a->scale, s->st + j0 * MAXR + r0, MAXR);
         } else
 #endif
         {
@@ -329,6 +396,15 @@ static void run_task(const Args *a, Scratch *s, int b, int h, int t0, int nt) {
             float *orow = s->o + (int64_t)r * dim;
             for (int d = 0; d < dim; d++) orow[d] *= alpha[r];
         }
+#if HAS_AMX && DPBF16
+        if (a->amx && use_dp) {  // P row-major in bf16 (after the gathered K rows), zero past the block's keys
+            uint16_t *pa = (uint16_t *)s->kf + BN * MAX_DIM;
+            const int kp2 = ((nb + 31) & ~31) / 2;
+            p_rows_bf16(s->st, nb, 2 * kp2, RP, pa);
+            amx_pv(pa, (const uint32_t *)s->vf, kp2, RP, dim, s->o);
+            continue;
+        }
+#endif
 #if DPBF16
         if (use_dp) {
             uint32_t *pp = (uint32_t *)s->kf;
@@ -379,6 +455,16 @@ static int by_cost_desc(const void *x, const void *y) {
     return (a < b) - (a > b);
 }
 
+// Whether prefill_attention runs bf16 queries over a bf16 cache of this head_dim on AMX tiles here: 1, or 0.
+int prefill_attention_amx(int dim) {
+#if HAS_AMX && DPBF16
+    return dim % 32 == 0 && amx_permitted();
+#else
+    (void)dim;
+    return 0;
+#endif
+}
+
 // Whether prefill_attention takes these head counts and head_dim: 1, or 0.
 int prefill_attention_supported(int num_heads, int num_kv_heads, int dim) {
     return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && dim % 16 == 0 && dim <= MAX_DIM
@@ -405,7 +491,8 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
     const int group = num_heads / num_kv_heads;
     int bq = TARGET_R / group;
     if (bq < 1) bq = 1;
-    Args a = {q, k_cache, v_cache, kv_kind, kv_bf16, act_bf16, k_scales, v_scales, k_mul, v_mul, num_kv_heads,
+    const int amx = kv_bf16 && act_bf16 && prefill_attention_amx(dim);
+    Args a = {q, k_cache, v_cache, kv_kind, kv_bf16, act_bf16, amx, k_scales, v_scales, k_mul, v_mul, num_kv_heads,
               req_to_token, req_rows, q_start, prefix_lens, extend_lens, out, num_heads, dim, group, bq, q_tok, q_head,
               kc_row, vc_row, kc_head, vc_head, r2t_row, scale, window, softcap};
     // Tasks, the longest first (the last token block of each request sees the most keys), so the
@@ -436,6 +523,9 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
 #pragma omp atomic write
             failed = 1;
         }
+#if HAS_AMX
+        if (amx) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < ntasks; i++) {
             if (!ok) continue;
@@ -443,6 +533,9 @@ int prefill_attention(const void *q, int64_t q_tok, int64_t q_head, int act_bf16
             const int nt = extend_lens[t.b] - t.t0 < bq ? extend_lens[t.b] - t.t0 : bq;
             run_task(&a, &s, t.b, t.h, t.t0, nt);
         }
+#if HAS_AMX
+        if (amx) _tile_release();
+#endif
         free(s.qt);
         free(s.st);
         free(s.o);

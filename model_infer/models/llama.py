@@ -131,7 +131,8 @@ class LlamaForCausalLM(DecoderLM):
     On CPU, where every kernel of a layer runs in C, the layers run in one C call (kernels/decoder_layers.py):
     the same kernels as the loop below, bit for bit, without the Python between them, LoRA deltas included. With
     bf16 GEMMs on oneDNN above a few rows (an AMX CPU without the tile GEMM), that is the steps of up to PAIR_MAX_M
-    tokens; the loop runs the others, and on AMX CPUs the bf16 steps whose prefills run torch's SDPA."""
+    tokens; the loop runs the others, and the bf16 steps whose prefills run torch's SDPA (an AMX CPU whose C
+    attention has no tiles)."""
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, tp_rank: int = 0, tp_size: int = 1,
                  tp_group: dist.ProcessGroup | None = None, backend: KernelBackend | None = None) -> None:
@@ -204,9 +205,9 @@ class LlamaForCausalLM(DecoderLM):
 
     def _fresh_prefills_on_sdpa(self, attn: AttentionInputs, kv_cache: KVCache) -> bool:
         """Whether the step's prefills, none with a cached prefix, run torch's SDPA in the per-kernel loop
-        (kernels/prefill_attention.py, sdpa_is_faster: bf16 on AMX CPUs), which then runs the step instead of the
-        one-call driver and its slower C attention."""
-        return attn.has_extend and sdpa_takes_fresh_prefills(self.dtype, kv_cache.k_caches[0].dtype) \
+        (kernels/prefill_attention.py, sdpa_is_faster: bf16 on AMX CPUs whose C attention has no tiles), which then
+        runs the step instead of the one-call driver and its slower C attention."""
+        return attn.has_extend and sdpa_takes_fresh_prefills(self.dtype, kv_cache.k_caches[0].dtype, self.head_dim) \
             and not bool(attn.extend_prefix_lens.any())
 
     def _ffn(self, i: int, layer: LayerWeights, x: torch.Tensor, lora: LoraSegments | None = None) -> torch.Tensor:

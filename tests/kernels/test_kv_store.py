@@ -76,5 +76,21 @@ def test_store_kv_c_kernel_strided_heads_and_what_it_declines():
     assert torch.equal(k_cache, before)
     with pytest.raises((IndexError, RuntimeError)):
         store_kv(k, v, k_cache, v_cache, bad)
-    assert not store_kv_cpu(k.float(), v.float(), k_cache, v_cache, kv_locs)  # a cast: the reference's job
+    assert not store_kv_cpu(k, v, k_cache.float(), v_cache.float(), kv_locs)  # a widening: the reference's job
     assert not store_kv_cpu(k.half(), v.half(), k_cache.half(), v_cache.half(), kv_locs)  # no C float16
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the C kernel is the CPU path")
+@pytest.mark.parametrize("variant", c_library_variants())
+def test_store_kv_c_kernel_rounds_float32_rows_into_a_bf16_cache(variant):
+    """Float32 activations over a bf16 cache: each value rounded to nearest even, as the reference's
+    .to(torch.bfloat16), ties and NaN included; 600 tokens x 2 heads x 64: both threads."""
+    k, v, _, _, kv_locs = _case(torch.float32, num_tokens=600, num_rows=1000)
+    k[0, 0, :4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, float("nan"), -0.0])  # ties to even; NaN
+    k_cache, v_cache = (torch.zeros(1000, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, want_k, want_v, kv_locs)
+    assert store_kv_cpu(k, v, k_cache, v_cache, kv_locs, lib=variant_library(variant))
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num()) and torch.equal(v_cache, want_v)
+    assert k_cache[kv_locs[0], 0, 2].isnan()
+    assert k_cache[kv_locs[0], 0, 0] == 1.0 and k_cache[kv_locs[0], 0, 1] == 1.0 + 2.0 ** -6

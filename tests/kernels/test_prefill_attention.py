@@ -1,6 +1,5 @@
 """prefill_attention: the reference against naive attention and HF's sdpa path, the Triton and C kernels against
 the reference, over ragged requests with cached prefixes and GQA."""
-import sys
 
 import pytest
 import torch
@@ -131,20 +130,22 @@ def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, dtype, 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or library() is None, reason="the C kernel is the CPU path")
 @pytest.mark.parametrize("amx", [False, True])
-def test_dispatch_takes_sdpa_for_fresh_bf16_prompts_on_amx_cpus(monkeypatch, amx):
-    """On a CPU whose flags name amx_bf16 (patched here either way), a bf16 step with no cached prefix runs the SDPA
-    reference, bit for bit; a step where a request has a prefix, a float32 step, and every step elsewhere run the C
-    kernel, bit for bit."""
+@pytest.mark.parametrize("c_tiles", [False, True])
+def test_dispatch_takes_sdpa_for_fresh_bf16_prompts_on_amx_cpus(monkeypatch, amx, c_tiles):
+    """On a CPU whose flags name amx_bf16 (patched here either way) and whose C kernel has no AMX tiles (patched
+    either way), a bf16 step with no cached prefix runs the SDPA reference, bit for bit; a step where a request has a
+    prefix, a float32 step, a C kernel on the tiles, and every step elsewhere run the C kernel, bit for bit."""
     import lightserve.kernels.cpu as cpu
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: "fpu avx512f avx512_bf16" + (" amx_bf16 amx_tile" if amx else ""))
-    monkeypatch.setattr(sys.modules["lightserve.kernels.linear"], "onednn_runs_bf16", lambda: True)  # as on AMX
+    lib = library()
+    monkeypatch.setattr(lib, "prefill_attention_amx", lambda dim: int(c_tiles))
     fresh = [(0, 21), (0, 6)]
     for reqs, dtype in ((fresh, torch.bfloat16), (REQS, torch.bfloat16), (fresh, torch.float32)):
         batch, q, meta = _prefill_case(reqs, 9, 3, 64, dtype, head_major=True)
         out = prefill_attention(q, batch.k_cache, batch.v_cache, **meta)
         meta_cpu = {k: v for k, v in meta.items() if k != "max_extend_len"}
-        sdpa = amx and dtype == torch.bfloat16 and not any(p for p, _ in reqs)
+        sdpa = amx and not c_tiles and dtype == torch.bfloat16 and not any(p for p, _ in reqs)
         expect = prefill_attention_ref(q, batch.k_cache, batch.v_cache, **meta) if sdpa \
             else prefill_attention_cpu(q, batch.k_cache, batch.v_cache, **meta_cpu)
         assert torch.equal(out, expect), (reqs, dtype)

@@ -3,8 +3,8 @@ at a time: logits and every layer's KV cache bit for bit equal, over a ragged pr
 decode + extend batch with a prefix-cache hit, for the Llama-family variants the driver takes (biases, windows,
 Qwen3's q/k norms, GQA groups of 1-3), in float32 and bf16: every step where this CPU's bf16 GEMMs all run in C,
 the decode steps of up to PAIR_MAX_M tokens where larger ones run on oneDNN (and not the fresh prefills whose
-attention torch's SDPA runs on AMX CPUs); the same with LoRA adapters on some requests (float32 and bf16 stacks;
-float16 ones run kernel by kernel). Also which models it declines."""
+attention torch's SDPA runs on AMX CPUs without the C kernel's tiles); the same with LoRA adapters on some requests
+(float32 and bf16 stacks; float16 ones run kernel by kernel). Also which models it declines."""
 from __future__ import annotations
 
 import ctypes
@@ -65,10 +65,10 @@ def load_pair(arch: str, dtype: torch.dtype, tmp_path) -> tuple:
 def one_call_steps(every_step: bool, dtype: torch.dtype) -> list[int]:
     """The token counts of run_steps' steps the driver runs: the decode steps where it takes up to PAIR_MAX_M
     tokens; every step where it takes any number, except the first (a prefill with nothing cached) where torch's SDPA
-    runs such prefills in the per-kernel loop (bf16 on AMX CPUs)."""
+    runs such prefills in the per-kernel loop (bf16 on AMX CPUs whose C attention has no tiles; head_dim 64)."""
     if not every_step:
         return [4, 4, 4]
-    return [4, 4, 4, 22] if sdpa_takes_fresh_prefills(dtype, dtype) else [65, 4, 4, 4, 22]
+    return [4, 4, 4, 22] if sdpa_takes_fresh_prefills(dtype, dtype, 64) else [65, 4, 4, 4, 22]
 
 
 def count_one_call_steps(model) -> list[int]:

@@ -72,12 +72,10 @@ def test_checkpoint_fp8_scales_reach_the_cache(tmp_path):
     assert model.make_kv_cache(16, 2, 32, torch.int8).k_scales[0].shape == (16, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kv_dtype", QUANT, ids=["int8", "e4m3", "e5m2"])
-def test_one_call_layers_over_an_8bit_cache_match_the_per_kernel_forward(tmp_path, dtype, kv_dtype):
-    """The C decoder-layer driver (models/llama.py's one call) writes and reads the 8-bit cache as the per-kernel
-    forward does: the same logits bit for bit over a prefill, a decode step and a mixed step with a prefix hit, and
-    the same cache bytes and scales. head_dim 64, so both take the C attention."""
+def run_one_call_and_loop(tmp_path, dtype: torch.dtype, kv_dtype: torch.dtype) -> tuple[list, list]:
+    """The same three steps (a prefill, a decode step, a mixed step with a prefix hit) through the C decoder-layer
+    driver and through the per-kernel forward, each over its own cache of kv_dtype: (their logits, their workers).
+    head_dim 64, so both take the C attention."""
     model_dir = make_tiny_model("llama3", tmp_path / "m", hidden_size=128, num_attention_heads=2,
                                 num_key_value_heads=1)
     fused, split = load_model_dir(model_dir, dtype), load_model_dir(model_dir, dtype)
@@ -93,6 +91,15 @@ def test_one_call_layers_over_an_8bit_cache_match_the_per_kernel_forward(tmp_pat
         out.append(w.step([(0, [7]), (1, [9])], num_decode=2))
         w.share_prefix(2, 0, 8)
         out.append(w.step([(0, [4]), (2, [5, 6, 8])], num_decode=1))
+    return outs, workers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", QUANT, ids=["int8", "e4m3", "e5m2"])
+def test_one_call_layers_over_an_8bit_cache_match_the_per_kernel_forward(tmp_path, dtype, kv_dtype):
+    """The C decoder-layer driver (models/llama.py's one call) writes and reads the 8-bit cache as the per-kernel
+    forward does: the same logits bit for bit, and the same cache bytes and scales."""
+    outs, workers = run_one_call_and_loop(tmp_path, dtype, kv_dtype)
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     fc, sc = workers[0].kv_cache, workers[1].kv_cache
@@ -100,3 +107,19 @@ def test_one_call_layers_over_an_8bit_cache_match_the_per_kernel_forward(tmp_pat
     assert torch.equal(fc.v.view(torch.uint8), sc.v.view(torch.uint8))
     if kv_dtype == torch.int8:
         assert all(torch.equal(a, b) for a, b in zip(fc.k_scales + fc.v_scales, sc.k_scales + sc.v_scales))
+
+
+def test_one_call_layers_over_a_bf16_cache_under_float32_activations(tmp_path):
+    """Float32 activations over a bf16 cache (--data_type float32 --kv_cache_dtype bfloat16, half the bytes a
+    token): the driver rounds the rows as it writes them (store_kv, to nearest even as .to(torch.bfloat16)) and its
+    attention widens them, bit for bit the per-kernel forward; the logits stay within bf16's rounding of the float32
+    cache's."""
+    outs, workers = run_one_call_and_loop(tmp_path, torch.float32, torch.bfloat16)
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    fc, sc = workers[0].kv_cache, workers[1].kv_cache
+    assert fc.k.dtype == torch.bfloat16 and torch.equal(fc.k, sc.k) and torch.equal(fc.v, sc.v)
+    wide, _ = run_one_call_and_loop(tmp_path / "f32", torch.float32, torch.float32)
+    for a, b in zip(outs[0], wide[0]):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=0.1)  # a misread row would be off by O(1)
+        assert not torch.equal(a, b)

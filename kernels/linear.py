@@ -11,8 +11,9 @@ laid out once at load (`prepack_weight`):
   at or below it. Measured faster than oneDNN's prepacked GEMM at every M on Zen 4, near the CPU's vdpbf16ps
   ceiling at large M.
 - On AMX CPUs the same layout runs every M on the tile unit above PAIR_MAX_M rows (a weight with K a multiple of
-  AMX_K), the only copy: on an AMX Xeon 0.76-0.86x oneDNN's time at M = 5-128 over SmolLM2's projections and
-  lm_head, 0.94x at 512-1024, 1.27x at 2,048 (past the 512 tokens a CPU step takes by default).
+  AMX_K), the only copy: on an AMX Xeon, over SmolLM2's projections and lm_head, 0.74-0.93x oneDNN's time at
+  M = 5-128 (0.87-1.08x at 9-72 in a noisier run), 1.10-1.17x at 256, 0.94-1.09x at 512, 1.27x at 2,048 (past the
+  512 tokens a CPU step takes by default).
 - Elsewhere on AMX CPUs (the tiles not granted, a K they do not take) oneDNN's blocked layout runs M over
   PAIR_MAX_M (about twice the vdpbf16ps rate), and the pair layout, a second copy, the decode of one to four
   requests (its builds without vdpbf16ps widen each pair by a shift and a mask).
@@ -132,9 +133,10 @@ def onednn_runs_bf16() -> bool:
 def pairs_take_every_m(lib, in_features: int | None = None) -> bool:
     """Whether linear.c's pair layout runs bf16 linears of `in_features` (None: any multiple of AMX_K) at every M
     with `lib`, unless LIGHTSERVE_ONEDNN_BF16_GEMM asks for oneDNN: where the build runs the pairs on AMX tiles and
-    K is a multiple of AMX_K, or where it has vdpbf16ps and the CPU has no AMX (on an AMX CPU oneDNN's tiles are
-    about twice the vdpbf16ps rate). Zen 4, 2 threads, SmolLM2's projections and lm_head from DRAM, the vdpbf16ps
-    kernels' time over oneDNN's: 0.58 at M = 1, 0.54-0.68 at M = 8-16, 0.79 at M = 64, 0.95-0.96 at M = 256-512."""
+    K is a multiple of AMX_K, or where it has vdpbf16ps and the CPU has no AMX (on the AMX Xeon measured the
+    vdpbf16ps GEMM took 1.4-8x oneDNN's time at M = 16-256). Zen 4, 2 threads, SmolLM2's projections and lm_head
+    from DRAM, the vdpbf16ps kernels' time over oneDNN's: 0.58 at M = 1, 0.54-0.68 at M = 8-16, 0.79 at M = 64,
+    0.95-0.96 at M = 256-512."""
     from lightserve import envs
     from lightserve.kernels.cpu import cpu_flags
 

@@ -333,13 +333,14 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
 // are one B tile, and 16 rows of x by 32 k (row stride x_row) one A tile, loaded in place. A block is 32 rows of x
 // by a panel pair: two A tiles, two B tiles, four C tiles of 16 x 16 floats (tiles 4-5, 6-7 and 0-3). Each pair meets
 // every 32-row block of its x block before the next pair is read, as in the register-tiled GEMM, so the weights
-// stream from memory once per x block of AMX_X_BLOCK_BYTES (256 KB and 4 MB: 1.04x-1.27x the time at M = 256 and
-// 2,048). x rows past M in the last 16-row tile are read from a zeroed copy of x's tail, never past x's end. K must
-// be a multiple of 32; other K go to oneDNN (kernels/linear.py).
+// stream from memory once per x block of AMX_X_BLOCK_BYTES (256 KB and 4 MB blocks took 1.00-1.09x its time at
+// M = 256, 1.04-1.27x at 2,048). x rows past M in the last 16-row tile are read from a zeroed copy of x's tail, never
+// past x's end. K must be a multiple of 32; other K go to oneDNN (kernels/linear.py).
 // Intel Xeon (AMX), 2 threads, SmolLM2's projections over 30 layers and its lm_head from memory, against oneDNN's
 // prepacked GEMM (docs/benchmarks.md, "AMX tiles for the bf16 GEMM"): 0.80-0.84x the time at M = 5-9, 0.74-0.78x at
-// 16-32, 0.83-0.86x at 64, 0.84-0.91x at 128, 1.10-1.17x at 256, 0.94-1.00x at 512-1,024 and 1.27x at 2,048. At M = 16 the 269 MB stream at 21 GB/s; at 64 the tile unit's own
-// time (7-9 ms over these shapes with the weights in cache) overlaps it only in part. Fetching the next pair into
+// 16-32, 0.83-0.86x at 64, 0.84-0.91x at 128, 1.10-1.17x at 256, 0.94-1.00x at 512-1,024 and 1.27x at 2,048. At
+// M = 16 the 269 MB stream at 21 GB/s; at 64 the tile unit's own time (7-9 ms over these shapes with the weights in
+// cache) overlaps it only in part. Fetching the next pair into
 // L2 alongside (one pair or two ahead, prefetcht0 or t1) moved no M by more than the runs' spread.
 #define AMX_K 32                  // k a tile step
 #define AMX_CHUNK (16 * PAIR_PW)  // uint32 of one B tile: 16 k pairs of one panel

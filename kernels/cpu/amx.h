@@ -1,14 +1,26 @@
 // AMX tiles (Intel Sapphire Rapids and later): whether a build has them, the process's permission to use them, and
-// the one tile configuration the kernels here use. Included by linear.c (the bf16 GEMM) and prefill_attention.c.
+// the tile configurations the kernels here use. Included by linear.c (the bf16 GEMM), prefill_attention.c (bf16) and
+// quant_linear_q8.c (int8). HAS_AMX: bf16 tiles (with AVX512-BF16 beside them); HAS_AMX_INT8: int8 tiles (with
+// AVX-512 for the float work on their int32 results).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && ((defined(__AMX_BF16__) && defined(__AVX512BF16__)) || \
+                              (defined(__AMX_INT8__) && defined(__AVX512F__)))
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define HAS_AMX 1
+#else
+#define HAS_AMX 0
+#endif
+#if defined(__AMX_INT8__) && defined(__AVX512F__)
+#define HAS_AMX_INT8 1
+#else
+#define HAS_AMX_INT8 0
+#endif
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -29,18 +41,26 @@ static inline int amx_permitted(void) {
     return s > 0;
 }
 
-// Every tile 16 rows of 64 bytes: an A operand 16 rows x 32 bf16, a B operand 16 pairs x 16 columns (each row 16
-// bf16 pairs), an accumulator 16 x 16 floats. Once per thread before its tile instructions (_tile_release after).
-static inline void amx_configure(void) {
+// Tile t: rows[t] rows of colsb[t] bytes. Once per thread before its tile instructions (_tile_release after).
+static inline void amx_configure_shapes(const uint8_t rows[8], const uint16_t colsb[8]) {
     TileConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
+        c.colsb[t] = colsb[t];
+        c.rows[t] = rows[t];
     }
     _tile_loadconfig(&c);
 }
+
+// Every tile 16 rows of 64 bytes: an A operand 16 rows x 32 bf16, a B operand 16 pairs x 16 columns (each row 16
+// bf16 pairs), an accumulator 16 x 16 floats.
+static inline void amx_configure(void) {
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure_shapes(rows, colsb);
+}
 #else
 #define HAS_AMX 0
+#define HAS_AMX_INT8 0
 #endif

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "ggml_blocks.h"
 #include "kernels.h"
 #include "share.h"
@@ -685,6 +686,277 @@ static int q8_gemm(const float *x, int64_t x_row, int M, int K, const uint8_t *w
     return failed ? -1 : 0;  // a thread without its panels left items undone: the caller falls back
 }
 
+#if HAS_AMX_INT8 && QG_VNNI
+// ---------------------------------------------------------------------------------------------------------------
+// The same GEMM on AMX tiles (M >= AMX_Q8_MIN_M where the process may use them), with the weights as the A operand: a
+// weight block's chunk of 32 quants is a row of an A tile as it lies in memory, so 16 features' Q8_0 blocks load into
+// an A tile in place (rows w_row_bytes apart), never decoded; the other formats' chunks are decoded to 32 bytes a
+// feature (decode_chunk, no transposition). x is the B operand, quantized once per call into B tiles: per 16 rows of
+// x and chunk, 8 k quads by 16 rows by 4 bytes (512 bytes). One tdpbssd (tdpbusd for the unsigned formats with mins)
+// gives a chunk's 16 features x 16 rows of exact int32 dots; they are scaled in float32 registers (lanes: rows of x):
+//   acc[f][m] += dot[f][m] * (s[c][f] * d_x[m][c]) + o[c][f] * (d_x[m][c] * sum(q_x[m][c]))
+// The formats whose offset is a multiple of the scale (Q4_0's -8 s, Q5_0's -16 s, Q6_K's -32 s; Q8_0 has none) are
+// decoded as signed bytes q - 8, - 16, - 32 instead and skip the offset term. Each chunk's dots go through memory
+// (tilestored, 1 KB in L1; amx_q8_block keeps four in flight). Q6_K's chunks are two steps of 16 k (a scale each
+// half). After each K piece a 16 x 16 transposition turns acc into rows of out.
+// Per 8,192 multiply-adds: one tile multiply and 16 x 3 vector instructions (4 with mins), where the VNNI tile spends
+// 256 vpdpbusd and their broadcasts, and Q8_0 spends nothing on decoding. Intel Xeon (AMX), 2 threads, SmolLM2's
+// projections over 30 layers from memory (the K-quants at K = 1,024 and 3,072), time against the VNNI tile: at
+// M = 64 0.60-0.63x Q8_0, 0.67x Q4_1, 0.71-0.74x Q4_K, 0.79x Q6_K; at 256 0.60-0.67x; at 16 0.84-0.92x (Q4_K 1.02);
+// at 5-8 1.06-1.48x: below AMX_Q8_MIN_M rows the VNNI tile stays (x padded to 16 rows, the decoding paid for few).
+// The batch-64 decode step of SmolLM2's Q8_0 file (float32 activations, bf16 KV) fell from 99.2 to 82.0 ms, its
+// linears from 52.9 to 34.3 ms. Where the time goes at M = 256, Q8_0, a [3,072, 576] weight in cache: half in the
+// tile loads and the loop around them, a fifth in the stores, a third in the scaling.
+#define AMX_Q8_MIN_M 16
+typedef struct {
+    int8_t q[QG_KC / 32][16][32];                      // chunk c, feature f: its 32 quants (an A tile row)
+    float s[QG_KC / 32][2][16], o[QG_KC / 32][2][16];  // per chunk and half: the 16 features' scales and offsets
+} ATiles;
+
+// The zero point of the formats decoded as signed bytes q - z (o = -z s), or 0 where the offset is a minimum.
+static inline int amx_zero(const int qtype) {
+    return qtype == GGML_Q4_0 ? 8 : qtype == GGML_Q5_0 ? 16 : qtype == GGML_Q6_K ? 32 : 0;
+}
+static inline int amx_signed(const int qtype) { return qtype == GGML_Q8_0 || amx_zero(qtype); }
+
+// Features 0 .. nf - 1 of w (nf <= 16; the rest zero) over chunks gc0 .. gc0 + nc - 1 into t; `scales_only`: Q8_0
+// loaded in place, its scales alone.
+static inline __attribute__((always_inline)) void amx_decode(const int qtype, const uint8_t *w, int64_t w_row_bytes,
+                                                              int nf, int gc0, int nc, int scales_only, ATiles *t) {
+    const int per_block = block_elems(qtype) / 32, z = amx_zero(qtype);
+    for (int c = 0; c < nc; c++) {
+        const int j = (gc0 + c) % per_block;
+        for (int f = 0; f < 16; f++) {
+            float sf[2] = {0.0f, 0.0f}, of[2] = {0.0f, 0.0f};
+            b32 q = {};
+            if (f < nf) {
+                const uint8_t *blk = w + f * w_row_bytes + (int64_t)((gc0 + c) / per_block) * block_bytes(qtype);
+                if (qtype == GGML_Q8_0) {
+                    sf[0] = sf[1] = half_to_float(blk);
+                    if (!scales_only) q = load32(blk + 2);
+                } else {
+                    switch (j) {  // constant shifts in decode_chunk
+#define DEC_J(J) case J: decode_chunk(qtype, blk, J, &q, sf, of); break;
+                        DEC_J(0) DEC_J(1) DEC_J(2) DEC_J(3) DEC_J(4) DEC_J(5) DEC_J(6) DEC_J(7)
+#undef DEC_J
+                    }
+                    if (z) q -= (uint8_t)z, of[0] = of[1] = 0.0f;
+                }
+            }
+            if (!scales_only) memcpy(t->q[c][f], &q, 32);
+            for (int h = 0; h < 2; h++) t->s[c][h][f] = sf[h], t->o[c][h][f] = of[h];
+        }
+    }
+}
+
+// x quantized as B tiles: rows of x in blocks of 16 (Mp = M rounded up; rows past M zero), per block and chunk c
+//   q   [8][16][4]  k quad g, row m: its 4 quants
+//   d, s32 [16]     the rows' scales d and d * (the chunk's quant sum); s16 [2][16] d * (each half's sum)
+typedef struct {
+    int8_t *q;
+    float *d, *s32, *s16;
+    int nck;  // chunks of 32 in K
+} XTiles;
+
+// Chunks c0 .. c1 - 1 of every row of x (a B tile's cache lines hold 16 rows: threads split x by chunks).
+static void amx_quantize_x(const float *x, int64_t x_row, int M, int c0, int c1, const XTiles *xt) {
+    const int nck = xt->nck;
+    for (int m = 0; m < M; m++)
+        for (int c = c0; c < c1; c++) {
+            const int64_t at = (int64_t)(m / 16) * nck + c, r = m % 16;
+            int8_t q[32];
+            float s16[2];
+            quantize_block(x + m * x_row + 32 * c, q, xt->d + 16 * at + r, xt->s32 + 16 * at + r, s16);
+            xt->s16[32 * at + r] = s16[0];
+            xt->s16[32 * at + 16 + r] = s16[1];
+            for (int g = 0; g < 8; g++) memcpy(xt->q + 512 * at + 64 * g + 4 * r, q + 4 * g, 4);
+        }
+}
+
+// The 16 x 16 floats r transposed in registers (unpacks within 128-bit lanes, then the lanes as a 4 x 4 matrix).
+static inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {  // r[4i + q], lane L: column 4L + q of rows 4i .. 4i + 3
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) {
+        const __m512 p0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x44), p1 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xee);
+        const __m512 p2 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x44);
+        const __m512 p3 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xee);
+        t[q] = _mm512_shuffle_f32x4(p0, p2, 0x88);
+        t[4 + q] = _mm512_shuffle_f32x4(p0, p2, 0xdd);
+        t[8 + q] = _mm512_shuffle_f32x4(p1, p3, 0x88);
+        t[12 + q] = _mm512_shuffle_f32x4(p1, p3, 0xdd);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+// acc[f] (lanes: the 16 rows of x) += the int32 dots of feature f (dots [16][16]) times s[f] * dx, plus o[f] * xs
+// where the format has offsets.
+static inline __attribute__((always_inline)) void amx_scale(const int offsets, const int32_t *dots, const float *s,
+                                                             const float *o, const float *dx, const float *xs,
+                                                             __m512 acc[16]) {
+    const __m512 dv = _mm512_load_ps(dx), xv = offsets ? _mm512_load_ps(xs) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int f = 0; f < 16; f++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * f));
+        acc[f] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dv, _mm512_set1_ps(s[f])), acc[f]);
+        if (offsets) acc[f] = _mm512_fmadd_ps(_mm512_set1_ps(o[f]), xv, acc[f]);
+    }
+}
+
+// A 16 x 16 output block: features a0 (rows a_stride bytes apart: w in place, or t's decoded quants) by rows
+// 16 mb .. 16 mb + 15 of x over the piece's nc chunks from chunk gc0, added to acc. Steps of kq = 32 k (16 for
+// Q6_K), four at a time in C tiles 0-3 (A tiles 4-5 and B tiles 6-7 alternating, as amx_q8_configure sets them): a
+// tile's dots reach the vector unit through a store and its latency, so four products are in flight while the
+// previous four are scaled. The vector loads of stored tile rows wait until the store retires (tilestored does not
+// forward), so a group's dots are scaled after the next group's tiles are issued.
+static inline __attribute__((always_inline)) void amx_q8_block(const int qtype, const uint8_t *a0, int64_t a_stride,
+                                                               int64_t a_chunk, const XTiles *xt, int64_t mb,
+                                                               int gc0, int nc, const ATiles *t, int32_t *dots,
+                                                               __m512 acc[16]) {
+    const int q6 = qtype == GGML_Q6_K, sgn = amx_signed(qtype), steps = q6 ? 2 * nc : nc;
+    const int64_t at = mb * xt->nck + gc0;  // the x block's first chunk of the piece
+    const int8_t *xq = xt->q + 512 * at;
+    const float *dx = xt->d + 16 * at, *xs = q6 ? xt->s16 + 32 * at : xt->s32 + 16 * at;
+#define AMX_STEP(C, A, B, st)                                                                                    \
+    do {                                                                                                         \
+        const int c_ = q6 ? (st) / 2 : (st), h_ = q6 ? (st) % 2 : 0;                                             \
+        _tile_loadd(A, a0 + c_ * a_chunk + 16 * h_, a_stride);                                                   \
+        _tile_loadd(B, xq + 512 * c_ + 256 * h_, 64);                                                            \
+        _tile_zero(C);                                                                                           \
+        if (sgn) _tile_dpbssd(C, A, B);                                                                          \
+        else _tile_dpbusd(C, A, B);                                                                              \
+        _tile_stored(C, dots + 256 * (4 * ring + (C)), 64);                                                      \
+    } while (0)
+    // Steps g0 .. g0 + n - 1, stored in dots' half `half`, scaled into acc.
+#define AMX_SCALE_GROUP(half, g0, n)                                                                             \
+    for (int i_ = 0; i_ < (n); i_++) {                                                                           \
+        const int st_ = (g0) + i_, c_ = q6 ? st_ / 2 : st_, h_ = q6 ? st_ % 2 : 0;                               \
+        amx_scale(!sgn, dots + 256 * (4 * (half) + i_), t->s[c_][h_], t->o[c_][h_], dx + 16 * c_, xs + 16 * st_, \
+                  acc);                                                                                          \
+    }
+    int ring = 0, prev = -1, prev_n = 0;
+    for (int g0 = 0; g0 < steps; g0 += 4) {
+        const int n = steps - g0 < 4 ? steps - g0 : 4;
+        AMX_STEP(0, 4, 6, g0);
+        if (n > 1) AMX_STEP(1, 5, 7, g0 + 1);
+        if (n > 2) AMX_STEP(2, 4, 6, g0 + 2);
+        if (n > 3) AMX_STEP(3, 5, 7, g0 + 3);
+        if (prev >= 0) AMX_SCALE_GROUP(1 - ring, prev, prev_n);
+        prev = g0, prev_n = n, ring = 1 - ring;
+    }
+    AMX_SCALE_GROUP(1 - ring, prev, prev_n);
+#undef AMX_STEP
+#undef AMX_SCALE_GROUP
+}
+
+// The tile shapes of amx_q8_block: C 0-3 16 x 64 bytes, A 4-5 16 x kq bytes, B 6-7 kq / 4 x 64 (kq: k a step).
+static void amx_q8_configure(const int q6) {
+    const int kq = q6 ? 16 : 32;
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, kq / 4, kq / 4};
+    const uint16_t colsb[8] = {64, 64, 64, 64, kq, kq, 64, 64};
+    amx_configure_shapes(rows, colsb);
+}
+
+// Work item `item`: output features item * 32 .. + 31 (two groups of 16) for every row of x, K in pieces of QG_KC.
+static inline __attribute__((always_inline)) void amx_q8_item(const int qtype, const XTiles *xt, int M, int K,
+                                                              const uint8_t *w, int64_t w_row_bytes, int N,
+                                                              const float *bias, float *out, int64_t out_row,
+                                                              int64_t item, ATiles *tiles, int32_t *dots) {
+    const int64_t n0 = item * 32;
+    const int nf_all = N - n0 < 32 ? (int)(N - n0) : 32, groups = (nf_all + 15) / 16;
+    for (int k0 = 0; k0 < K; k0 += QG_KC) {
+        const int nc = (K - k0 < QG_KC ? K - k0 : QG_KC) / 32;
+        for (int gi = 0; gi < groups; gi++) {
+            const int nf = nf_all - 16 * gi < 16 ? nf_all - 16 * gi : 16;
+            amx_decode(qtype, w + (n0 + 16 * gi) * w_row_bytes, w_row_bytes, nf, k0 / 32, nc,
+                       qtype == GGML_Q8_0 && nf == 16, tiles + gi);
+        }
+        for (int m0 = 0; m0 < M; m0 += 16) {
+            const int mt = M - m0 < 16 ? M - m0 : 16;
+            for (int gi = 0; gi < groups; gi++) {
+                const int64_t n = n0 + 16 * gi;
+                const int nf = nf_all - 16 * gi < 16 ? nf_all - 16 * gi : 16;
+                const __mmask16 cols = (__mmask16)((1u << nf) - 1);
+                __m512 acc[16];
+#pragma GCC unroll 16
+                for (int f = 0; f < 16; f++) acc[f] = _mm512_set1_ps(!k0 && bias && f < nf ? bias[n + f] : 0.0f);
+                if (qtype == GGML_Q8_0 && nf == 16)  // in place: 16 rows of the blocks, a chunk 34 bytes on
+                    amx_q8_block(qtype, w + n * w_row_bytes + (int64_t)(k0 / 32) * 34 + 2, w_row_bytes, 34, xt,
+                                 m0 / 16, k0 / 32, nc, tiles + gi, dots, acc);
+                else
+                    amx_q8_block(qtype, (const uint8_t *)tiles[gi].q, 32, 16 * 32, xt, m0 / 16, k0 / 32, nc,
+                                 tiles + gi, dots, acc);
+                transpose16(acc);  // acc[m]: row m0 + m's 16 features
+#pragma GCC unroll 16
+                for (int m = 0; m < 16; m++) {  // unrolled, so that acc stays in registers
+                    if (m >= mt) break;
+                    float *dst = out + (int64_t)(m0 + m) * out_row + n;
+                    __m512 v = acc[m];
+                    if (k0) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(cols, dst));
+                    _mm512_mask_storeu_ps(dst, cols, v);
+                }
+            }
+        }
+    }
+}
+
+// M > GEMV_MAX_M on AMX tiles: x quantized as B tiles once, work items of 32 features.
+static int q8_amx(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
+                  int N, const float *bias, float *out, int64_t out_row, int threads) {
+    const int64_t chunks = (int64_t)(M + 15) / 16 * (K / 32);  // x's (16-row block, chunk) pairs
+    const size_t bytes = (size_t)chunks * (512 + 4 * 16 * sizeof(float));
+    char *mem = aligned_alloc(64, bytes);
+    if (!mem) return -1;
+    memset(mem, 0, bytes);  // the rows past M
+    float *f = (float *)(mem + 512 * chunks);
+    const XTiles xt = {(int8_t *)mem, f, f + 16 * chunks, f + 32 * chunks, K / 32};
+    int failed = 0;
+    Shares shares;
+    shares_init(&shares, ((int64_t)N + 31) / 32, threads);
+    #pragma omp parallel num_threads(threads)
+    {
+        {  // x's chunks split across the threads
+            const int nt = omp_get_num_threads(), id = omp_get_thread_num(), per = (K / 32 + nt - 1) / nt;
+            const int c0 = id * per < K / 32 ? id * per : K / 32, c1 = c0 + per < K / 32 ? c0 + per : K / 32;
+            amx_quantize_x(x, x_row, M, c0, c1, &xt);
+        }
+        #pragma omp barrier
+        ATiles *tiles = aligned_alloc(64, sizeof(ATiles) * 2);
+        int32_t *dots = aligned_alloc(64, sizeof(int32_t) * 8 * 256);  // two groups of four C tiles
+        if (!tiles || !dots) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_q8_configure(qtype == GGML_Q6_K);
+            for (int64_t item; (item = shares_take(&shares)) >= 0;) {
+#define QA_CASE(T)                                                                                               \
+    case T: amx_q8_item(T, &xt, M, K, w, w_row_bytes, N, bias, out, out_row, item, tiles, dots); break;
+                switch (qtype) { FOR_EACH_Q8_TYPE(QA_CASE) }
+#undef QA_CASE
+            }
+            _tile_release();
+        }
+        free(tiles);
+        free(dots);
+    }
+    free(mem);
+    return failed ? -1 : 0;
+}
+#endif
+
 int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
                     int N, const float *bias, float *out, int64_t out_row, int threads) {
     const int qk = block_elems(qtype);
@@ -693,6 +965,10 @@ int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *
     // Q8_K and lightserve's own formats have no integer path (kernels/quant_linear.py's INT8_DOT_TYPES)
     if (qtype == GGML_Q8_K || qtype == LS_Q8_0F || qtype == LS_Q4_1F)
         return quant_linear_f32(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
-    return (M <= GEMV_MAX_M ? q8_gemv : q8_gemm)(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row,
-                                                 threads);
+    if (M <= GEMV_MAX_M) return q8_gemv(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
+#if HAS_AMX_INT8 && QG_VNNI
+    if (M >= AMX_Q8_MIN_M && amx_permitted())
+        return q8_amx(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
+#endif
+    return q8_gemm(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
 }

@@ -316,15 +316,16 @@ def assert_matches_q8_product(got: torch.Tensor, x: torch.Tensor, w: QuantLinear
 @pytest.mark.parametrize("qtype", sorted(INT8_DOT_TYPES), ids=lambda t: t.name)
 def test_int8_path_matches_its_reference(qtype, variant):
     """quant_linear_q8 in every build: the GEMV at M = 1 (four output rows a pass, one for the K-quants) and 3 (a pair
-    of x rows by two output rows, then one), the GEMM at M = 6 and 13 (tiles of 4 rows and the rest); N = 37 (a
-    partial row group, a partial panel of 8 in a partial work item of 32), K of super-blocks, of 9 blocks of 32 and
-    past the GEMM's 1,024-element pieces, strided x, with and without a bias; against the dequantized int8
+    of x rows by two output rows, then one), the GEMM at M = 6 and 13 (tiles of 4 rows and the rest) and 35 (on AMX
+    tiles: two 16-row blocks and a 3-row one); N = 37 (a partial row group, a partial panel of 8 in a
+    partial work item of 32, a 5-feature AMX tile), K of super-blocks, of 9 blocks of 32 (AMX steps in fours and one)
+    and past the GEMM's 1,024-element pieces, strided x, with and without a bias; against the dequantized int8
     activations times the dequantized weight."""
     lib = variant_library(variant)
     n = 37
     for k in ks_of(qtype) + [1280]:
         w = int8(weight(qtype, n, k))
-        for m in (1, 3, 6, 13):
+        for m in (1, 3, 6, 13, 35):
             wide = torch.zeros(m, k + 24)
             wide[:, 8:8 + k] = awkward_activations(m, k, seed=m + k)
             x, bias = wide[:, 8:8 + k], torch.randn(n, generator=torch.Generator().manual_seed(k))

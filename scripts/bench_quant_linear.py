@@ -7,6 +7,7 @@ Weights come from memory, as in a decode step: each path cycles through distinct
 least --pool_mb of them, far past the L3.
 
     python scripts/bench_quant_linear.py [--models smollm2 llama1b] [--types Q4_1 Q8_0 Q4_K Q6_K] [--rows 1 4 16 64]
+    python scripts/bench_quant_linear.py --no_amx_too   # the int8 path also in this CPU's build without AMX tiles
 
 Timings vary run to run on a shared machine: compare paths within one run. Prints the CPU model first.
 """
@@ -21,9 +22,16 @@ import time
 
 import torch
 
-from lightserve.kernels.cpu import library
+from lightserve.kernels.cpu import NO_AMX, build, library, load
 from lightserve.kernels.linear import linear, linear_cpu, pack_linear_weight, prepack_weight
-from lightserve.kernels.quant_linear import BLOCK_SHAPES, GGMLType, QuantLinear, quant_linear, quant_tensor
+from lightserve.kernels.quant_linear import (
+    BLOCK_SHAPES,
+    GGMLType,
+    QuantLinear,
+    quant_linear,
+    quant_linear_cpu,
+    quant_tensor,
+)
 
 # name -> [(label, N, K, block type or None for the run's --types)]
 SHAPES = {
@@ -81,8 +89,12 @@ def main() -> None:
                         help="MB each path cycles through per pass (0: one copy, cache-resident where it fits)")
     parser.add_argument("--no_bf16", action="store_true", help="leave out the bf16 prepacked path")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no_amx_too", action="store_true",
+                        help="time the int8 path also in the native build without AMX tiles (-mno-amx-*), and the "
+                             "ratio of the served build's time to it")
     args = parser.parse_args()
     assert library() is not None, "no C kernel library here"
+    args.no_amx_lib = load(build(NO_AMX)) if args.no_amx_too else None
     if args.threads:
         torch.set_num_threads(args.threads)
     model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
@@ -92,7 +104,7 @@ def main() -> None:
     gen, pool_bytes = torch.Generator().manual_seed(0), args.pool_mb << 20
     print(f"{'shape':>16s} {'type':>5s} {'M':>3s} | {'quant ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} | "
           f"{'int8 ms':>8s} {'GB/s':>6s} | {'f32 ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} | {'bf16 ms':>8s} | "
-          f"quant/f32 int8/f32")
+          f"quant/f32 int8/f32" + (" | no-AMX int8 ms  int8/no-AMX" if args.no_amx_too else ""))
     for model_name in args.models:
         for label, n, k, fixed in SHAPES[model_name]:
             types = [fixed] if fixed is not None else [GGMLType[t] for t in args.types]
@@ -116,6 +128,11 @@ def time_shape(name: str, n: int, k: int, types: list[GGMLType], args: argparse.
                     for t, ws in quants.items()}}
         if bf16:
             paths["bf16"] = (linear, bf16, x.bfloat16())
+        if args.no_amx_lib is not None:
+            paths.update({f"{t.name} int8 no-AMX": (
+                lambda x, w: quant_linear_cpu(x, w, lib=args.no_amx_lib), [dataclasses.replace(w, int8_dot=True)
+                                                                           for w in ws], x)
+                for t, ws in quants.items()})
         sec = median_call_s(paths, args.reps)
         f32_s, bf16_s = sec["f32"], sec.get("bf16", float("nan"))
         for t, ws in quants.items():
@@ -124,8 +141,9 @@ def time_shape(name: str, n: int, k: int, types: list[GGMLType], args: argparse.
             print(f"{name:>16s} {t.name:>5s} {m:3d} | {1e3 * q_s:8.3f} {w.nbytes / q_s / 1e9:6.1f} "
                   f"{flop / q_s / 1e9:7.1f} | {1e3 * i_s:8.3f} {w.nbytes / i_s / 1e9:6.1f} | "
                   f"{1e3 * f32_s:8.3f} {n * k * 4 / f32_s / 1e9:6.1f} "
-                  f"{flop / f32_s / 1e9:7.1f} | {1e3 * bf16_s:8.3f} | {q_s / f32_s:9.2f} {i_s / f32_s:8.2f}",
-                  flush=True)
+                  f"{flop / f32_s / 1e9:7.1f} | {1e3 * bf16_s:8.3f} | {q_s / f32_s:9.2f} {i_s / f32_s:8.2f}"
+                  + (f" | {1e3 * sec[t.name + ' int8 no-AMX']:14.3f} {i_s / sec[t.name + ' int8 no-AMX']:12.2f}"
+                     if args.no_amx_lib is not None else ""), flush=True)
 
 
 if __name__ == "__main__":

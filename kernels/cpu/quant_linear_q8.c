@@ -688,7 +688,7 @@ static int q8_gemm(const float *x, int64_t x_row, int M, int K, const uint8_t *w
 
 #if HAS_AMX_INT8 && QG_VNNI
 // ---------------------------------------------------------------------------------------------------------------
-// The same GEMM on AMX tiles (M >= AMX_Q8_MIN_M where the process may use them), with the weights as the A operand: a
+// The same GEMM on AMX tiles (M >= amx_min_m where the process may use them), with the weights as the A operand: a
 // weight block's chunk of 32 quants is a row of an A tile as it lies in memory, so 16 features' Q8_0 blocks load into
 // an A tile in place (rows w_row_bytes apart), never decoded; the other formats' chunks are decoded to 32 bytes a
 // feature (decode_chunk, no transposition). x is the B operand, quantized once per call into B tiles: per 16 rows of
@@ -700,14 +700,14 @@ static int q8_gemm(const float *x, int64_t x_row, int M, int K, const uint8_t *w
 // (tilestored, 1 KB in L1; amx_q8_block keeps four in flight). Q6_K's chunks are two steps of 16 k (a scale each
 // half). After each K piece a 16 x 16 transposition turns acc into rows of out.
 // Per 8,192 multiply-adds: one tile multiply and 16 x 3 vector instructions (4 with mins), where the VNNI tile spends
-// 256 vpdpbusd and their broadcasts, and Q8_0 spends nothing on decoding. Intel Xeon (AMX), 2 threads, SmolLM2's
-// projections over 30 layers from memory (the K-quants at K = 1,024 and 3,072), time against the VNNI tile: at
-// M = 64 0.60-0.63x Q8_0, 0.67x Q4_1, 0.71-0.74x Q4_K, 0.79x Q6_K; at 256 0.60-0.67x; at 16 0.84-0.92x (Q4_K 1.02);
-// at 5-8 1.06-1.48x: below AMX_Q8_MIN_M rows the VNNI tile stays (x padded to 16 rows, the decoding paid for few).
+// 256 vpdpbusd and their broadcasts, and Q8_0 spends nothing on decoding. Intel Xeon (AMX), 2 threads, time against
+// the VNNI tile (scripts/bench_quant_linear.py --no_amx_too, SmolLM2's and a Llama-3.2-1B's projections, weights
+// cycled through 64 MB): at M = 256 0.54-0.72x, at 64 0.62-0.92x; at 16 Q8_0 0.72-0.86x, the decoded formats
+// 0.83-1.28x, so below amx_min_m rows the VNNI tile stays (x padded to 16 rows, the decoding paid for few rows).
 // The batch-64 decode step of SmolLM2's Q8_0 file (float32 activations, bf16 KV) fell from 99.2 to 82.0 ms, its
 // linears from 52.9 to 34.3 ms. Where the time goes at M = 256, Q8_0, a [3,072, 576] weight in cache: half in the
 // tile loads and the loop around them, a fifth in the stores, a third in the scaling.
-#define AMX_Q8_MIN_M 16
+static inline int amx_min_m(const int qtype) { return qtype == GGML_Q8_0 ? 16 : 32; }
 typedef struct {
     int8_t q[QG_KC / 32][16][32];                      // chunk c, feature f: its 32 quants (an A tile row)
     float s[QG_KC / 32][2][16], o[QG_KC / 32][2][16];  // per chunk and half: the 16 features' scales and offsets
@@ -962,7 +962,7 @@ int quant_linear_q8(const float *x, int64_t x_row, int M, int K, const uint8_t *
         return quant_linear_f32(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
     if (M <= GEMV_MAX_M) return q8_gemv(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
 #if HAS_AMX_INT8 && QG_VNNI
-    if (M >= AMX_Q8_MIN_M && amx_permitted())
+    if (M >= amx_min_m(qtype) && amx_permitted())
         return q8_amx(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);
 #endif
     return q8_gemm(x, x_row, M, K, w, w_row_bytes, qtype, N, bias, out, out_row, threads);

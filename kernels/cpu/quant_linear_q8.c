@@ -705,7 +705,7 @@ static int q8_gemm(const float *x, int64_t x_row, int M, int K, const uint8_t *w
 // cycled through 64 MB): at M = 256 0.54-0.72x, at 64 0.62-0.92x; at 16 Q8_0 0.72-0.86x, the decoded formats
 // 0.83-1.28x, so below amx_min_m rows the VNNI tile stays (x padded to 16 rows, the decoding paid for few rows).
 // The batch-64 decode step of SmolLM2's Q8_0 file (float32 activations, bf16 KV) fell from 99.2 to 82.0 ms, its
-// linears from 52.9 to 34.3 ms. Where the time goes at M = 256, Q8_0, a [3,072, 576] weight in cache: half in the
+// linears from 52.9 to 34.3 ms. Where the time goes at M = 256, Q8_0, a [3,072, 576] weight in cache: 45% in the
 // tile loads and the loop around them, a fifth in the stores, a third in the scaling.
 static inline int amx_min_m(const int qtype) { return qtype == GGML_Q8_0 ? 16 : 32; }
 typedef struct {
@@ -913,7 +913,7 @@ static inline __attribute__((always_inline)) void amx_q8_item(const int qtype, c
     }
 }
 
-// M > GEMV_MAX_M on AMX tiles: x quantized as B tiles once, work items of 32 features.
+// M >= amx_min_m(qtype) on AMX tiles: x quantized as B tiles once, work items of 32 features.
 static int q8_amx(const float *x, int64_t x_row, int M, int K, const uint8_t *w, int64_t w_row_bytes, int qtype,
                   int N, const float *bias, float *out, int64_t out_row, int threads) {
     const int64_t chunks = (int64_t)(M + 15) / 16 * (K / 32);  // x's (16-row block, chunk) pairs

@@ -139,6 +139,20 @@ static inline f8 bytes8_to_f(const uint8_t *p, const int sign) {
 #endif
 }
 
+// The 8 bytes of v, low first, as 8 floats. The K-quants' scales and mins are unpacked in registers and converted
+// from there: stored as 32-bit words and read back by bytes8_to_f's 8-byte load, they waited on a store-to-load
+// forward that fails (one load over two stores), which bounded the Q4_K GEMV (docs/benchmarks.md, "The Q4_K GEMV's
+// scales").
+static inline f8 u64_bytes_to_f(uint64_t v) {
+#if defined(__AVX2__)
+    return (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
+#else
+    f8 r;
+    for (int i = 0; i < 8; i++) r[i] = (float)(v >> 8 * i & 0xff);
+    return r;
+#endif
+}
+
 static inline f8 lane8(f8 v, const int j) { return __builtin_shuffle(v, (i8){j, j, j, j, j, j, j, j}); }
 static inline f8 to_f8(i8 v) { return __builtin_convertvector(v, f8); }
 
@@ -251,16 +265,16 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
                     break;
                 }
                 case GGML_Q4_K: case GGML_Q5_K: {
-                    // The 6-bit scales and mins of the 8 sub-blocks, as bytes (ggml's utmp unpacking).
-                    uint32_t u[4];
+                    // The 6-bit scales and mins of the 8 sub-blocks as bytes, a byte a sub-block (ggml's utmp
+                    // unpacking), kept in registers (u64_bytes_to_f says why).
+                    uint32_t u[3];
                     memcpy(u, blk + 4, 12);
-                    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-                    const uint32_t mins = u[1] & 0x3f3f3f3f;
-                    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-                    u[2] = mins;
-                    u[0] &= 0x3f3f3f3f;
-                    const f8 sv = bcast8(half_to_float(blk)) * bytes8_to_f((const uint8_t *)u, 0);
-                    const f8 ov = -(bcast8(half_to_float(blk + 2)) * bytes8_to_f((const uint8_t *)(u + 2), 0));
+                    const uint64_t scales = (u[0] & 0x3f3f3f3f)
+                        | (uint64_t)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)) << 32;
+                    const uint64_t mins = (u[1] & 0x3f3f3f3f)
+                        | (uint64_t)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)) << 32;
+                    const f8 sv = bcast8(half_to_float(blk)) * u64_bytes_to_f(scales);
+                    const f8 ov = -(bcast8(half_to_float(blk + 2)) * u64_bytes_to_f(mins));
                     f8 sdx[2];
                     for (int m = 0; m < mt; m++) {
                         acc[m][r] += ov * load8f(xs + m * nc + c0);  // lane j: sub-block j's min term

@@ -177,7 +177,7 @@ def decode_attention_triton(
     num_kv_heads = k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
-    assert k_cache.dtype in (q.dtype, *QUANT_KV_DTYPES), (q.dtype, k_cache.dtype, v_cache.dtype)
+    assert k_cache.dtype.is_floating_point or k_cache.dtype in QUANT_KV_DTYPES, (q.dtype, k_cache.dtype, v_cache.dtype)
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
     assert head_dim % 8 == 0, head_dim  # 16-byte rows; any such head_dim is padded to BLOCK_D below

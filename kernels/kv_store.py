@@ -115,11 +115,22 @@ def store_kv_ref(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_locs
 
 
 @triton.jit
+def _bf16_bits(x):
+    # float32 -> the bits of the nearest bf16 (ties to even; a NaN stays a quiet NaN) as int16: kernels/cpu/fastmath.h's
+    # f32_to_bf16. Written out because Triton's interpreter truncates a cast to bf16 where a GPU rounds.
+    b = x.to(tl.uint32, bitcast=True)
+    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, (b >> 16) | 0x40, rounded).to(tl.int16)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, locs_ptr, k_scales_ptr, v_scales_ptr,
     k_stride_t, k_stride_h, v_stride_t, v_stride_h, kc_stride_row, kc_stride_h, vc_stride_row, vc_stride_h,
     scale_stride, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_ELEMS: tl.constexpr, KV_QUANT: tl.constexpr,
+    BF16_BITS: tl.constexpr,
 ):
     # A float cache: one program per token over its flattened (head, dim). An 8-bit cache: one per (token, head),
     # NUM_ELEMS = HEAD_DIM, since int8's scale is per head (program_id(1) is 0 in the float grid).
@@ -133,9 +144,12 @@ def _store_kv_kernel(
     v = tl.load(v_ptr + token * v_stride_t + head * v_stride_h + dim, mask=mask)
     k_dst = k_cache_ptr + loc * kc_stride_row + head * kc_stride_h + dim
     v_dst = v_cache_ptr + loc * vc_stride_row + head * vc_stride_h + dim
-    if KV_QUANT == 0:
-        tl.store(k_dst, k, mask=mask)
-        tl.store(v_dst, v, mask=mask)
+    if BF16_BITS:  # float32 rows into a bf16 cache, viewed as int16
+        tl.store(k_dst, _bf16_bits(k), mask=mask)
+        tl.store(v_dst, _bf16_bits(v), mask=mask)
+    elif KV_QUANT == 0:  # cast to the cache's float dtype where it is another
+        tl.store(k_dst, k.to(k_dst.dtype.element_ty), mask=mask)
+        tl.store(v_dst, v.to(v_dst.dtype.element_ty), mask=mask)
     else:
         scale_row = loc * scale_stride + tl.program_id(1)  # int8's [rows, Hk] scales; unused by fp8
         quantize_store(k, k_dst, mask, k_scales_ptr, scale_row, k_scale, KV_QUANT)
@@ -245,13 +259,18 @@ def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_l
     assert v.shape == k.shape and k_cache.shape == v_cache.shape, (k.shape, v.shape, k_cache.shape, v_cache.shape)
     assert k_cache.shape[1:] == (num_kv_heads, head_dim), (k.shape, k_cache.shape)
     quantized = k_cache.dtype in QUANT_KV_DTYPES
-    assert k.dtype == v.dtype and (quantized or k.dtype == k_cache.dtype == v_cache.dtype), (k.dtype, k_cache.dtype)
+    # A float cache in another float dtype than k and v (--kv_cache_dtype bfloat16 under float32 activations): the
+    # kernel's store rounds each value to the cache's dtype.
+    assert k.dtype == v.dtype and v_cache.dtype == k_cache.dtype, (k.dtype, v.dtype, k_cache.dtype, v_cache.dtype)
     assert k.stride(2) == v.stride(2) == k_cache.stride(2) == v_cache.stride(2) == 1, "head dim must be contiguous"
     assert kv_locs.shape == (num_tokens,) and kv_locs.dtype in (torch.int32, torch.int64), kv_locs.dtype
     if num_tokens == 0:
         return
     cache_args, kv_quant = triton_kv_args(k_cache, v_cache, k_scale, v_scale, for_store=True)
     k_cache, v_cache, k_scales, v_scales, scale_stride, k_scale, v_scale = cache_args
+    bf16_bits = k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    if bf16_bits:
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     # An 8-bit cache: one program per (token, head), each reducing its own row for int8's amax.
     num_elems = head_dim if quantized else num_kv_heads * head_dim
     grid = (num_tokens, num_kv_heads) if quantized else (num_tokens,)
@@ -260,7 +279,7 @@ def store_kv_triton(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, kv_l
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), scale_stride, k_scale, v_scale,
         HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(num_elems), NUM_ELEMS=num_elems, KV_QUANT=kv_quant,
-        num_warps=4,
+        BF16_BITS=bf16_bits, num_warps=4,
     )
 
 

@@ -92,7 +92,7 @@ def mla_decode_attention_ref(
 ) -> Tensor:
     """Latent-space attention, q_latent [B, H, R], q_pe [B, H, Dr] -> o_latent [B, H, R] in q's dtype: one SDPA
     call, the H heads as query rows of the single latent KV head (as decode_attention_ref packs a GQA group); an
-    8-bit pool's rows dequantized to q's dtype.
+    8-bit pool's rows dequantized to q's dtype, a float pool's read in the wider of its dtype and q's.
 
     This is also the CPU path. A C kernel (like decode_attention.c, which takes head dims 64 and 128 and groups up
     to 16) would stream each request's rows in place instead of gathering a [B, L, R + Dr] copy, and would load
@@ -103,8 +103,10 @@ def mla_decode_attention_ref(
     valid = torch.arange(max_seq_len, device=q_latent.device)[None, :] < seq_lens[:, None]  # [B, L]
     # Slots past a request's length may point at rows never written: aim them at its first token (masked anyway).
     locs = torch.where(valid, locs, locs[:, :1]).view(-1)  # [B * L]
-    # A float pool is read in its own dtype (q is cast to it), an 8-bit one dequantized to q's.
-    dtype = q_latent.dtype if latent_cache.dtype in QUANT_KV_DTYPES else latent_cache.dtype
+    # An 8-bit pool is dequantized to q's dtype; a float pool and q meet in the wider of their dtypes (a bf16 pool
+    # under float32 activations is widened, as the Triton kernel and the C attention read it).
+    dtype = q_latent.dtype if latent_cache.dtype in QUANT_KV_DTYPES \
+        else torch.promote_types(q_latent.dtype, latent_cache.dtype)
     lat = gather_kv(latent_cache, latent_scale, locs, dtype).view(batch, 1, max_seq_len, -1)  # [B, 1, L, R + Dr]
     q = torch.cat([q_latent, q_pe], dim=-1).to(lat.dtype)[:, None]  # [B, 1, H, R + Dr]
     out = F.scaled_dot_product_attention(q, lat, lat[..., :rank], attn_mask=valid[:, None, None],
@@ -160,6 +162,9 @@ def _mla_decode_split_kernel(
         elif KV_QUANT != 0:  # fp8: the per-tensor scale
             c = dequantize_tile(c, cache_scale, KV_QUANT).to(q_lat.dtype)
             k_pe = dequantize_tile(k_pe, cache_scale, KV_QUANT).to(q_lat.dtype)
+        else:  # a float pool in its own dtype (bf16 under float32 activations); else a no-op
+            c = c.to(q_lat.dtype)
+            k_pe = k_pe.to(q_lat.dtype)
         qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
         qk = (qk + tl.dot(q_pe, k_pe, input_precision=PRECISION)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -181,7 +186,8 @@ def mla_decode_attention_triton(
     rope_dim = q_pe.shape[2]
     assert q_pe.shape[:2] == (batch, num_heads), (q_latent.shape, q_pe.shape)
     assert latent_cache.dim() == 3 and latent_cache.shape[1:] == (1, rank + rope_dim), latent_cache.shape
-    assert q_latent.dtype == q_pe.dtype and latent_cache.dtype in (q_latent.dtype, *QUANT_KV_DTYPES), \
+    assert q_latent.dtype == q_pe.dtype \
+        and (latent_cache.dtype.is_floating_point or latent_cache.dtype in QUANT_KV_DTYPES), \
         (q_latent.dtype, q_pe.dtype, latent_cache.dtype)
     assert q_latent.stride(2) == 1 and q_pe.stride(2) == 1 and latent_cache.stride(2) == 1, "last dims contiguous"
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype

@@ -97,7 +97,8 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, of
     # One KV head's K (transposed, [BLOCK_D, BLOCK_N]) and V ([BLOCK_N, BLOCK_D]) at a request's positions offs_n, read
     # through its req_to_token row; masked positions and padding lanes load 0. Called by score_kv_tile.
     # An 8-bit cache (KV_QUANT, kernels/kv_store.py's triton_kv_args) is dequantized here, in registers, to DTYPE (q's):
-    # int8 with the [BLOCK_N] scales of the tile's rows for this head, fp8 with the per-tensor k_scale / v_scale.
+    # int8 with the [BLOCK_N] scales of the tile's rows for this head, fp8 with the per-tensor k_scale / v_scale; a
+    # float cache is converted to DTYPE.
     locs = tl.load(req_to_token_ptr + row * r2t_stride + offs_n, mask=n_mask, other=0).to(tl.int64)
     k_ptrs = k_cache_ptr + locs[None, :] * kc_stride_row + kv_head * kc_stride_h + offs_d[:, None]
     v_ptrs = v_cache_ptr + locs[:, None] * vc_stride_row + kv_head * vc_stride_h + offs_d[None, :]
@@ -112,6 +113,9 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, req_to_token_ptr, row, r2t_stride, of
     elif KV_QUANT != 0:
         k = dequantize_tile(k, k_scale, KV_QUANT).to(DTYPE)
         v = dequantize_tile(v, v_scale, KV_QUANT).to(DTYPE)
+    else:  # a float cache in its own dtype (--kv_cache_dtype bfloat16 under float32 activations); else a no-op
+        k = k.to(DTYPE)
+        v = v.to(DTYPE)
     return k, v
 
 
@@ -234,7 +238,8 @@ def prefill_attention_triton(
     num_kv_heads = k_cache.shape[1]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert k_cache.shape == v_cache.shape and k_cache.shape[2] == head_dim, (q.shape, k_cache.shape, v_cache.shape)
-    assert q.dtype in _DTYPES and k_cache.dtype in (q.dtype, *QUANT_KV_DTYPES), (q.dtype, k_cache.dtype)
+    assert q.dtype in _DTYPES and (k_cache.dtype.is_floating_point or k_cache.dtype in QUANT_KV_DTYPES), \
+        (q.dtype, k_cache.dtype)
     assert q.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1, "head dim must be contiguous"
     assert head_dim % 8 == 0, head_dim  # 16-byte rows; any such head_dim is padded to BLOCK_D below
     assert req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1, req_to_token.dtype

@@ -153,23 +153,26 @@ def test_decode_padded_to_a_graph_size_matches_transformers(tiny, no_cpu_paths):
 
 # int8 where the attention paths differ (Qwen3's head_dim 24, a power-of-two block masked; Gemma 2's window and
 # soft-capping; DeepSeek's latent rows; Mixtral's attention is Llama's); fp8 (the same kernels with another decode
-# of the byte) in one family with K/V heads and in DeepSeek's latent rows, e5m2 in the first alone: the
+# of the byte) in one family with K/V heads and in DeepSeek's latent rows, e5m2 in the first alone; a bf16 cache under
+# these float32 models (a float cache in another dtype than the activations) with K/V heads and latent rows: the
 # interpreter's minutes go where the paths differ.
-QUANT_CASES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-CASES_8BIT = [("qwen3", "int8"), ("gemma2", "int8"), ("deepseek_v3", "int8"), ("llama3", "fp8_e4m3"),
-              ("deepseek_v3", "fp8_e4m3"), ("llama3", "fp8_e5m2")]
+KV_CASES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+            "bfloat16": torch.bfloat16}
+CASES_KV = [("qwen3", "int8"), ("gemma2", "int8"), ("deepseek_v3", "int8"), ("llama3", "fp8_e4m3"),
+            ("deepseek_v3", "fp8_e4m3"), ("llama3", "fp8_e5m2"), ("llama3", "bfloat16"), ("deepseek_v3", "bfloat16")]
 
 
-@pytest.mark.parametrize(("tiny", "kv_name"), CASES_8BIT, indirect=["tiny"])
-def test_8bit_kv_cache_through_triton_matches_the_reference_path(tiny, kv_name, no_cpu_paths, monkeypatch):
-    """An 8-bit KV cache under the triton backend: the Triton store writes the bytes (and int8 scales) the reference
-    writes, and the Triton attention reads them as the references do, so a prefill, two decode steps and a mixed step
-    with a prefix hit give the reference path's logits (the same model, the references run step for step on a CPU
-    copy of the same cache). Not bit for bit: K and V come out of other GEMMs (Triton's, torch's) a rounding apart, and
-    where one lands the other side of a quantization tie the byte moves a step (rarely: at most 1% of them), and a
-    logit with it (up to ~5e-4 measured, against ~0.1 and more from a misread format)."""
+@pytest.mark.parametrize(("tiny", "kv_name"), CASES_KV, indirect=["tiny"])
+def test_kv_cache_dtypes_through_triton_match_the_reference_path(tiny, kv_name, no_cpu_paths, monkeypatch):
+    """An 8-bit KV cache, or a bf16 one under float32 activations, under the triton backend: the Triton store writes
+    the bytes (and int8 scales) the reference writes, and the Triton attention reads them as the references do, so a
+    prefill, two decode steps and a mixed step with a prefix hit give the reference path's logits (the same model, the
+    references run step for step on a CPU copy of the same cache). Not bit for bit: K and V come out of other GEMMs
+    (Triton's, torch's) a rounding apart, and where one lands the other side of a quantization (or bf16 rounding) tie
+    the byte moves a step (rarely: at most 1% of them), and a logit with it (up to ~5e-4 measured, against ~0.1 and
+    more from a misread format)."""
     _, ours, model_dir = tiny
-    kv_dtype = QUANT_CASES[kv_name]
+    kv_dtype = KV_CASES[kv_name]
     gen = torch.Generator().manual_seed(3)
     vocab = ours.config.vocab_size
     a, b = (torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (13, 6))

@@ -94,3 +94,19 @@ def test_store_kv_c_kernel_rounds_float32_rows_into_a_bf16_cache(variant):
     assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num()) and torch.equal(v_cache, want_v)
     assert k_cache[kv_locs[0], 0, 2].isnan()
     assert k_cache[kv_locs[0], 0, 0] == 1.0 and k_cache[kv_locs[0], 0, 1] == 1.0 + 2.0 ** -6
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_store_kv_triton_rounds_float32_rows_into_a_16bit_cache(cache_dtype):
+    """Float32 activations over a bf16 or fp16 cache (--kv_cache_dtype under --data_type float32) through the Triton
+    store: each value rounded to nearest even as the reference's .to(dtype), ties and NaN included (bf16 by integer
+    rounding in the kernel, since the interpreter's cast truncates where a GPU rounds)."""
+    k, v, _, _, kv_locs = _case(torch.float32, num_tokens=37, num_rows=64)
+    k[0, 0, :4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, float("nan"), -0.0])  # bf16 ties; NaN
+    k[0, 1, :2] = torch.tensor([1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11])  # fp16 ties
+    k_cache, v_cache = (torch.zeros(64, 2, 64, dtype=cache_dtype, device=DEVICE) for _ in range(2))
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    store_kv_ref(k, v, want_k, want_v, kv_locs)
+    store_kv_triton(k, v, k_cache, v_cache, kv_locs)
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num()) and torch.equal(v_cache, want_v)
+    assert k_cache[kv_locs[0], 0, 2].isnan()

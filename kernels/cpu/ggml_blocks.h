@@ -88,6 +88,28 @@ static inline int block_bytes(int qtype) {
     }
 }
 
+// A Q4_K / Q5_K block's 12 packed bytes (q = blk + 4) as its 8 sub-blocks' 6-bit scales (*sc) and mins (*mn), sub-block
+// j in byte j: ggml's get_scale_min_k4 for every j at once (its utmp unpacking), in registers. The kernels convert the
+// bytes from there (scales8 and u64_bytes_to_f): written to memory as 32-bit words and read back as 8-byte loads,
+// they waited on a store-to-load forward that fails (one load over two stores), which bounded the Q4_K GEMVs
+// (docs/benchmarks.md, "The Q4_K GEMV's scales").
+static inline void scales_mins_k4(const uint8_t *q, uint64_t *sc, uint64_t *mn) {
+    uint32_t u[3];
+    memcpy(u, q, 12);
+    *sc = (u[0] & 0x3f3f3f3f) | (uint64_t)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)) << 32;
+    *mn = (u[1] & 0x3f3f3f3f) | (uint64_t)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)) << 32;
+}
+
+// dst[j] = d * byte j of v (low first), j < 8: each product d * (float)byte, rounded once.
+static inline void scales8(uint64_t v, float d, float *dst) {
+#if defined(__AVX2__)
+    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
+    _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_set1_ps(d), b));
+#else
+    for (int j = 0; j < 8; j++) dst[j] = d * (float)(v >> 8 * j & 0xff);
+#endif
+}
+
 // ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j from a Q4_K / Q5_K block's 12 packed bytes.
 static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     if (j < 4) {

@@ -91,14 +91,11 @@ static inline __attribute__((always_inline)) void block_scales(const int qtype, 
         case GGML_Q8_0: p->s[0] = half_to_float(blk); break;
         case GGML_Q8_K: case LS_Q8_0F: memcpy(p->s, blk, 4); break;
         case LS_Q4_1F: memcpy(p->s, blk, 4), memcpy(p->o, blk + 4, 4); break;
-        case GGML_Q4_K: case GGML_Q5_K: {
-            const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-            for (int j = 0; j < 8; j++) {
-                int sc, m;
-                scale_min_k4(j, blk + 4, &sc, &m);
-                p->s[j] = d * (float)sc;
-                p->o[j] = -(dmin * (float)m);
-            }
+        case GGML_Q4_K: case GGML_Q5_K: {  // o = -(dmin * m), as (-dmin) * m: negation is exact
+            uint64_t sc, mn;
+            scales_mins_k4(blk + 4, &sc, &mn);
+            scales8(sc, half_to_float(blk), p->s);
+            scales8(mn, -half_to_float(blk + 2), p->o);
             break;
         }
         case GGML_Q6_K: {

@@ -139,10 +139,7 @@ static inline f8 bytes8_to_f(const uint8_t *p, const int sign) {
 #endif
 }
 
-// The 8 bytes of v, low first, as 8 floats. The K-quants' scales and mins are unpacked in registers and converted
-// from there: stored as 32-bit words and read back by bytes8_to_f's 8-byte load, they waited on a store-to-load
-// forward that fails (one load over two stores), which bounded the Q4_K GEMV (docs/benchmarks.md, "The Q4_K GEMV's
-// scales").
+// The 8 bytes of v, low first, as 8 floats, from a register (ggml_blocks.h's scales_mins_k4 says why).
 static inline f8 u64_bytes_to_f(uint64_t v) {
 #if defined(__AVX2__)
     return (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
@@ -265,14 +262,8 @@ static inline __attribute__((always_inline)) void q8_tile(const int qtype, const
                     break;
                 }
                 case GGML_Q4_K: case GGML_Q5_K: {
-                    // The 6-bit scales and mins of the 8 sub-blocks as bytes, a byte a sub-block (ggml's utmp
-                    // unpacking), kept in registers (u64_bytes_to_f says why).
-                    uint32_t u[3];
-                    memcpy(u, blk + 4, 12);
-                    const uint64_t scales = (u[0] & 0x3f3f3f3f)
-                        | (uint64_t)((u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4)) << 32;
-                    const uint64_t mins = (u[1] & 0x3f3f3f3f)
-                        | (uint64_t)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)) << 32;
+                    uint64_t scales, mins;  // the 8 sub-blocks' 6-bit scales and mins, a byte each
+                    scales_mins_k4(blk + 4, &scales, &mins);
                     const f8 sv = bcast8(half_to_float(blk)) * u64_bytes_to_f(scales);
                     const f8 ov = -(bcast8(half_to_float(blk + 2)) * u64_bytes_to_f(mins));
                     f8 sdx[2];

@@ -98,11 +98,12 @@ static inline __attribute__((always_inline)) void block_scales(const int qtype, 
             scales8(mn, -half_to_float(blk + 2), p->o);
             break;
         }
-        case GGML_Q6_K: {
-            const float d = half_to_float(blk + 208);
-            for (int g = 0; g < 16; g++) {
-                p->s[g] = d * (float)(int8_t)blk[192 + g];
-                p->o[g] = -32 * p->s[g];
+        case GGML_Q6_K: {  // the 16 groups' int8 scales a vector at a time
+            const vf d = vbroadcast(half_to_float(blk + 208));
+            for (int i = 0; i < 16 / VL; i++) {
+                const vf s = __builtin_convertvector(widen_s8(blk + 192 + i * VL), vf) * d;
+                vstore(p->s + i * VL, s);
+                vstore(p->o + i * VL, s * -32.0f);
             }
             break;
         }

@@ -100,14 +100,23 @@ static inline void scales_mins_k4(const uint8_t *q, uint64_t *sc, uint64_t *mn) 
     *mn = (u[1] & 0x3f3f3f3f) | (uint64_t)(((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4)) << 32;
 }
 
-// dst[j] = d * byte j of v (low first), j < 8: each product d * (float)byte, rounded once.
-static inline void scales8(uint64_t v, float d, float *dst) {
+typedef float bytes_f8 __attribute__((vector_size(32)));  // the same type as quant_linear_q8.c's f8
+
+// The 8 bytes of v, low first, as 8 floats.
+static inline bytes_f8 u64_bytes_to_f(uint64_t v) {
 #if defined(__AVX2__)
-    const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
-    _mm256_storeu_ps(dst, _mm256_mul_ps(_mm256_set1_ps(d), b));
+    return (bytes_f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
 #else
-    for (int j = 0; j < 8; j++) dst[j] = d * (float)(v >> 8 * j & 0xff);
+    bytes_f8 r;
+    for (int j = 0; j < 8; j++) r[j] = (float)(v >> 8 * j & 0xff);
+    return r;
 #endif
+}
+
+// dst[j] = d * byte j of v, j < 8: each product d * (float)byte, rounded once.
+static inline void scales8(uint64_t v, float d, float *dst) {
+    const bytes_f8 r = u64_bytes_to_f(v) * d;
+    memcpy(dst, &r, sizeof r);
 }
 
 // ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j from a Q4_K / Q5_K block's 12 packed bytes.

@@ -139,17 +139,6 @@ static inline f8 bytes8_to_f(const uint8_t *p, const int sign) {
 #endif
 }
 
-// The 8 bytes of v, low first, as 8 floats, from a register (ggml_blocks.h's scales_mins_k4 says why).
-static inline f8 u64_bytes_to_f(uint64_t v) {
-#if defined(__AVX2__)
-    return (f8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v)));
-#else
-    f8 r;
-    for (int i = 0; i < 8; i++) r[i] = (float)(v >> 8 * i & 0xff);
-    return r;
-#endif
-}
-
 static inline f8 lane8(f8 v, const int j) { return __builtin_shuffle(v, (i8){j, j, j, j, j, j, j, j}); }
 static inline f8 to_f8(i8 v) { return __builtin_convertvector(v, f8); }
 

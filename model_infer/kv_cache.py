@@ -6,6 +6,8 @@ The cache holds the activation dtype or one of kernels/kv_store.py's 8-bit forma
 """
 from __future__ import annotations
 
+import math
+import mmap
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,23 +45,24 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         # NOTE: zeros, not empty: attention kernels may read (and mask) rows never written, and NaN
-        # garbage times a zero weight is still NaN.
+        # garbage times a zero weight is still NaN. On CPU the zeros are the OS's (lazy_zeros), so the pool's
+        # memory becomes resident as rows are written, not at start-up.
         if self.device.type == "cpu" if head_major is None else head_major:
             # Head-major storage [L, Hk, rows, D] behind the same [L, rows, Hk, D] view: each head's rows of a
             # request lie back to back, so where decode attention walks a task's tokens one head after another
             # (kernels/cpu/decode_attention.c, HEAD_OUTER) it reads two contiguous streams; docs/benchmarks.md has
             # what each layout measured.
-            self.k = torch.zeros(num_layers, num_kv_heads, num_kv_rows, head_dim, dtype=dtype).transpose(1, 2)
-            self.v = torch.zeros(num_layers, num_kv_heads, num_kv_rows, head_dim, dtype=dtype).transpose(1, 2)
+            self.k = lazy_zeros((num_layers, num_kv_heads, num_kv_rows, head_dim), dtype, device).transpose(1, 2)
+            self.v = lazy_zeros((num_layers, num_kv_heads, num_kv_rows, head_dim), dtype, device).transpose(1, 2)
         else:
-            self.k = torch.zeros(num_layers, num_kv_rows, num_kv_heads, head_dim, dtype=dtype, device=device)
-            self.v = torch.zeros_like(self.k)
+            self.k = lazy_zeros((num_layers, num_kv_rows, num_kv_heads, head_dim), dtype, device)
+            self.v = lazy_zeros((num_layers, num_kv_rows, num_kv_heads, head_dim), dtype, device)
         self.k_caches = list(self.k.unbind(0))  # num_layers x [num_kv_rows, Hk_local, D]
         self.v_caches = list(self.v.unbind(0))
         self.k_scales: list[KVScale] = [None] * num_layers
         self.v_scales: list[KVScale] = [None] * num_layers
         if dtype == torch.int8:  # token-major whatever the layout: a row's scales are one small read
-            scales = torch.zeros(2, num_layers, num_kv_rows, num_kv_heads, dtype=torch.float32, device=device)
+            scales = lazy_zeros((2, num_layers, num_kv_rows, num_kv_heads), torch.float32, device)
             self.k_scales, self.v_scales = list(scales[0].unbind(0)), list(scales[1].unbind(0))
         elif dtype in FP8_MAX:
             pairs = fp8_scales or [(1.0, 1.0)] * num_layers
@@ -71,6 +74,20 @@ class KVCache:
         """K plus V bytes of one token over all layers on one rank (for sizing num_kv_rows), int8's scales
         included: SmolLM2 (30 layers, 3 KV heads x 64) 23,040 in bf16, 12,240 in int8, 11,520 in fp8."""
         return 2 * config.num_layers * num_kv_heads_local * kv_row_bytes(config.head_dim, dtype)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype, device=device), except that on CPU the memory is a private anonymous
+    mapping: the OS hands out zero pages as they are first touched, so a KV pool of 65,536 float32 tokens (2.8 GiB
+    for SmolLM2) costs no start-up time and adds to the process's RSS only as its rows are written. The tensor
+    holds the mapping (unmapped with its last view)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def kv_row_bytes(head_dim: int, dtype: torch.dtype) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lightserve.kernels.kv_store import FP8_MAX, KVScale
+from lightserve.model_infer.kv_cache import lazy_zeros
 
 
 class LatentKVCache:
@@ -24,11 +25,12 @@ class LatentKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         # NOTE: zeros, not empty: attention may read (and mask) rows never written; NaN times a zero weight is NaN.
-        self.latent = torch.zeros(num_layers, num_kv_rows, 1, latent_dim, dtype=dtype, device=device)
+        # On CPU lazily resident zero pages, as KVCache's.
+        self.latent = lazy_zeros((num_layers, num_kv_rows, 1, latent_dim), dtype, device)
         self.latent_caches = list(self.latent.unbind(0))  # num_layers x [num_kv_rows, 1, latent_dim]
         self.latent_scales: list[KVScale] = [None] * num_layers
         if dtype == torch.int8:
-            self.latent_scales = list(torch.zeros(num_layers, num_kv_rows, 1, device=device).unbind(0))
+            self.latent_scales = list(lazy_zeros((num_layers, num_kv_rows, 1), torch.float32, device).unbind(0))
         elif dtype in FP8_MAX:
             self.latent_scales = [1.0] * num_layers
         self.req_to_token = torch.zeros(num_req_rows, max_req_total_len, dtype=torch.int32, device=device)

@@ -36,6 +36,28 @@ def test_float_cache_has_no_scales():
     assert cache.k_scales == [None, None] and cache.v_scales == [None, None]
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_cpu_pool_is_resident_only_where_written(dtype):
+    """The CPU pool's zeros are the OS's zero pages (kv_cache.lazy_zeros): 1.6 GiB of float32 K and V (SmolLM2's
+    shape at 16,384 tokens) read as zeros and add to the process's RSS only for the rows written."""
+    before = _rss_bytes()
+    cache = KVCache(30, 16384, 3, 64, 4, 32, dtype)
+    layer = cache.k_caches[7]
+    assert layer.shape == (16384, 3, 64) and not layer.any() and not cache.v_caches[29].any()
+    if dtype == torch.int8:
+        assert not cache.k_scales[7].any()
+    layer[100:116] = 3
+    cache.v_caches[0][5] = 1
+    assert int(cache.k[7, 100:116].sum()) == 16 * 3 * 64 * 3 and int(cache.k.sum()) == 16 * 3 * 64 * 3
+    assert int(cache.v.sum()) == 3 * 64
+    assert _rss_bytes() - before < 64 << 20, "the pool became resident without being written"
+
+
 def test_bytes_per_token_and_default_sizing(tmp_path, monkeypatch):
     """SmolLM2's shape (30 layers, 3 KV heads x 64): 23,040 bytes a token in bf16, 12,240 in int8 (its scales
     included), 11,520 in fp8; under the default cap (CPU_KV_DEFAULT_MAX tokens of the activation dtype) an int8

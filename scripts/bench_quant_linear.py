@@ -38,7 +38,7 @@ SHAPES = {
     "smollm2": [("qkv", 960, 576, None), ("o", 576, 576, None), ("gate_up", 3072, 576, None),
                 ("down", 576, 1536, None), ("lm_head", 49152, 576, GGMLType.Q8_0)],
     "llama1b": [("q/o", 2048, 2048, None), ("k/v", 512, 2048, None), ("gate/up", 8192, 2048, None),
-                ("down", 2048, 8192, None)],
+                ("down", 2048, 8192, None), ("lm_head", 128256, 2048, GGMLType.Q6_K)],  # Q4_K_M's tied Q6_K
 }
 
 

@@ -96,6 +96,8 @@ class ModelRunner:
         graph_batch = min(cuda_graph_max_batch, num_req_rows) if device.type == "cuda" else 0
         if kv_size:
             self.kv_size = kv_size
+            if device.type == "cpu":
+                _check_cpu_kv_fits(kv_size, per_token, ranks_per_node)
         elif device.type == "cuda":
             step_tokens = max_step_tokens or DEFAULT_STEP_TOKENS
             reserved = self.reserved_bytes(step_tokens, min(num_req_rows, step_tokens), graph_batch)
@@ -260,6 +262,18 @@ def _cpu_kv_size(bytes_per_token: int, ranks_per_node: int, activation_bytes_per
     budget = min(memory_bytes() * CPU_KV_MEMORY_FRACTION / ranks_per_node,
                  CPU_KV_DEFAULT_MAX * activation_bytes_per_token)
     return max(int(budget // bytes_per_token), MIN_KV_TOKENS)
+
+
+def _check_cpu_kv_fits(tokens: int, bytes_per_token: int, ranks_per_node: int) -> None:
+    """ValueError naming --max_total_token_num where the node's CPU ranks' KV pools exceed the memory available. The
+    pool's pages become resident only as rows are written (kv_cache.lazy_zeros), so a pool too large would start and
+    be killed under load: it is refused at start instead."""
+    need, available = tokens * bytes_per_token * ranks_per_node, memory_bytes()
+    if need > available:
+        ranks = f" on each of {ranks_per_node} ranks" if ranks_per_node > 1 else ""
+        raise ValueError(f"--max_total_token_num {tokens}: the KV cache needs {need / 2**20:.0f} MiB "
+                         f"({bytes_per_token} bytes a token{ranks}), more than the {available / 2**20:.0f} MiB of "
+                         "memory available")
 
 
 def _cuda_peak_bytes(fn: Callable[[], object], device: torch.device) -> int:

@@ -58,6 +58,17 @@ def test_cpu_pool_is_resident_only_where_written(dtype):
     assert _rss_bytes() - before < 64 << 20, "the pool became resident without being written"
 
 
+def test_an_explicit_cpu_pool_larger_than_memory_is_refused(monkeypatch):
+    """A pool that is resident only as written must still fit: --max_total_token_num past the memory available is a
+    start-up error naming the flag, not a worker killed under load."""
+    monkeypatch.setattr(model_runner, "memory_bytes", lambda: 1 << 30)
+    model_runner._check_cpu_kv_fits(20000, 46080, 1)  # 879 MiB
+    with pytest.raises(ValueError, match=r"--max_total_token_num 30000: the KV cache needs 1318 MiB \(46080 bytes"):
+        model_runner._check_cpu_kv_fits(30000, 46080, 1)
+    with pytest.raises(ValueError, match="on each of 2 ranks"):
+        model_runner._check_cpu_kv_fits(20000, 46080, 2)
+
+
 def test_bytes_per_token_and_default_sizing(tmp_path, monkeypatch):
     """SmolLM2's shape (30 layers, 3 KV heads x 64): 23,040 bytes a token in bf16, 12,240 in int8 (its scales
     included), 11,520 in fp8; under the default cap (CPU_KV_DEFAULT_MAX tokens of the activation dtype) an int8

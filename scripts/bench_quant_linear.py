@@ -4,7 +4,7 @@ against the float32 GEMM on packed panels (kernels.linear's pack_linear_weight +
 path (prepack_weight + linear), per weight shape, block type and row count M: median ms a call, GB/s of the weight
 bytes each path reads, GFLOP/s.
 Weights come from memory, as in a decode step: each path cycles through distinct copies of a shape's weight, at
-least --pool_mb of them, far past the L3.
+least --pool_mb of them (default twice the L3's size), past the L3.
 
     python scripts/bench_quant_linear.py [--models smollm2 llama1b] [--types Q4_1 Q8_0 Q4_K Q6_K] [--rows 1 4 16 64]
     python scripts/bench_quant_linear.py --no_amx_too   # the int8 path also in this CPU's build without AMX tiles
@@ -56,6 +56,17 @@ def random_blocks(qtype: GGMLType, n: int, k: int, gen: torch.Generator) -> torc
     return blocks.reshape(n, -1)
 
 
+def l3_bytes() -> int:
+    """The last-level cache's size as Linux reports it for CPU 0 (0 where it does not): a 64 MB pool sits inside the
+    L3 of some hosts (an AMX Xeon's reads 480 MB), where "from memory" would be partly cache-served."""
+    try:
+        size = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+    except OSError:
+        return 0
+    unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+    return int(size.rstrip("KMG")) * unit
+
+
 def pool(make, nbytes: int, pool_bytes: int) -> list:
     """Distinct copies of one weight, enough that a pass over them streams pool_bytes from memory."""
     first = make()
@@ -85,8 +96,9 @@ def main() -> None:
                         choices=[t.name for t in BLOCK_SHAPES])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--pool_mb", type=int, default=64,
-                        help="MB each path cycles through per pass (0: one copy, cache-resident where it fits)")
+    parser.add_argument("--pool_mb", type=int, default=None,
+                        help="MB each path cycles through per pass (default: twice the L3, at least 64; 0: one copy, "
+                             "cache-resident where it fits)")
     parser.add_argument("--no_bf16", action="store_true", help="leave out the bf16 prepacked path")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no_amx_too", action="store_true",
@@ -100,8 +112,9 @@ def main() -> None:
     model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")),
         platform.processor())
-    print(f"CPU: {model}, torch threads {torch.get_num_threads()}")
-    gen, pool_bytes = torch.Generator().manual_seed(0), args.pool_mb << 20
+    pool_mb = args.pool_mb if args.pool_mb is not None else max(64, 2 * l3_bytes() >> 20)
+    print(f"CPU: {model}, torch threads {torch.get_num_threads()}, weights cycled through {pool_mb} MB a path")
+    gen, pool_bytes = torch.Generator().manual_seed(0), pool_mb << 20
     print(f"{'shape':>16s} {'type':>5s} {'M':>3s} | {'quant ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} | "
           f"{'int8 ms':>8s} {'GB/s':>6s} | {'f32 ms':>8s} {'GB/s':>6s} {'GFLOP/s':>7s} | {'bf16 ms':>8s} | "
           f"quant/f32 int8/f32" + (" | no-AMX int8 ms  int8/no-AMX" if args.no_amx_too else ""))

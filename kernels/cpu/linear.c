@@ -340,17 +340,22 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
 // prepacked GEMM (docs/benchmarks.md, "AMX tiles for the bf16 GEMM"): 0.80-0.84x the time at M = 5-9, 0.74-0.78x at
 // 16-32, 0.83-0.86x at 64, 0.84-0.91x at 128, 1.10-1.17x at 256, 0.94-1.00x at 512-1,024 and 1.27x at 2,048. At
 // M = 16 the 269 MB stream at 21 GB/s; at 64 the tile unit's own time (7-9 ms over these shapes with the weights in
-// cache) overlaps it only in part. Fetching the next pair into
-// L2 alongside (one pair or two ahead, prefetcht0 or t1) moved no M by more than the runs' spread.
+// cache) overlaps it only in part. Fetching the next pair into L2 alongside (one pair or two ahead, prefetcht0 or t1)
+// moved no M by more than the runs' spread; fetching each panel's own tiles AMX_AHEAD chunks ahead (8 KB of the pair,
+// into L2, while the pair's first row block reads it) does: the hardware prefetchers stop at each 4 KB page of a
+// panel. Two alternations of the builds (scripts/bench_cpu_kernels.py --dtypes bfloat16 --linears 16 32 64 128):
+// 0.90-0.95x the time at M = 16, 0.83-0.88x at 32, 0.86-0.95x at 64, 0.85-1.02x at 128; 4 or 12 chunks ahead gained
+// less, 16 less again, 2 lost at 64 rows.
 #define AMX_K 32                  // k a tile step
 #define AMX_CHUNK (16 * PAIR_PW)  // uint32 of one B tile: 16 k pairs of one panel
 #define AMX_X_BLOCK_BYTES (1 << 20)
+#define AMX_AHEAD 8               // chunks (1 KB of each panel) the first row block fetches ahead
 
 // acc [32][2 * PAIR_PW] = rows of x0 (16) and x1 (16, where two) by the pair at w (panel stride pstride), all K;
-// x0 / x1 with row strides s0 / s1 in bytes.
+// x0 / x1 with row strides s0 / s1 in bytes. `ahead`: the pair's first row block, which reads it from memory.
 static inline __attribute__((always_inline)) void amx_block(const uint16_t *x0, int64_t s0, const uint16_t *x1,
                                                             int64_t s1, const int two, int chunks, const uint32_t *w,
-                                                            int64_t pstride, float *acc) {
+                                                            int64_t pstride, float *acc, const int ahead) {
     _tile_zero(0);
     _tile_zero(1);
     if (two) {
@@ -359,6 +364,11 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x0, 
     }
     for (int c = 0; c < chunks; c++) {
         const uint32_t *b = w + (int64_t)c * AMX_CHUNK;
+        if (ahead && c + AMX_AHEAD < chunks) {  // both panels' tiles of chunk c + AMX_AHEAD, 16 lines each
+            const char *p0 = (const char *)(b + AMX_AHEAD * AMX_CHUNK), *p1 = p0 + pstride * sizeof *w;
+            for (size_t l = 0; l < AMX_CHUNK * sizeof *w; l += 64)
+                _mm_prefetch(p0 + l, _MM_HINT_T1), _mm_prefetch(p1 + l, _MM_HINT_T1);
+        }
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + pstride, 64);
         _tile_loadd(4, x0 + c * AMX_K, s0);
@@ -414,9 +424,9 @@ static int linear_bf16_amx(const uint16_t *x, int64_t x_row, int M, int K, const
                     const uint16_t *x1 = i0 + 32 <= M ? x + (i0 + 16) * x_row : tail;
                     const int64_t s1 = i0 + 32 <= M ? x_row * 2 : (int64_t)K * 2;
                     if (mr > 16)
-                        amx_block(x0, s0, x1, s1, 1, chunks, w, pstride, acc);
+                        amx_block(x0, s0, x1, s1, 1, chunks, w, pstride, acc, i0 == m0);
                     else
-                        amx_block(x0, s0, x1, s1, 0, chunks, w, pstride, acc);
+                        amx_block(x0, s0, x1, s1, 0, chunks, w, pstride, acc, i0 == m0);
                     const int64_t at = (int64_t)i0 * out_row;
                     gemm_store(acc, mr, bias, outf ? NULL : out + at, outf ? outf + at : NULL, out_row, n0, ncols);
                 }

@@ -881,14 +881,14 @@ static inline __attribute__((always_inline)) void amx_q8_item(const int qtype, c
         // --rows 16 64 256, weights cycled through 960 MB): a Llama-3.2-1B's Q4_K and Q6_K at 64 rows 0.84-0.97x
         // the time, at 256 0.87-1.0x (the Q6_K lm_head 0.87-0.98x). Q8_0, loaded in place, ran level to 1.1x: not
         // for it.
-        const int same = k0 + QG_KC < K, next_k = same ? K - k0 - QG_KC : K;
-        const int next_rows = qtype == GGML_Q8_0 ? 0
-                              : same ? nf_all : n0 + 32 < N ? (N - n0 - 32 < 32 ? (int)(N - n0 - 32) : 32) : 0;
-        const uint8_t *next = !next_rows ? w
-                              : same   ? w + n0 * w_row_bytes + (int64_t)(k0 + QG_KC) / qk * bb
-                                       : w + (n0 + 32) * w_row_bytes;
+        const uint8_t *next = w;
+        int next_rows = 0, next_k = 0, call = 0;
+        if (qtype != GGML_Q8_0 && k0 + QG_KC < K) {
+            next = w + n0 * w_row_bytes + (int64_t)(k0 + QG_KC) / qk * bb, next_rows = nf_all, next_k = K - k0 - QG_KC;
+        } else if (qtype != GGML_Q8_0 && n0 + 32 < N) {
+            next = w + (n0 + 32) * w_row_bytes, next_rows = N - n0 - 32 < 32 ? (int)(N - n0 - 32) : 32, next_k = K;
+        }
         const int next_lines = ((next_k < QG_KC ? next_k : QG_KC) / qk * bb + 63) / 64 + 1;  // +1: rows start anywhere
-        int call = 0;
         for (int gi = 0; gi < groups; gi++) {
             const int nf = nf_all - 16 * gi < 16 ? nf_all - 16 * gi : 16;
             amx_decode(qtype, w + (n0 + 16 * gi) * w_row_bytes, w_row_bytes, nf, k0 / 32, nc,

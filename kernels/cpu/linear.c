@@ -342,10 +342,10 @@ static void linear_bf16_gemm(const uint16_t *x, int64_t x_row, int M, int K, con
 // M = 16 the 269 MB stream at 21 GB/s; at 64 the tile unit's own time (7-9 ms over these shapes with the weights in
 // cache) overlaps it only in part. Fetching the next pair into L2 alongside (one pair or two ahead, prefetcht0 or t1)
 // moved no M by more than the runs' spread; fetching each panel's own tiles AMX_AHEAD chunks ahead (8 KB of the pair,
-// into L2, while the pair's first row block reads it) does: the hardware prefetchers stop at each 4 KB page of a
-// panel. Two alternations of the builds (scripts/bench_cpu_kernels.py --dtypes bfloat16 --linears 16 32 64 128):
-// 0.90-0.95x the time at M = 16, 0.83-0.88x at 32, 0.86-0.95x at 64, 0.85-1.02x at 128; 4 or 12 chunks ahead gained
-// less, 16 less again, 2 lost at 64 rows.
+// into L2, while the pair's first row block reads it) does, presumably because a panel's tiles span several 4 KB
+// pages and the hardware prefetchers do not cross one. Six alternations of the builds (scripts/bench_cpu_kernels.py
+// --dtypes bfloat16 --linears 16 32 64 128 [256]): 0.89-0.98x the time at M = 16, 0.83-0.91x at 32, 0.82-0.95x at
+// 64, 0.85-1.02x at 128, 0.91-0.93x at 256; 4 or 12 chunks ahead gained less, 16 less again, 2 lost at 64 rows.
 #define AMX_K 32                  // k a tile step
 #define AMX_CHUNK (16 * PAIR_PW)  // uint32 of one B tile: 16 k pairs of one panel
 #define AMX_X_BLOCK_BYTES (1 << 20)

@@ -878,9 +878,9 @@ static inline __attribute__((always_inline)) void amx_q8_item(const int qtype, c
         // (which shares_take hands its owner next), is fetched into L2 while this one computes, a slice of its rows
         // before each 16 x 16 block below: its rows are 32 streams, more than the hardware prefetchers follow. Two
         // alternations of the builds (scripts/bench_quant_linear.py --models smollm2 llama1b --types Q8_0 Q4_K Q6_K
-        // --rows 16 64 256, weights cycled through 960 MB): a Llama-3.2-1B's Q4_K and Q6_K at 64 rows 0.84-0.97x
-        // the time, at 256 0.87-1.0x (the Q6_K lm_head 0.87-0.98x). Q8_0, loaded in place, ran level to 1.1x: not
-        // for it.
+        // --rows 16 64 256, weights cycled through 960 MB): a Llama-3.2-1B's Q4_K and Q6_K at 64 rows 0.80-0.96x
+        // the time, at 256 0.89-1.04x (the Q6_K lm_head 0.88-0.98x). Q8_0, loaded in place, ran 1.01-1.15x: not for
+        // it.
         const uint8_t *next = w;
         int next_rows = 0, next_k = 0, call = 0;
         if (qtype != GGML_Q8_0 && k0 + QG_KC < K) {

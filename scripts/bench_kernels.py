@@ -111,6 +111,9 @@ def _cases(m: ModelShape, device: torch.device, dtype: torch.dtype, on_gpu: bool
         rope = pick(rotary_emb_triton, kernels.rotary_emb_ref)
         rope_bytes = 2 * t * (hq + hk) * d * es + t * d * 4
         yield "rotary_emb", f"T={t} Hq={hq} Hk={hk} D={d}", partial(rope, q, k, positions, cos_sin), rope_bytes, 0
+        # with the Walsh-Hadamard transform an int8 KV cache asks for (its tl.dot products)
+        yield ("rotary_emb hadamard", f"T={t} Hq={hq} Hk={hk} D={d}",
+               partial(rope, q, k, positions, cos_sin, hadamard=True), rope_bytes, 0)
 
         k_cache = torch.zeros(4 * t, hk, d, dtype=dtype, device=device)
         v_cache = torch.zeros(4 * t, hk, d, dtype=dtype, device=device)

@@ -15,7 +15,7 @@
 //   with q/k norms (Qwen3): q, k = RMSNorm over D of each head of q and of k, into their own buffers
 //                                                                         [T, Hq, D], [T, Hk, D]
 //   rotary on q and k (views of qkv, or those buffers), k and v written to the layer's KV cache at kv_locs
-//              (quantized there in an 8-bit cache)
+//              (quantized there in an 8-bit cache; an int8 one has q and k through the Walsh-Hadamard transform first)
 //   attn     = decode attention of the first num_decode tokens, prefill attention of the rest   [T, Hq D]
 //   hidden   = attn . w_o^T (+ b)                                         [T, H]
 //   x        = residual += hidden, rmsnorm(residual)                      [T, H]
@@ -275,6 +275,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
     const int T = s->tokens, nd = s->num_decode, H = d->hidden, D = d->head_dim, bf16 = d->bf16;
     const int hq = d->num_heads, hk = d->num_kv_heads, I = d->inter;
     const int qkv_w = (hq + 2 * hk) * D, es = bf16 ? 2 : 4;
+    // q and k through the Walsh-Hadamard transform after the rotary, ahead of an int8 cache (kernels/rotary.py)
+    const int64_t hadamard = d->kv_kind == KV_INT8 ? hadamard_block(D) : 0;
     char *qkv = buf->qkv, *attn = buf->attn;
     const LoraStep *ls = s->lora;
     const LoraGroupArgs *lg;
@@ -312,8 +314,8 @@ int decoder_layers(const ModelDims *d, const LayerArgs *layers, const StepArgs *
             q = buf->q, k = buf->k, q_tok = (int64_t)hq * D, k_tok = (int64_t)hk * D;
         }
         tic(&t);
-        rotary(q, q_tok, D, T, hq, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
-        rotary(k, k_tok, D, T, hk, D, s->positions, w->cos_sin, w->cos_sin_row, bf16, threads);
+        rotary(q, q_tok, D, T, hq, D, s->positions, w->cos_sin, w->cos_sin_row, hadamard, bf16, threads);
+        rotary(k, k_tok, D, T, hk, D, s->positions, w->cos_sin, w->cos_sin_row, hadamard, bf16, threads);
         toc(&t, T_ROTARY);
         tic(&t);
         if (store_kv(k, k_tok, D, v, qkv_w, D, w->k_cache, d->kc_row, d->kc_head, w->v_cache, d->vc_row, d->vc_head,

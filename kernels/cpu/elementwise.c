@@ -16,7 +16,9 @@
 //                 residual [T, H] contiguous or NULL: when given, residual += x first (in place)
 //                 and the norm is of the updated residual.
 //   rotary:       x [T, H, D] in place, token stride x_tok, head stride x_head (q or k, views of qkv);
-//                 positions [T] int64; cos_sin [max_pos, D] float32 (cos | sin halves), row stride cs_row.
+//                 positions [T] int64; cos_sin [max_pos, D] float32 (cos | sin halves), row stride cs_row;
+//                 hadamard: 0, or the block (hadamard_block(D)) of the Walsh-Hadamard transform each rotated head
+//                 then goes through (q and k ahead of an int8 KV cache; kernels/rotary.py says why).
 //   store_kv:     k, v [T, H, D] (views of qkv), token strides k_tok / v_tok, head strides k_head / v_head;
 //                 k_cache, v_cache [rows, H, D], row strides kc_row / vc_row, head strides kc_head / vc_head;
 //                 locs [T] int32 or int64: k_cache[locs[t]] = k[t], v_cache[locs[t]] = v[t]. The cache's
@@ -30,6 +32,7 @@
 #include "fastmath.h"
 #include "kernels.h"
 #include "silu.h"
+#include "vec.h"
 
 // Element i of a float32 or bfloat16 array, as float; and a float stored back in that dtype. With
 // `bf16` a constant (every caller below passes one), each loop compiles to one vectorized dtype.
@@ -171,11 +174,80 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
     f32_to_bf16_array(bc, x2, half);
 }
 
+// The Walsh-Hadamard block of a head of `dim` for an int8 KV cache: the largest power of two dividing dim, at most
+// HADAMARD_MAX (kernels/rotary.py hadamard_block is the same rule).
+#define HADAMARD_MAX 256
+int64_t hadamard_block(int64_t dim) {
+    const int64_t block = dim & -dim;
+    return block < HADAMARD_MAX ? block : HADAMARD_MAX;
+}
+
+// x's lanes paired across bit h of their index (h < VL): lane j becomes x[j] + x[j ^ h] where bit h of j is clear,
+// x[j ^ h] - x[j] where it is set. As partner + x * (+-1): the product is exact and addition commutes, so each lane
+// is the scalar butterfly's a + c or a - c to the bit.
+static inline vf butterfly_in_vector(vf x, const int h) {
+    const vi lane = vlane_index();
+    return __builtin_shuffle(x, (vu)(lane ^ h)) + x * __builtin_convertvector(1 + 2 * ((lane & h) != 0), vf);
+}
+
+// One block of a head row, float32 in place, multiplied by the normalized Walsh-Hadamard matrix: butterflies of
+// span 1, 2, .., block / 2, then one multiply by `scale` = 1 / sqrt(block). kernels/rotary.py hadamard_ref does the
+// same operations in the same order, so the float32 bits agree. Spans below VL pair lanes of one vector (one
+// shuffle, one FMA a vector), larger ones whole vectors; a block narrower than a vector (head_dim 24) runs scalar.
+// SmolLM2's batch-64 bf16 step (profile_step.py, AMX Xeon): rotary 0.81 ms with a bf16 cache, 1.27-1.34 ms with an
+// int8 one (2.87 ms when every span ran scalar).
+static inline void hadamard_block_f32(float *t, int64_t block, float scale) {
+    if (block % VL) {
+        for (int64_t h = 1; h < block; h *= 2)
+            for (int64_t i = 0; i < block; i += 2 * h)
+                for (int64_t j = i; j < i + h; j++) {
+                    const float a = t[j], c = t[j + h];
+                    t[j] = a + c;
+                    t[j + h] = a - c;
+                }
+        for (int64_t j = 0; j < block; j++) t[j] *= scale;
+        return;
+    }
+    for (int64_t i = 0; i < block; i += VL) {
+        vf x = butterfly_in_vector(butterfly_in_vector(butterfly_in_vector(vload(t + i), 1), 2), 4);
+#if VL == 16
+        x = butterfly_in_vector(x, 8);
+#endif
+        vstore(t + i, x);
+    }
+    for (int64_t h = VL; h < block; h *= 2)
+        for (int64_t i = 0; i < block; i += 2 * h)
+            for (int64_t j = i; j < i + h; j += VL) {
+                const vf a = vload(t + j), c = vload(t + j + h);
+                vstore(t + j, a + c);
+                vstore(t + j + h, a - c);
+            }
+    const vf sv = vbroadcast(scale);
+    for (int64_t j = 0; j < block; j += VL) vstore(t + j, vload(t + j) * sv);
+}
+
+// A head row [dim] (float32 or bf16) through hadamard_block_f32 block by block; bf16 rows are widened, transformed
+// and rounded once, as the reference computes in float32 and rounds its result.
+static inline void hadamard_head(void *x, int64_t dim, int64_t block, float scale, const int bf16) {
+    float t[HADAMARD_MAX];
+    for (int64_t b = 0; b < dim; b += block) {
+        if (bf16) {
+            for (int64_t j = 0; j < block; j++) t[j] = bf16_to_f32(((const uint16_t *)x)[b + j]);
+            hadamard_block_f32(t, block, scale);
+            f32_to_bf16_array(t, (uint16_t *)x + b, block);
+        } else {
+            hadamard_block_f32((float *)x + b, block, scale);
+        }
+    }
+}
+
 __attribute__((optimize("fp-contract=off")))
 void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t heads, int64_t dim,
-            const int64_t *positions, const float *cos_sin, int64_t cs_row, int bf16, int num_threads) {
+            const int64_t *positions, const float *cos_sin, int64_t cs_row, int64_t hadamard, int bf16,
+            int num_threads) {
     const int64_t half = dim / 2;
     const int es = bf16 ? 2 : 4;
+    const float h_scale = hadamard ? (float)(1.0 / sqrt((double)hadamard)) : 1.0f;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PAR_MIN_ELEMS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos_sin + positions[t] * cs_row, *s = c + half;
@@ -193,6 +265,8 @@ void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t head
                 rotary_head(x1, x2, c, s, half, 1);
             else
                 rotary_head(x1, x2, c, s, half, 0);
+            if (hadamard)
+                hadamard_head(x1, dim, hadamard, h_scale, bf16);
         }
     }
 }

@@ -98,7 +98,9 @@ void silu_and_mul(const void *x, int64_t x_row, int64_t rows, int64_t inter, voi
 void rmsnorm(const void *x, int64_t x_row, void *residual, const void *weight, int64_t rows, int64_t hidden,
              float eps, void *out, int bf16, int num_threads);
 void rotary(void *x, int64_t x_tok, int64_t x_head, int64_t tokens, int64_t heads, int64_t dim,
-            const int64_t *positions, const float *cos_sin, int64_t cs_row, int bf16, int num_threads);
+            const int64_t *positions, const float *cos_sin, int64_t cs_row, int64_t hadamard, int bf16,
+            int num_threads);
+int64_t hadamard_block(int64_t dim);
 int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_t v_tok, int64_t v_head,
              void *k_cache, int64_t kc_row, int64_t kc_head, void *v_cache, int64_t vc_row, int64_t vc_head,
              int64_t rows, const void *locs, int locs_i64, int64_t tokens, int64_t heads, int64_t dim, int bf16,

@@ -171,7 +171,10 @@ class DecoderLM:
             eps, be = self.config.rms_norm_eps, self.backend
             q = kernels.rmsnorm(q.reshape(-1, d), layer.q_norm, eps, be).view(num_tokens, hq, d)
             k = kernels.rmsnorm(k.reshape(-1, d), layer.k_norm, eps, be).view(num_tokens, hk, d)
-        kernels.rotary_emb(q, k, batch.positions, self.layer_rope[i], self.backend)
+        # An int8 cache: q and k also through the Walsh-Hadamard transform, which spreads K's few large channels
+        # over the head before its one scale per token and head is taken (kernels/rotary.py)
+        kernels.rotary_emb(q, k, batch.positions, self.layer_rope[i], self.backend,
+                           hadamard=k_cache.dtype == torch.int8)
         kernels.store_kv(k, v, k_cache, v_cache, batch.kv_locs, self.backend, **scales)
 
         window, softcap = self.config.window(i), self.config.attn_softcap

@@ -1,10 +1,18 @@
 """rotary_emb: the reference against HF's apply_rotary_pos_emb written out, the Triton and C kernels against the
-reference, on strided q/k views of a fused qkv output."""
+reference, on strided q/k views of a fused qkv output; with the Walsh-Hadamard transform an 8-bit KV cache asks for
+too (`hadamard=True`)."""
 import pytest
 import torch
 
 from lightserve.kernels.cpu import library, variant_library
-from lightserve.kernels.rotary import rotary_emb, rotary_emb_cpu, rotary_emb_ref, rotary_emb_triton
+from lightserve.kernels.rotary import (
+    hadamard_block,
+    hadamard_ref,
+    rotary_emb,
+    rotary_emb_cpu,
+    rotary_emb_ref,
+    rotary_emb_triton,
+)
 from tests.kernels.kernel_cases import DEVICE, TOL, c_library_variants
 
 BASE = 100000.0  # SmolLM2's rope_theta
@@ -64,6 +72,56 @@ def test_rotary_triton_matches_reference(num_q_heads, num_kv_heads, head_dim, dt
     torch.testing.assert_close(qkv, qkv_ref, **TOL[dtype])
 
 
+def _sylvester(block: int, head_dim: int) -> torch.Tensor:
+    """The block-diagonal normalized Walsh-Hadamard matrix [D, D] in float64, built by Sylvester's doubling."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)))
+    return torch.block_diag(*[h / block ** 0.5] * (head_dim // block))
+
+
+@pytest.mark.parametrize("head_dim, block", [(16, 16), (24, 8), (64, 64), (96, 32), (128, 128), (512, 256)])
+def test_hadamard_reference_is_the_walsh_matrix_and_keeps_dot_products(head_dim, block):
+    assert hadamard_block(head_dim) == block
+    x, y = torch.randn(2, 10, head_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    hx, hy = hadamard_ref(x.float()).double(), hadamard_ref(y.float()).double()
+    torch.testing.assert_close(hx, x @ _sylvester(block, head_dim), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close((hx * hy).sum(-1), (x * y).sum(-1), atol=1e-4, rtol=1e-5)  # q . k unchanged
+
+
+def test_hadamard_evens_out_a_large_channel():
+    """What it is for: one channel 20x the others (SmolLM2's keys) sets an int8 row's scale; after the transform the
+    row's largest entry is near its typical one, so int8's rounding error relative to the row's norm falls."""
+    from lightserve.kernels.kv_store import dequantize_kv, quantize_kv_ref
+
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(2))
+    x[:, 5] *= 20
+
+    def int8_error(rows):
+        q, scale = quantize_kv_ref(rows[:, None], torch.int8)
+        return ((dequantize_kv(q, scale)[:, 0] - rows).norm(dim=-1) / rows.norm(dim=-1)).mean().item()
+
+    plain, mixed = int8_error(x), int8_error(hadamard_ref(x))
+    assert mixed < plain / 2, (plain, mixed)  # measured 0.0138 -> 0.0046
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (3, 1, 96), (4, 2, 16)])
+@pytest.mark.parametrize("dtype", TOL)
+def test_rotary_triton_with_hadamard_matches_reference(num_q_heads, num_kv_heads, head_dim, dtype):
+    """The kernel multiplies by the Walsh-Hadamard halves with tl.dot (float32, ieee) where the reference runs
+    butterflies, and rounds once where the reference rounds after the rotary too: an ulp or two in bf16 / fp16."""
+    cos_sin, _ = _cos_sin(head_dim, 500)
+    qkv, q, k = _qkv_views(dtype, 5, num_q_heads, num_kv_heads, head_dim)
+    positions = torch.randint(0, 500, (5,), device=DEVICE)
+    qkv_ref = qkv.clone()
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    rotary_emb_triton(q, k, positions, cos_sin, hadamard=True)
+    rotary_emb_ref(qkv_ref[:, :q_width].view(q.shape), qkv_ref[:, q_width:q_width + kv_width].view(k.shape),
+                   positions, cos_sin, hadamard=True)
+    tol = {key: 2 * value for key, value in TOL[dtype].items()}
+    torch.testing.assert_close(qkv, qkv_ref, **tol)
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="a device assert ends the CUDA context: checked in the interpreter")
 def test_rotary_triton_asserts_the_table_bound_in_debug_mode(monkeypatch):
     # The kernel's guard on pos < max_pos is compiled in only with Triton's debug mode (TRITON_DEBUG=1 on a GPU), so
@@ -87,9 +145,10 @@ def test_rotary_triton_asserts_the_table_bound_in_debug_mode(monkeypatch):
 @pytest.mark.parametrize("num_tokens", [1, 300])  # 300 x 12 heads x 64: past the threshold for both threads
 # 24: shorter than a vector; 320: past the bf16 array path's largest head (ROT_MAX_HALF), the per-element loop
 @pytest.mark.parametrize("head_dim", [64, 24, 320])
-def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, head_dim, dtype, variant):
+@pytest.mark.parametrize("hadamard", [False, True])  # Walsh-Hadamard blocks of 64, 8 and 64
+def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, head_dim, dtype, variant, hadamard):
     """Every build this CPU runs, in both dtypes: bfloat16 rounds cos, sin, each product and each sum as
-    HF's bf16 ops do, so the result is exact there too."""
+    HF's bf16 ops do, so the result is exact there too; the Walsh-Hadamard butterflies run in the reference's order."""
     lib = variant_library(variant)
     cos_sin, _ = _cos_sin(head_dim, 4096)
     qkv, q, k = _qkv_views(dtype, num_tokens, 9, 3, head_dim)
@@ -97,8 +156,8 @@ def test_cpu_kernel_is_the_reference_bit_for_bit(num_tokens, head_dim, dtype, va
     qkv_ref = qkv.clone()
     q_ref = qkv_ref[:, :9 * head_dim].view(q.shape)
     k_ref = qkv_ref[:, 9 * head_dim:12 * head_dim].view(k.shape)
-    assert rotary_emb_cpu(q, k, positions.to(torch.int32), cos_sin, lib=lib)
-    rotary_emb_ref(q_ref, k_ref, positions, cos_sin)
+    assert rotary_emb_cpu(q, k, positions.to(torch.int32), cos_sin, lib=lib, hadamard=hadamard)
+    rotary_emb_ref(q_ref, k_ref, positions, cos_sin, hadamard)
     assert torch.equal(qkv, qkv_ref)  # exact: the same roundings, and v untouched
 
 

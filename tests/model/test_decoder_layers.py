@@ -83,13 +83,14 @@ def count_one_call_steps(model) -> list[int]:
     return calls
 
 
-def run_steps(model, gen_seed: int = 0, lora_slots: dict[int, int] | None = None) -> list[torch.Tensor]:
+def run_steps(model, gen_seed: int = 0, lora_slots: dict[int, int] | None = None,
+              kv_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """A ragged prefill (65 tokens), three decode steps of 4 tokens (greedy), then 3 decodes beside a prefix-hit
     extend and a fresh prefill (22 tokens): the logits of every step, then every layer's K and V. lora_slots: each
-    request row's LoRA slot (rows 0-5; -1 or absent: the base model)."""
+    request row's LoRA slot (rows 0-5; -1 or absent: the base model). kv_dtype: the cache's (None: the model's)."""
     gen = torch.Generator().manual_seed(gen_seed)
     vocab = model.config.vocab_size
-    worker = FakeWorker(model)
+    worker = FakeWorker(model, kv_dtype=kv_dtype)
 
     def step(items, **kw):
         slots = None if lora_slots is None else [lora_slots.get(row, -1) for row, _ in items]
@@ -109,7 +110,9 @@ def run_steps(model, gen_seed: int = 0, lora_slots: dict[int, int] | None = None
         (4, torch.randint(3, vocab, (7,), generator=gen).tolist()),
         (5, torch.randint(3, vocab, (12,), generator=gen).tolist())]
     out.append(step(items, num_decode=3))
-    return out + list(worker.kv_cache.k_caches) + list(worker.kv_cache.v_caches)
+    cache = worker.kv_cache
+    scales = [s for s in (*cache.k_scales, *cache.v_scales) if isinstance(s, torch.Tensor)]  # int8's
+    return out + list(cache.k_caches) + list(cache.v_caches) + scales
 
 
 def random_lora_store(model, targets: dict[int, tuple[LoraGroup, ...]],
@@ -270,6 +273,22 @@ def test_one_call_layers_match_the_per_kernel_forward_bit_for_bit(arch, dtype, t
     for got, ref in zip(run_steps(fused), want, strict=True):
         assert torch.equal(got, ref)
     assert calls == 2 * one_call_steps(every_step, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_one_call_layers_over_an_8bit_cache_match_the_per_kernel_forward(dtype, kv_dtype, tmp_path):
+    """The driver decides from the cache's format what the per-kernel forward decides from its dtype: an int8 cache
+    has q and k through the Walsh-Hadamard transform after the rotary, an fp8 one not; logits, cache bytes and int8
+    scales bit for bit. Qwen3's q/k norms: the rows the transform reads are the norms' buffers there."""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    fused, loop = load_pair("qwen3", dtype, tmp_path)
+    calls = count_one_call_steps(fused)
+    for got, ref in zip(run_steps(fused, kv_dtype=kv_dtype), run_steps(loop, kv_dtype=kv_dtype), strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                           ref.view(torch.uint8) if ref.element_size() == 1 else ref)
+    assert calls
 
 
 def quantize_projections(model, int8_dot: bool = False) -> None:

@@ -6,13 +6,16 @@ step's logits are compared with transformers' at that position.
 Measured: top-1 agreement (our argmax is transformers' argmax) and the mean |log p_ours - log p_hf| of the token
 transformers chose; the float cache runs the same loop as the control (top-1 1.0, |dlogprob| ~4e-6). The default
 model (SmolLM2-135M-Instruct, float32; its head_dim 64 takes the C attention) on four chat prompts, 128 positions,
-measured: int8 top-1 1.000, |dlogprob| 0.021; fp8_e4m3 (scale 1.0) 0.922, 0.070; fp8_e5m2 0.891, 0.122. K's error
-is most of it (int8 K alone 0.022, V alone 0.005 over 104 of the positions: a few of SmolLM2's key channels run to
-|20|, so a head's one scale is coarse for the rest); fp8's 3 (e4m3) or 2 (e5m2) mantissa bits cost a relative error
-no scale removes. Tiny random checkpoints of every family (FAMILIES; head_dim 16 or 24: the torch references, and
-MLA's latent rows), 48 positions each, with calibrated fp8 scales: int8 top-1 0.94-1.0, |dlogprob| 0.010-0.040;
-fp8_e4m3 0.67-1.0, 0.046-0.23; e5m2 0.63-0.92, 0.09-0.25 (random weights leave flatter distributions than a trained
-model's). The bounds below sit above those figures: a broken kernel lands near chance (top-1 ~1/V).
+measured: int8 top-1 0.992, |dlogprob| 0.009 (q and k through the Walsh-Hadamard transform, kernels/rotary.py;
+without it 1.000 and 0.022: a few of SmolLM2's key channels run to |20|, so a head's one scale was coarse for the
+rest); fp8_e4m3 (scale 1.0) 0.914, 0.068; fp8_e5m2 0.891, 0.129 (their 3 or 2 mantissa bits cost a relative error no
+scale removes). The int8 position that disagrees is a near tie (transformers' top two logits 0.003 apart; the next
+closest pair, 0.068 apart, int8 leaves 0.004 apart), so the bound allows two of the 128 to go either way on other
+CPUs' roundings. Tiny random checkpoints of every family (FAMILIES; head_dim 16 or 24: the torch references, and
+MLA's latent rows), 48 positions each, with calibrated fp8 scales: int8 top-1 0.94-1.0, |dlogprob| 0.011-0.041;
+fp8_e4m3 0.79-0.94, 0.048-0.23; e5m2 0.67-0.92, 0.09-0.24 (random weights leave flatter distributions than a trained
+model's, and no large channels for the transform to spread). The bounds below sit above those figures: a broken
+kernel lands near chance (top-1 ~1/V).
 Also: a request's greedy tokens are the same alone and inside a batch (the quantization is per token, so a token's
 rows do not depend on what else the step holds)."""
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .tiny_models import ARCHS, load_model_dir, make_tiny_model
 QUANT = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 KV_DTYPES = {"float": None, **QUANT}
 # (min top-1 agreement, max mean |dlogprob|) by cache: the default model's, then the tiny random checkpoints'.
-BOUNDS = {"float": (1.0, 1e-4), "int8": (0.99, 0.03), "fp8_e4m3": (0.88, 0.10), "fp8_e5m2": (0.85, 0.16)}
+BOUNDS = {"float": (1.0, 1e-4), "int8": (0.98, 0.02), "fp8_e4m3": (0.88, 0.10), "fp8_e5m2": (0.85, 0.16)}
 TINY_BOUNDS = {"float": (1.0, 1e-4), "int8": (0.9, 0.06), "fp8_e4m3": (0.6, 0.3), "fp8_e5m2": (0.55, 0.35)}
 NEW_TOKENS = 32
 

@@ -48,12 +48,14 @@ def rotary_emb_ref(q: Tensor, k: Tensor, positions: Tensor, cos_sin: Tensor, had
 
 
 # The largest Walsh-Hadamard block (kernels/cpu/elementwise.c HADAMARD_MAX): a head wider than it is done in blocks.
-HADAMARD_MAX = 256
+# 64 channels spread a large one well enough, and keep the Triton kernel's matrices small (at most [64, 64] float32
+# in its usual forms, below).
+HADAMARD_MAX = 64
 
 
 def hadamard_block(head_dim: int) -> int:
     """The Walsh-Hadamard block for a head of head_dim: its largest power-of-two divisor, at most HADAMARD_MAX (64 for
-    SmolLM2's 64, 32 for Phi-3's 96)."""
+    SmolLM2's 64 and for 128, 32 for Phi-3's 96)."""
     return min(head_dim & -head_dim, HADAMARD_MAX)
 
 
@@ -81,7 +83,7 @@ def _hadamard_part(row0, col0, h_scale, HALF: tl.constexpr, BLOCK_HALF: tl.const
     inside = (rows // HADAMARD == cols // HADAMARD) & (i[:, None] < HALF) & (i[None, :] < HALF)
     bits = rows & cols & (HADAMARD - 1)
     parity = bits & 1
-    for b in tl.static_range(1, 8):  # HADAMARD <= 256: eight bits
+    for b in tl.static_range(1, 6):  # HADAMARD <= 64: six bits
         parity ^= (bits >> b) & 1
     return tl.where(inside, (1.0 - 2.0 * parity.to(tl.float32)) * h_scale, 0.0)
 
@@ -114,7 +116,16 @@ def _rotary_kernel(
     # fp32 math, one rounding: slightly more accurate than HF's per-op rounding in bf16 (tests allow for it).
     y1 = x1f * cos - x2f * sin  # [BLOCK_H, BLOCK_HALF]
     y2 = x2f * cos + x1f * sin
-    if HADAMARD > 0:  # [y1 | y2] times H, as four products of halves (BLOCK_H and BLOCK_HALF >= 16 for tl.dot)
+    if HADAMARD > 0 and HALF % HADAMARD == 0 and BLOCK_HALF == HALF:
+        # Whole blocks in each half (head_dim 128, 256): each half's rows of blocks [BLOCK_H * HALF / HADAMARD,
+        # HADAMARD] times one block of H.
+        hb = _hadamard_part(0, 0, h_scale, HADAMARD, HADAMARD, HADAMARD)  # [HADAMARD, HADAMARD]
+        rows_of_blocks: tl.constexpr = BLOCK_H * HALF // HADAMARD
+        y1 = tl.reshape(tl.dot(tl.reshape(y1, [rows_of_blocks, HADAMARD]), hb, input_precision="ieee"),
+                        [BLOCK_H, BLOCK_HALF])
+        y2 = tl.reshape(tl.dot(tl.reshape(y2, [rows_of_blocks, HADAMARD]), hb, input_precision="ieee"),
+                        [BLOCK_H, BLOCK_HALF])
+    elif HADAMARD > 0:  # blocks across the halves (or padded ones): [y1 | y2] times H as four products of halves
         h00 = _hadamard_part(0, 0, h_scale, HALF, BLOCK_HALF, HADAMARD)
         h01 = _hadamard_part(0, HALF, h_scale, HALF, BLOCK_HALF, HADAMARD)
         h10 = _hadamard_part(HALF, 0, h_scale, HALF, BLOCK_HALF, HADAMARD)

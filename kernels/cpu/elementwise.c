@@ -176,7 +176,7 @@ static inline __attribute__((always_inline, optimize("fp-contract=off"))) void r
 
 // The Walsh-Hadamard block of a head of `dim` for an int8 KV cache: the largest power of two dividing dim, at most
 // HADAMARD_MAX (kernels/rotary.py hadamard_block is the same rule).
-#define HADAMARD_MAX 256
+#define HADAMARD_MAX 64
 int64_t hadamard_block(int64_t dim) {
     const int64_t block = dim & -dim;
     return block < HADAMARD_MAX ? block : HADAMARD_MAX;

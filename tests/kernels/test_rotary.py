@@ -80,7 +80,7 @@ def _sylvester(block: int, head_dim: int) -> torch.Tensor:
     return torch.block_diag(*[h / block ** 0.5] * (head_dim // block))
 
 
-@pytest.mark.parametrize("head_dim, block", [(16, 16), (24, 8), (64, 64), (96, 32), (128, 128), (512, 256)])
+@pytest.mark.parametrize("head_dim, block", [(16, 16), (24, 8), (64, 64), (96, 32), (128, 64), (512, 64)])
 def test_hadamard_reference_is_the_walsh_matrix_and_keeps_dot_products(head_dim, block):
     assert hadamard_block(head_dim) == block
     x, y = torch.randn(2, 10, head_dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -105,10 +105,13 @@ def test_hadamard_evens_out_a_large_channel():
     assert mixed < plain / 2, (plain, mixed)  # measured 0.0138 -> 0.0046
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(9, 3, 64), (3, 1, 96), (4, 2, 16)])
+# 64, 96, 16: blocks across the halves (the kernel's four products of halves); 128, 256: whole blocks in each half
+# (its reshape into rows of blocks); 20 q heads: two blocks of heads.
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim",
+                         [(9, 3, 64), (3, 1, 96), (4, 2, 16), (20, 2, 128), (2, 1, 256)])
 @pytest.mark.parametrize("dtype", TOL)
 def test_rotary_triton_with_hadamard_matches_reference(num_q_heads, num_kv_heads, head_dim, dtype):
-    """The kernel multiplies by the Walsh-Hadamard halves with tl.dot (float32, ieee) where the reference runs
+    """The kernel multiplies by the Walsh-Hadamard blocks with tl.dot (float32, ieee) where the reference runs
     butterflies, and rounds once where the reference rounds after the rotary too: an ulp or two in bf16 / fp16."""
     cos_sin, _ = _cos_sin(head_dim, 500)
     qkv, q, k = _qkv_views(dtype, 5, num_q_heads, num_kv_heads, head_dim)

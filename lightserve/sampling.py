@@ -44,7 +44,7 @@ PARAMS_DTYPE = np.dtype([
     ("ignore_eos", np.uint8),
     ("skip_special_tokens", np.uint8),
     ("top_logprobs", np.int32),   # alternatives to report per token
-    ("report_logprobs", np.uint8),  # 0: no output token's logprob is shown (the worker may approximate them)
+    ("report_logprobs", np.uint8),  # 0: no output token's logprob is shown (the worker may approximate or zero them)
     ("disable_prompt_cache", np.uint8),
     ("prompt_logprobs", np.int32),  # -1: none; k >= 0: each prompt token's logprob and k alternatives
     ("num_stop_token_ids", np.int32),

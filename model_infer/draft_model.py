@@ -88,7 +88,7 @@ class DraftModel:
     def _forward(self, plan: BatchPlan) -> np.ndarray:
         """One draft forward; [S] int32, the argmax of each sampled row (empty: none sampled)."""
         batch = make_forward_batch(plan, self.kv_cache.req_to_token, self.staging, argmax_only=True)
-        logits = self.model.forward(batch, self.kv_cache)                        # [S, vocab] float32
+        logits = self.model.forward(batch, self.kv_cache)                        # [S, vocab] (bf16 kept)
         return logits.argmax(dim=-1).to(torch.int32).cpu().numpy()
 
     def keep(self, plan: BatchPlan, hidden: torch.Tensor) -> None:

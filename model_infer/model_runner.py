@@ -141,7 +141,7 @@ class ModelRunner:
     def forward(self, plan: BatchPlan, argmax_only: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits [S + E, vocab]: the S requests with plan.sample, then
         the E tokens of plan.prompt_logit_idx. argmax_only: only each row's argmax will be read
-        (ForwardBatch.argmax_only)."""
+        (ForwardBatch.argmax_only; a bf16 model's logits may then stay bf16 on CPU)."""
         ends = plan.prefix_lens + plan.extend_lens                                # [B] each request's length
         if ends.size and int(ends.max()) > self.max_req_total_len:
             raise ValueError(f"step {plan.step} plans a request of {int(ends.max())} tokens, past "

@@ -78,10 +78,13 @@ def run_worker(config: ServerConfig, tp_rank: int, ready: Connection) -> None:
             to_detok.connect(config.detok_addr)
             writer = OutputWriter(pool, model_config, model_dir, to_router, to_detok, device,
                                   config.reasoning_parser)
-        # Only a model with an argmax head (a float32 model on CPU) gains from knowing that a step's logits are read
-        # for their argmax alone; elsewhere rank 0 does not look (about 50 us of a 64-row step). Which row counts the
-        # head screens, argmax_logits decides.
-        ask_argmax = writer is not None and runner.model.argmax_head is not None
+        # Only a model with an argmax head (a float32 model on CPU), or a bf16 one on CPU (its logits then stay bf16,
+        # which the C argmax reads), gains from knowing that a step's logits are read for their argmax alone;
+        # elsewhere rank 0 does not look (about 50 us of a 64-row step). Which row counts the head screens,
+        # argmax_logits decides.
+        model = runner.model
+        ask_argmax = writer is not None and (model.argmax_head is not None or (
+            model.device.type == "cpu" and model.dtype == torch.bfloat16))
         report_ready(ready, {"kv_size": runner.kv_size, "kv_bytes_per_token": runner.kv_bytes_per_token})
         try:
             while not stop.is_set():

@@ -59,7 +59,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors, raw_logits: torch.Tens
     row's full-sort check. min_p drops tokens whose probability is below min_p times the top token's
     (after temperature). raw_logits [B, V]: the model's logits before any processing (penalties,
     bias), for logprobs; None means `logits`. logprobs=False: no row's logprob is read, so no full-vocabulary
-    logsumexp is taken (the returned logprobs are zeros, or the C kernel's exact ones where it runs).
+    logsumexp is taken (the returned logprobs are zeros).
     Returns next_ids [B] int64 and logprobs [B] float32: log_softmax of the raw (untempered) logits
     at the chosen token. Does not modify its inputs.
     """
@@ -73,7 +73,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors, raw_logits: torch.Tens
     # An all-greedy batch needs none of the other parameters: it returns before they are converted (each small
     # torch op costs tens of us right after a CPU forward has streamed the weights through the caches).
     if raw is logits and all_greedy:
-        fused = _greedy_fused(logits)  # argmax and logsumexp in one C call on CPU
+        fused = _greedy_fused(logits, logprobs)  # argmax (and logsumexp) in one C call on CPU
         if fused is not None:
             return torch.from_numpy(fused[0]), torch.from_numpy(fused[1])
     greedy_ids = logits.argmax(dim=-1)  # [B]
@@ -113,24 +113,32 @@ def greedy_host(logits: torch.Tensor, params: np.ndarray) -> tuple[np.ndarray, n
     sample() took 0.30 ms of a 15.4 ms float32 decode step at batch 1 (scripts/profile_step.py, Zen 5)."""
     if logits.device.type != "cpu" or not greedy_rows(params["temperature"], params["top_k"]).all():
         return None
-    return _greedy_fused(logits)
+    return _greedy_fused(logits, bool(params["report_logprobs"].any()))
 
 
-def _greedy_fused(logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """An all-greedy batch's (next ids [B] int64, logprobs [B] float32) from the C kernel, or None (see greedy_cpu)."""
-    out = _argmax_logsumexp(logits)
+def _greedy_fused(logits: torch.Tensor, logprobs: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+    """An all-greedy batch's (next ids [B] int64, logprobs [B] float32) from the C kernel, or None (see greedy_cpu).
+    logprobs=False: no row's logprob is shown, so the kernel takes the argmax alone and the logprobs are zeros (as
+    sample() returns them then)."""
+    out = _argmax_logsumexp(logits, logsumexp=logprobs)
     if out is None:
         return None
     ids, lse = out
+    if lse is None:
+        return ids, np.zeros(ids.size, np.float32)
     # The chosen logit is the row's maximum: its logprob is that minus the logsumexp, in float32.
     return ids, logits.numpy()[np.arange(ids.size), ids] - lse
 
 
-def _argmax_logsumexp(logits: torch.Tensor, lib=None) -> tuple[np.ndarray, np.ndarray] | None:
-    """greedy_cpu's kernel call with numpy outputs: (argmax [B] int64, logsumexp [B] float32) or None.
+def _argmax_logsumexp(logits: torch.Tensor, lib=None, logsumexp: bool = True) \
+        -> tuple[np.ndarray, np.ndarray | None] | None:
+    """greedy_cpu's kernel call with numpy outputs: (argmax [B] int64, logsumexp [B] float32, or None where
+    `logsumexp` is off) or None (a row with NaN or no finite value, or no kernel here). logits float32, or bfloat16
+    for the argmax alone (an argmax-only step's bf16 lm_head output as it is: DecoderLM._logits).
     Logits off the CPU return None before the library is asked for: library() may build it with gcc, which a GPU
     worker's first greedy step must not wait for."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+    dtypes = (torch.float32,) if logsumexp else (torch.float32, torch.bfloat16)
+    if logits.device.type != "cpu" or logits.dtype not in dtypes or logits.dim() != 2 or logits.stride(1) != 1:
         return None
     from lightserve.kernels.cpu import library, profiled
 
@@ -139,11 +147,12 @@ def _argmax_logsumexp(logits: torch.Tensor, lib=None) -> tuple[np.ndarray, np.nd
         return None
     rows, vocab = logits.shape
     ids = np.empty(rows, dtype=np.int64)
-    lse = np.empty(rows, dtype=np.float32)
+    lse = np.empty(rows, dtype=np.float32) if logsumexp else None
     with profiled("argmax_logsumexp_cpu"):
-        lib.argmax_logsumexp(logits.data_ptr(), logits.stride(0), rows, vocab, ids.ctypes.data, lse.ctypes.data,
+        lib.argmax_logsumexp(logits.data_ptr(), logits.stride(0), rows, vocab, ids.ctypes.data,
+                             None if lse is None else lse.ctypes.data, int(logits.dtype == torch.bfloat16),
                              torch.get_num_threads())
-    if not np.isfinite(lse).all():
+    if not (np.isfinite(lse).all() if logsumexp else (ids >= 0).all()):
         return None
     return ids, lse
 

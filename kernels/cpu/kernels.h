@@ -107,8 +107,8 @@ int store_kv(const void *k, int64_t k_tok, int64_t k_head, const void *v, int64_
              int kv_kind, float *k_scales, float *v_scales, float k_scale, float v_scale, int num_threads);
 
 // sampling.c
-void argmax_logsumexp(const float *logits, int64_t row, int64_t rows, int64_t vocab, int64_t *ids, float *lse,
-                      int num_threads);
+void argmax_logsumexp(const void *logits, int64_t row, int64_t rows, int64_t vocab, int64_t *ids, float *lse,
+                      int bf16, int num_threads);
 void exact_near_max(float *approx, int64_t row, int64_t rows, int64_t vocab, const float *x, int64_t x_row, int64_t k,
                     const float *w, const float *norm, float c, int cap, int32_t *count, int num_threads);
 

@@ -9,6 +9,7 @@ import torch
 from lightserve.kernels.cpu import library
 from lightserve.model_infer.sampler import (
     SamplingTensors,
+    _argmax_logsumexp,
     _filter_top_k_top_p,
     greedy_cpu,
     greedy_host,
@@ -169,6 +170,39 @@ def test_fused_greedy_kernel_matches_torch(portable):
     assert torch.equal(sample(logits, SamplingTensors(**_params(70, temperature=0.0)))[0], logits.argmax(-1))
 
 
+@pytest.mark.skipif(library() is None, reason="no C compiler: greedy sampling runs torch ops")
+@pytest.mark.parametrize("portable", [False, True])
+def test_argmax_alone_where_no_logprob_is_shown(portable):
+    """A batch that shows no logprob takes the kernel's argmax without the exponentials: the same ids as torch's
+    argmax on ties, -inf entries and past the threading threshold, from float32 or bf16 logits; a NaN or an all -inf
+    row declines it; through greedy_host (no row reporting logprobs) and sample(logprobs=False) the logprobs are
+    zeros."""
+    lib = portable_library() if portable else None
+    logits = torch.randn(70, 49157, generator=torch.Generator().manual_seed(6)) * 4
+    logits[3, [10, 20000]] = 50.0
+    logits[4, :40000] = float("-inf")
+    logits[5, [30000, 45000]] = 60.0
+    ids, lse = _argmax_logsumexp(logits, lib, logsumexp=False)
+    assert lse is None and np.array_equal(ids, logits.argmax(-1).numpy()) and ids[3] == 10 and ids[5] == 30000
+    quiet = _records([SamplingParams(temperature=0.0, report_logprobs=False)] * 70)
+    host_ids, host_lps = greedy_host(logits, quiet)
+    assert np.array_equal(host_ids, ids) and host_lps.dtype == np.float32 and not host_lps.any()
+    got_ids, got_lps = sample(logits, SamplingTensors(**_params(70, temperature=0.0)), logprobs=False)
+    assert np.array_equal(got_ids.numpy(), ids) and not got_lps.any()
+    for row, bad in ((7, (5, float("nan"))), (8, (slice(None), float("-inf")))):
+        broken = logits.clone()
+        broken[row, bad[0]] = bad[1]
+        assert _argmax_logsumexp(broken, lib, logsumexp=False) is None
+        assert greedy_host(broken, quiet) is None
+        assert _argmax_logsumexp(broken.bfloat16(), lib, logsumexp=False) is None
+    # bf16 logits (a bf16 model's argmax-only step): read as they are, the ids of their float32 copy; bf16 rounding
+    # makes more ties, which go to the first index as torch's argmax does.
+    half = logits.bfloat16()
+    ids, _ = _argmax_logsumexp(half, lib, logsumexp=False)
+    assert np.array_equal(ids, half.float().argmax(-1).numpy()) and np.array_equal(ids, half.argmax(-1).numpy())
+    assert _argmax_logsumexp(half, lib) is None  # no logsumexp of bf16 logits: torch's ops take those
+
+
 def _records(params: list[SamplingParams]) -> np.ndarray:
     records = np.zeros(len(params), dtype=PARAMS_DTYPE)
     for i, p in enumerate(params):
@@ -220,7 +254,7 @@ def test_no_logsumexp_when_no_logprob_is_read(monkeypatch, temperature):
 
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2)) * 3
     params = SamplingTensors(**_params(4, temperature=temperature))
-    monkeypatch.setattr(sampler, "_greedy_fused", lambda _logits: None)     # as on a GPU: no C kernel
+    monkeypatch.setattr(sampler, "_greedy_fused", lambda _logits, _logprobs=True: None)     # as on a GPU: no C kernel
     ids, logprobs = sample(logits, params)
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, ids[:, None])[:, 0])
     logsumexp = torch.logsumexp

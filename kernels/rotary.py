@@ -120,10 +120,9 @@ def _rotary_kernel(
         # Whole blocks in each half (head_dim 128, 256): each half's rows of blocks [BLOCK_H * HALF / HADAMARD,
         # HADAMARD] times one block of H.
         hb = _hadamard_part(0, 0, h_scale, HADAMARD, HADAMARD, HADAMARD)  # [HADAMARD, HADAMARD]
-        rows_of_blocks: tl.constexpr = BLOCK_H * HALF // HADAMARD
-        y1 = tl.reshape(tl.dot(tl.reshape(y1, [rows_of_blocks, HADAMARD]), hb, input_precision="ieee"),
+        y1 = tl.reshape(tl.dot(tl.reshape(y1, [BLOCK_H * HALF // HADAMARD, HADAMARD]), hb, input_precision="ieee"),
                         [BLOCK_H, BLOCK_HALF])
-        y2 = tl.reshape(tl.dot(tl.reshape(y2, [rows_of_blocks, HADAMARD]), hb, input_precision="ieee"),
+        y2 = tl.reshape(tl.dot(tl.reshape(y2, [BLOCK_H * HALF // HADAMARD, HADAMARD]), hb, input_precision="ieee"),
                         [BLOCK_H, BLOCK_HALF])
     elif HADAMARD > 0:  # blocks across the halves (or padded ones): [y1 | y2] times H as four products of halves
         h00 = _hadamard_part(0, 0, h_scale, HALF, BLOCK_HALF, HADAMARD)

@@ -106,6 +106,19 @@ _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 #endif
 
 #define BLOCK 32        // tokens per softmax block: a multiple of VL, one row-fold per VL tokens
+// PF_NEAR_L1: on CPUs with AMX (Intel Sapphire Rapids and later), head rows of up to 128 bytes are fetched only 16
+// tokens ahead, and into L1 (prefetcht0): a thread's K and V lines for those tokens fit its 48 KB L1 there. Measured
+// on the AMX Xeon (family 6 model 167, scripts/bench_cpu_kernels.py, bf16 activations, SmolLM2's heads, the builds
+// alternated rep by rep): bf16 KV 0.86-0.87x the time at batch 64 x 384, 0.89-0.97x at 16 x 1,100, 0.96-0.97x at
+// 1 x 2,000; int8 and fp8 0.92-0.96x at 64 x 384, level at the others; float32 KV's 256-byte rows 1.03-1.07x (they
+// keep the defaults below). In the batch-64 bf16 step (profile_step.py) attention took 32.8-33.0 ms against 33.6-35.6.
+// Zen 4 measured prefetcht0 as slow as no prefetch (below), so elsewhere nothing changes. A build that sets PF_DIST or
+// PF_LOCALITY itself (the tuning defines) gets exactly what it sets.
+#if defined(__AMX_TILE__) && !defined(PF_DIST) && !defined(PF_LOCALITY)
+#define PF_NEAR_L1 1
+#else
+#define PF_NEAR_L1 0
+#endif
 // How many tokens ahead the rows are prefetched: the next block, or two blocks where the scores run fastest against
 // the fewest bytes, the DPBF16 scores of 128-byte head rows (bf16 at head_dim 64): measured faster on Zen 4 there,
 // slower in the AVX2 build (whose scores take longer) and with 256-byte head rows; on Zen 5 no better than one block.
@@ -113,7 +126,8 @@ _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 #ifdef PF_DIST
 #define PF_TOKENS(dp_scores, head_bytes) PF_DIST
 #else
-#define PF_TOKENS(dp_scores, head_bytes) ((dp_scores) && (head_bytes) <= 128 ? 2 * BLOCK : BLOCK)
+#define PF_TOKENS(dp_scores, head_bytes) \
+    (PF_NEAR_L1 && (head_bytes) <= 128 ? 16 : (dp_scores) && (head_bytes) <= 128 ? 2 * BLOCK : BLOCK)
 #endif
 // Prefetch into L2, not L1 (prefetcht2): a block's K and V rows plus the next block's are ~49 KB in
 // bf16 at 3 KV heads x 64, more than a 32 KB L1: measured faster on Zen 4, where prefetcht0 (into L1) is as slow
@@ -127,6 +141,9 @@ _Static_assert(PACK_MIN_GROUP >= 3, "PACK_MIN_GROUP below 3");
 #else
 #define PREFETCH(p) __builtin_prefetch((p), 0, PF_LOCALITY)
 #endif
+// A prefetch of p for head rows of row_bytes: into L1 where PF_NEAR_L1 takes them, else PREFETCH's.
+#define PREFETCH_ROW(p, row_bytes) \
+    (PF_NEAR_L1 && (row_bytes) <= 128 ? __builtin_prefetch((p), 0, 3) : PREFETCH(p))
 #define MAX_GROUP 16
 // Head dims 64, 128 and 256 (Gemma's) are compiled in: Gemma's heads would otherwise fall back to the gathering torch
 // reference, measured over ten times slower.
@@ -246,7 +263,7 @@ static inline __attribute__((always_inline)) void scores_packed(const char *cons
                 for (int r = 0; r < 4; r++) {
                     const int j = j0 + 4 * i + r;
                     if (g0 == 0 && pk[j])
-                        for (int o = 0; o < dim * 2; o += 64) PREFETCH(pk[j] + o);
+                        for (int o = 0; o < dim * 2; o += 64) PREFETCH_ROW(pk[j] + o, dim * 2);
                     const char *k = kr[j] + head_off;
                     // Two chains a pass: half the latency.
                     __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
@@ -382,8 +399,8 @@ static inline __attribute__((always_inline)) int attend(
                 pv[j] = loc >= 0 ? vc + loc * v_step + (int64_t)hp * vc_head * esize : NULL;
                 // int8: the row's scales too, a line apart from its K and V (all heads' scales of a row in one).
                 if (int8 && loc >= 0) {
-                    PREFETCH(k_scales + loc * num_kv_heads);
-                    PREFETCH(v_scales + loc * num_kv_heads);
+                    PREFETCH_ROW(k_scales + loc * num_kv_heads, dim * esize);
+                    PREFETCH_ROW(v_scales + loc * num_kv_heads, dim * esize);
                 }
             }
             // int8: the block's K scales times `scale` (the scores') and V scales, by token; rows past n repeat the
@@ -410,7 +427,7 @@ static inline __attribute__((always_inline)) int attend(
             vf part[MAX_GROUP][BLOCK];
             for (int j = 0; j < BLOCK && !packed; j++) {
                 if (pk[j])
-                    for (int o = 0; o < dim * esize; o += 64) PREFETCH(pk[j] + o);
+                    for (int o = 0; o < dim * esize; o += 64) PREFETCH_ROW(pk[j] + o, dim * esize);
 #if DPBF16
                 if (bf16 && qb) {
                     const uint16_t *qbh = qb + (int64_t)h * group * dim;
@@ -490,7 +507,7 @@ static inline __attribute__((always_inline)) int attend(
                         for (int t = j; t < j + 2 && g0 == 0; t++)
                             if (pv[t])
                                 for (int off = c0 * VL * esize; off < (c0 + cv) * VL * esize; off += 64)
-                                    PREFETCH(pv[t] + off);
+                                    PREFETCH_ROW(pv[t] + off, dim * esize);
                         const uint16_t *r0 = (const uint16_t *)(vr[j] + vhead_off) + c0 * VL;
                         const uint16_t *r1 = (const uint16_t *)(vr[j + 1] + vhead_off) + c0 * VL;
                         __m512bh w[NV_MAX];  // in load_row's order: per 32 elements the even ones, then the odd
@@ -507,7 +524,7 @@ static inline __attribute__((always_inline)) int attend(
 #endif
                     for (int j = 0; j < n && !dpv; j++) {
                         if (c0 == 0 && g0 == 0 && pv[j])
-                            for (int o = 0; o < dim * esize; o += 64) PREFETCH(pv[j] + o);
+                            for (int o = 0; o < dim * esize; o += 64) PREFETCH_ROW(pv[j] + o, dim * esize);
                         vf vv[NV_MAX];
                         load_row(vr[j] + vhead_off + (int64_t)c0 * VL * esize, kind, fp8_e5m2, cv * VL, vv);
                         for (int g = 0; g < ng; g++) {

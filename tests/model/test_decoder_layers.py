@@ -291,6 +291,37 @@ def test_one_call_layers_over_an_8bit_cache_match_the_per_kernel_forward(dtype, 
     assert calls
 
 
+def test_an_int8_cache_holds_k_through_the_walsh_hadamard_transform(tmp_path):
+    """What the int8 cache holds, on both forwards: layer 0's K rows dequantized are the float cache's K rows (the
+    same inputs, after the rotary) times the Walsh-Hadamard matrix, to within the int8 rounding of each row, and far
+    from those rows unrotated; an fp8 cache holds them unrotated. (The driver and the loop agreeing, above, does not
+    show that either applies the transform.)"""
+    if library() is None:
+        pytest.skip("no C compiler here")
+    from lightserve.kernels.kv_store import dequantize_kv
+    from lightserve.kernels.rotary import hadamard_ref
+
+    models = load_pair("qwen3", torch.float32, tmp_path)
+    vocab = models[0].config.vocab_size
+    ids = torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    for model in models:
+        caches = {}
+        for kv in (None, torch.int8, torch.float8_e4m3fn):
+            worker = FakeWorker(model, kv_dtype=kv)
+            worker.step([(0, ids)], num_decode=0)
+            caches[kv] = worker.kv_cache
+        rows = slice(1, 1 + len(ids))                                         # FakeWorker's first rows
+        k = caches[None].k_caches[0][rows].float()                            # [T, Hk, D]
+        int8 = caches[torch.int8]
+        scales = int8.k_scales[0][rows]                                       # [T, Hk]
+        got = dequantize_kv(int8.k_caches[0][rows], scales)
+        step = scales[..., None]                                              # one int8 code of each row
+        assert ((got - hadamard_ref(k)).abs() <= 0.51 * step).all()
+        assert ((got - k).abs() > 4 * step).any()
+        fp8 = caches[torch.float8_e4m3fn]
+        torch.testing.assert_close(dequantize_kv(fp8.k_caches[0][rows], fp8.k_scales[0]), k, rtol=1 / 16, atol=1e-2)
+
+
 def quantize_projections(model, int8_dot: bool = False) -> None:
     """Give every layer of a float32 model its projections kept in GGML blocks (the same weights quantized by the gguf
     package), then rebuild its one-call driver: q | k in one block type and v in another (two row segments, as a
